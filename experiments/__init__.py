@@ -1,0 +1,55 @@
+"""The experiments: one module per question of the quick-reference.
+
+Each module ``qNN_<name>.py`` answers question #NN and defines
+
+* ``QUESTION``: the question number(s) it answers, e.g. ``"#39"``;
+* ``Config``: a frozen dataclass of its options (the CLI is generated from it);
+* ``run(config) -> lab.report.Result``.
+
+Its docstring's first line is its title. `registry()` finds them all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from types import ModuleType
+
+from lab.errors import LabError
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    question: str
+    title: str
+    module: ModuleType
+
+    @property
+    def config(self) -> type:
+        return self.module.Config
+
+    def run(self, config=None):
+        return self.module.run(config if config is not None else self.module.Config())
+
+
+def registry() -> dict[str, Experiment]:
+    """Every experiment, by name, in question order."""
+    found = []
+    for info in pkgutil.iter_modules(__path__):
+        prefix, _, name = info.name.partition("_")
+        if not (prefix.startswith("q") and prefix[1:].isdigit() and name):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        title = (module.__doc__ or name).strip().splitlines()[0].rstrip(".")
+        found.append((int(prefix[1:]), Experiment(name, module.QUESTION, title, module)))
+    return {e.name: e for _, e in sorted(found, key=lambda p: (p[0], p[1].name))}
+
+
+def get(name: str) -> Experiment:
+    """One experiment by name; an unknown name lists the known ones."""
+    experiments = registry()
+    if name not in experiments:
+        raise LabError(f"unknown experiment {name!r}; known: {', '.join(experiments)} (see `lab list`)")
+    return experiments[name]

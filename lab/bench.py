@@ -1,0 +1,96 @@
+"""Timing: warm up, block until ready, report the median with its spread.
+
+Emulated CPU devices share this machine's cores, and the machines are shared
+and noisy: a single timing means little. Every timing here is the median of
+several repeats after warm-up, reported with min and max, and compared with
+others only as a ratio measured in the same run. Tests never assert timings;
+benchmarks measure them.
+
+Sizes for sweeps follow nccl-tests: ``-b 1K -e 64M -f 2`` means from 1 KiB to
+64 MiB, each size twice the previous.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+
+from lab.errors import LabError
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median and spread over `repeats` timed calls."""
+
+    median: float
+    min: float
+    max: float
+    repeats: int
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how noisy the measurement was."""
+        return (self.max - self.min) / self.median if self.median else 0.0
+
+    def __str__(self) -> str:
+        return f"{self.median * 1e3:.3f} ms [{self.min * 1e3:.3f}, {self.max * 1e3:.3f}]"
+
+
+def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 10, min_seconds: float = 0.0) -> Timing:
+    """Time ``fn(*args)`` until its outputs are ready; median of `repeats` after `warmup` calls.
+
+    With `min_seconds`, keeps repeating until that much time was spent, so
+    microsecond-scale calls get enough samples.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    samples: list[float] = []
+    started = time.perf_counter()
+    while len(samples) < repeats or time.perf_counter() - started < min_seconds:
+        begin = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        samples.append(time.perf_counter() - begin)
+    return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
+
+
+def parse_size(text: str | int) -> int:
+    """``"64M"`` -> 67108864 bytes (K, M, G are powers of 1024, as in nccl-tests)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", str(text), flags=re.IGNORECASE)
+        if not match:
+            raise LabError(f"size {text!r}: write bytes as a number with an optional K, M or G suffix, e.g. 1K or 64M")
+        value = int(match[1]) * _UNITS[match[2].upper()]
+    if value <= 0:
+        raise LabError(f"size {text!r}: sizes must be positive")
+    return value
+
+
+def size_sweep(begin: str | int, end: str | int, factor: int = 2) -> list[int]:
+    """Sizes from `begin` to `end` (inclusive), each `factor` times the previous."""
+    low, high = parse_size(begin), parse_size(end)
+    if factor < 2:
+        raise LabError(f"sweep factor {factor}: must be an integer >= 2 (as in nccl-tests -f 2)")
+    if low > high:
+        raise LabError(f"sweep from {begin} to {end}: the first size must not exceed the last")
+    sizes = [low]
+    while sizes[-1] * factor <= high:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, the way nccl-tests and XLA print sizes: 1.5 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,176 @@
+"""Targets: where the lab's programs compile and run.
+
+A target is named by a short string:
+
+* ``cpu:N`` (the default, ``cpu:8``): N emulated XLA CPU devices in this one
+  process. Numerics, compiled HLO and memory analysis are real; timings are
+  relative only (every "device" shares this machine's cores and memory). The
+  device count is a backend option, so it must be set *before* JAX starts its
+  backends; asking for another count afterwards is an error, not a silently
+  wrong mesh.
+* ``gpu`` / ``tpu``: the real accelerators JAX finds (across processes once
+  ``jax.distributed`` is initialised). Everything is real, timings included.
+* ``tpu:<gen>:<topology>`` such as ``tpu:v5e:4x4`` or ``tpu:v5p:8x8x16``, with
+  an optional `` slices=K`` for several slices joined by DCN: compile-only.
+  libtpu builds devices for that topology with no TPU present; programs are
+  lowered and compiled by the TPU compiler but never executed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from lab.errors import LabError
+
+DEFAULT_TARGET = "cpu:8"
+
+_TOPOLOGY = re.compile(r"^tpu:(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$")
+_TARGET_FORMS = "cpu:N (e.g. cpu:8), gpu, tpu, or tpu:<gen>:<topology>[ slices=K] (e.g. tpu:v5e:4x4, tpu:v5p:8x8x16)"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A parsed target: platform, emulated device count, or TPU topology."""
+
+    platform: str  # "cpu", "gpu" or "tpu"
+    count: int | None = None  # cpu:N only
+    topology: str | None = None  # "v5e:4x4": compile-only
+    slices: int = 1
+
+    @property
+    def compile_only(self) -> bool:
+        return self.topology is not None
+
+    @property
+    def generation(self) -> str | None:
+        """TPU generation of a topology target ("v5e"), else None."""
+        return self.topology.split(":")[0] if self.topology else None
+
+    def __str__(self) -> str:
+        if self.count is not None:
+            return f"cpu:{self.count}"
+        if self.topology:
+            return f"tpu:{self.topology}" + (f" slices={self.slices}" if self.slices > 1 else "")
+        return self.platform
+
+
+def parse_target(spec: str) -> Target:
+    """Parse ``cpu:8``, ``gpu``, ``tpu``, ``tpu:v5e:4x4 slices=2`` into a Target."""
+    text = spec.strip().lower()
+    if text in ("gpu", "tpu"):
+        return Target(platform=text)
+    if text.startswith("cpu:"):
+        count = text[4:]
+        if not count.isdigit() or int(count) < 1:
+            raise LabError(f"target {spec!r}: the device count must be a positive integer, as in cpu:8")
+        return Target("cpu", int(count))
+    match = _TOPOLOGY.match(text)
+    if match:
+        slices = match["slices"] or "1"
+        if not slices.isdigit() or int(slices) < 1:
+            raise LabError(f"target {spec!r}: slices must be a positive integer, as in 'tpu:v5e:16x16 slices=4'")
+        return Target("tpu", topology=f"{match['gen']}:{match['dims']}", slices=int(slices))
+    raise LabError(f"unknown target {spec!r}; use {_TARGET_FORMS}")
+
+
+def devices_for(target: Target | str) -> tuple:
+    """Prepare JAX for `target` and return its devices, in JAX's order."""
+    target = parse_target(target) if isinstance(target, str) else target
+    if target.compile_only:
+        return topology_devices(target.topology, target.slices)
+    if target.platform == "cpu":
+        return _emulated_cpu_devices(target.count or 1)
+    return _real_devices(target.platform)
+
+
+def _emulated_cpu_devices(count: int) -> tuple:
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass  # backends already started: checked below
+    devices = tuple(jax.devices("cpu"))
+    if len(devices) != count:
+        raise LabError(
+            f"target cpu:{count} asked for, but JAX already started with {len(devices)} CPU devices in this "
+            f"process; choose the target before any JAX computation runs (or use cpu:{len(devices)})"
+        )
+    return devices
+
+
+def _real_devices(platform: str) -> tuple:
+    import jax
+
+    try:
+        devices = tuple(jax.devices(platform))
+    except RuntimeError:
+        devices = ()
+    if not devices:
+        raise LabError(f"target {platform!r}: JAX finds no {platform.upper()} here; use cpu:8, or tpu:<gen>:<topology> to compile for a TPU without one")
+    return devices
+
+
+@functools.cache
+def topology_devices(topology: str, slices: int = 1) -> tuple:
+    """Compile-only devices of a TPU topology ("v5e:4x4"), built by libtpu."""
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")  # the host backend; the TPU is compile-only
+    except RuntimeError:
+        pass
+    try:
+        from jax.experimental import topologies
+    except ImportError as err:  # pragma: no cover - jax always ships it
+        raise LabError(f"this JAX has no compile-only topologies ({err}); upgrade jax") from None
+    if not _libtpu_installed():
+        raise LabError(f"target tpu:{topology} needs libtpu; install it with: pip install 'jax[tpu]' (or pip install -e '.[tpu]')")
+    kwargs = {"num_slices": slices} if slices > 1 else {}
+    with quiet_native_stderr() as noise:
+        try:
+            description = topologies.get_topology_desc(topology, "tpu", **kwargs)
+        except Exception as err:  # libtpu raises JaxRuntimeError with a long message
+            detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+            raise LabError(f"libtpu does not know topology {topology!r} ({detail}); use a form like v5e:4x4, v5p:4x4x4, v6e:16x16") from None
+    del noise
+    return tuple(description.devices)
+
+
+def _libtpu_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("libtpu") is not None
+
+
+@contextlib.contextmanager
+def quiet_native_stderr() -> Iterator[list[str]]:
+    """Silence C++ logging written to file descriptor 2 (libtpu's start-up noise).
+
+    Python's ``sys.stderr`` redirection cannot catch it: libtpu writes to the
+    descriptor directly. The captured lines are handed back for debugging.
+    """
+    captured: list[str] = []
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.extend(sink.read().decode(errors="replace").splitlines())
+
+
+def describe_devices(devices: Sequence) -> str:
+    """One line: how many devices of which kind."""
+    kinds = sorted({getattr(d, "device_kind", "?") for d in devices})
+    return f"{len(devices)} x {', '.join(kinds)}"

@@ -1,0 +1,40 @@
+"""Test set-up: 8 emulated CPU devices, fixed before JAX starts its backends.
+
+A test that needs another device count, or several processes, runs in a
+subprocess (see `run_python`).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def devices():
+    from lab.devices import devices_for
+
+    return devices_for("cpu:8")
+
+
+@pytest.fixture(scope="session")
+def mesh222(devices):
+    """data=2, fsdp=2, tensor=2 on the 8 CPU devices."""
+    from lab.mesh import MeshSpec
+
+    return MeshSpec.parse("data=2,fsdp=2,tensor=2").build(devices)
+
+
+def run_python(code: str, *, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (its own JAX, its own device count)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env)
