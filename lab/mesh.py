@@ -61,7 +61,7 @@ class MeshSpec:
         if isinstance(spec, Mapping):
             return cls._from_mapping(dict(spec), repr(dict(spec)))
         text = spec.strip()
-        if text in ("", "1", "single"):
+        if text in ("", "1", "single device"):
             return cls()
         pairs: dict[str, int] = {}
         for part in text.split(","):

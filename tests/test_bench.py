@@ -1,0 +1,36 @@
+"""The timing harness and nccl-tests-style sizes (timings are never asserted)."""
+
+import jax.numpy as jnp
+import pytest
+
+from lab.bench import format_bytes, parse_size, size_sweep, time_fn
+from lab.errors import LabError
+
+
+def test_sizes_use_binary_units():
+    assert parse_size("1K") == 1024 and parse_size("64M") == 64 * 2**20 and parse_size("2GiB") == 2 * 2**30
+    assert parse_size(17) == 17
+
+
+@pytest.mark.parametrize("bad", ["", "1T", "-4K", "K", "0"])
+def test_bad_sizes_are_lab_errors(bad):
+    with pytest.raises(LabError):
+        parse_size(bad)
+
+
+def test_sweep_like_nccl_tests():
+    assert size_sweep("1K", "8K", 2) == [1024, 2048, 4096, 8192]
+    assert size_sweep("1K", "10K", 4) == [1024, 4096]
+    with pytest.raises(LabError, match="factor"):
+        size_sweep("1K", "8K", 1)
+    with pytest.raises(LabError, match="must not exceed"):
+        size_sweep("8K", "1K")
+
+
+def test_time_fn_counts_repeats_and_orders_its_statistics():
+    timing = time_fn(lambda x: x + 1, jnp.ones(4), warmup=1, repeats=5)
+    assert timing.repeats == 5 and timing.min <= timing.median <= timing.max
+
+
+def test_format_bytes():
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB" and format_bytes(64 * 2**20) == "64 MiB"

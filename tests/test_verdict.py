@@ -1,0 +1,26 @@
+"""Checks and verdicts: agree within tolerance, refined when explained, differ otherwise."""
+
+from lab.verdict import Expectation, check, compare, summarize
+
+
+def test_numbers_within_tolerance_agree():
+    assert check("bytes", 100, 104, rtol=0.05).verdict == "agrees"
+    assert check("bytes", 100, 106, rtol=0.05).verdict == "differs"
+
+
+def test_an_explained_difference_is_refined_and_keeps_its_reason():
+    row = check("all-reduces", 2, 1, explained="XLA combined both into one tuple all-reduce")
+    assert row.verdict == "refined" and "tuple" in row.note and row.passed
+
+
+def test_strings_must_match():
+    assert check("axes", "tensor", "tensor").verdict == "agrees"
+    assert check("axes", "tensor", "fsdp").verdict == "differs"
+
+
+def test_compare_reports_missing_quantities_as_differs():
+    expected = Expectation("ring", {"permutes": 14, "bytes": 7.0}, rtol=0.01)
+    rows = compare(expected, {"permutes": 14})
+    assert [r.verdict for r in rows] == ["agrees", "differs"]
+    assert rows[1].observed == "not found"
+    assert summarize(rows) == "1 agree, 0 refined, 1 differ"
