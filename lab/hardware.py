@@ -1,0 +1,259 @@
+"""Chip profiles: the few numbers that bound a distributed program.
+
+A step cannot run faster than its FLOPs over the chip's peak FLOP/s, its memory
+traffic over the HBM bandwidth, or its communication over the network that
+carries it: the chip-to-chip links (a TPU's ICI torus, a GPU's NVLink), or the
+data-centre network between slices and nodes (DCN, InfiniBand). `lab.theory`
+turns these numbers into predicted times.
+
+Every figure names its source. TPU figures are the tables of "How to Scale Your
+Model" (the scaling book), Part 2 "TPU Specs", the numbers its worked examples
+use, cross-checked against Google Cloud's system-architecture pages; GPU
+figures are NVIDIA's datasheets and the book's GPU chapter (Part 12). The local
+CPU is measured, not looked up.
+
+Wraparound decides whether a torus axis is a ring or a line, which halves or
+doubles collective time (scaling book, Part 2, "TPU Networking"): v4 and v5p
+wrap every axis when the slice is made of whole 4x4x4 cubes (the optical
+switches that close the rings exist only per cube); v5e and v6e wrap an axis
+only when it spans the full pod edge of 16 chips.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import statistics
+import timeit
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from lab.errors import LabError
+
+SCALING_BOOK_TPUS = "https://jax-ml.github.io/scaling-book/tpus/ (TPU Specs tables; source jax-ml/scaling-book tpus.md @54e2c43)"
+SCALING_BOOK_SHARDING = "https://jax-ml.github.io/scaling-book/sharding/ (A note on ICI latency)"
+SCALING_BOOK_GPUS = "https://jax-ml.github.io/scaling-book/gpus/ (Summary of GPU specs; Networking)"
+
+
+@dataclass(frozen=True)
+class ChipProfile:
+    """One accelerator's peak compute, memory and network, with where each figure comes from."""
+
+    name: str
+    peak_bf16_flops: float  # dense bf16 FLOP/s per chip
+    hbm_bytes: float  # memory capacity per chip
+    hbm_bandwidth: float  # bytes/s between memory and compute
+    link_bandwidth: float  # bytes/s per link per direction: one ICI link; a GPU's whole NVLink egress
+    torus_dims: int  # 3 (v4, v5p), 2 (v5e, v6e), 0 for a switched network (GPU node, this CPU)
+    dcn_bandwidth: float | None  # bytes/s per chip to other slices or nodes (DCN, InfiniBand); None: no such network
+    hop_latency_s: float  # latency of one hop on the chip-to-chip network
+    chips_per_host: int
+    wrap_cube: int = 0  # a slice made of whole cubes of this edge wraps every axis (v4, v5p)
+    wrap_axis: int = 0  # an axis of exactly this length wraps (v5e, v6e)
+    sources: tuple[str, ...] = ()
+    note: str = ""
+
+    @property
+    def links_per_chip(self) -> int:
+        """ICI links per chip: one to each neighbour, two per torus dimension."""
+        return 2 * self.torus_dims
+
+    @property
+    def dcn_bandwidth_per_host(self) -> float | None:
+        return None if self.dcn_bandwidth is None else self.dcn_bandwidth * self.chips_per_host
+
+    def wraparound(self, topology: Sequence[int]) -> tuple[bool, ...]:
+        """For each axis of a slice `topology` (e.g. (4, 4, 8)), whether it wraps into a ring."""
+        if not self.torus_dims:
+            raise LabError(f"{self.name} has no torus (its chips meet through a switch); wraparound applies to TPU slices only")
+        if len(topology) > self.torus_dims or any(size < 1 for size in topology):
+            shape = "x".join(map(str, topology))
+            raise LabError(f"topology {shape} does not fit {self.name}'s {self.torus_dims}D torus; give {self.torus_dims} positive sizes")
+        if self.wrap_cube:
+            whole_cubes = all(size % self.wrap_cube == 0 for size in topology)
+            return tuple(whole_cubes for _ in topology)
+        return tuple(size == self.wrap_axis for size in topology)
+
+
+TPU_V4 = ChipProfile(
+    name="v4",
+    peak_bf16_flops=2.75e14,  # book TPU Specs; Cloud: 275 TFLOPs
+    hbm_bytes=32 * 2**30,  # Cloud: 32 GiB (book: 32GB)
+    hbm_bandwidth=1.2e12,  # book TPU Specs; Cloud: 1200 GBps
+    link_bandwidth=4.5e10,  # book interconnect table: ICI BW/link one-way
+    torus_dims=3,  # book TPU Networking: 6 nearest neighbours, 3D torus
+    dcn_bandwidth=6.25e9,  # book: "typically 6.25e9 bytes/s per TPU" (v4 not listed apart)
+    hop_latency_s=1e-6,  # book Part 3, A note on ICI latency: "typically around 1us"
+    chips_per_host=4,  # book TPU Specs: host 2x2x1
+    wrap_cube=4,  # book: 4x4x4 and 4x4x8 wrap, 2x2x4 does not; Cloud: torus when every dimension is a multiple of 4
+    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v4"),
+)
+
+TPU_V5P = ChipProfile(
+    name="v5p",
+    peak_bf16_flops=4.59e14,  # book TPU Specs; Cloud: 459 TFLOPs
+    hbm_bytes=95 * 2**30,  # Cloud: 95 GiB (book: 96GB)
+    hbm_bandwidth=2.8e12,  # book TPU Specs; Cloud: 2765 GBps
+    link_bandwidth=9e10,  # book interconnect table (Cloud's 1200 GBps bidirectional over 6 ports is 1e11 one-way)
+    torus_dims=3,
+    dcn_bandwidth=6.25e9,  # book TPU Networking: 6.25e9 bytes/s egress per TPU; Cloud: 50 Gbps per chip
+    hop_latency_s=1e-6,  # book Part 3, A note on ICI latency
+    chips_per_host=4,  # book TPU Specs: host 2x2x1
+    wrap_cube=4,  # book TPU Networking: wraparound from the optical switches of whole 4x4x4 cubes
+    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v5p"),
+)
+
+TPU_V5E = ChipProfile(
+    name="v5e",
+    peak_bf16_flops=1.97e14,  # book TPU Specs; Cloud: 197 TFLOPs
+    hbm_bytes=16 * 2**30,  # book: "TPU v5e has 16GiB of HBM"; Cloud: 16 GB
+    hbm_bandwidth=8.1e11,  # book TPU Specs; Cloud: 819 GBps
+    link_bandwidth=4.5e10,  # book interconnect table (Cloud's 400 GBps bidirectional over 4 ports is 5e10 one-way)
+    torus_dims=2,  # book: 4 nearest neighbours, 2D torus; Cloud: 4 ICI ports
+    dcn_bandwidth=3.125e9,  # book: 3.125e9 bytes/s per TPU; Cloud: 2 x 100 Gbps NICs per 8-chip host
+    hop_latency_s=1e-6,  # book Part 3, A note on ICI latency
+    chips_per_host=8,  # book TPU Specs: host 4x2
+    wrap_axis=16,  # book: "smaller topologies can be requested without wraps on dims < 16"
+    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v5e"),
+)
+
+TPU_V6E = ChipProfile(
+    name="v6e",
+    peak_bf16_flops=9.2e14,  # book TPU Specs; Cloud: 918 TFLOPs
+    hbm_bytes=32 * 2**30,  # book and Cloud: 32 GB
+    hbm_bandwidth=1.6e12,  # book TPU Specs; Cloud: 1638 GBps
+    link_bandwidth=9e10,  # book interconnect table (Cloud: 800 GBps bidirectional over 4 ports)
+    torus_dims=2,
+    dcn_bandwidth=1.25e10,  # book: 12.5e9 bytes/s per TPU
+    hop_latency_s=1e-6,  # book Part 3, A note on ICI latency
+    chips_per_host=8,  # book TPU Specs: host 4x2
+    wrap_axis=16,  # book: as v5e, wraps only along a full 16-chip axis
+    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v6e"),
+)
+
+_NCCL_LATENCY = "NVIDIA/nccl src/graph/tuning.cc hwLat, NVLink ring LL (2020-era table: 0.47 us)"
+
+H100 = ChipProfile(
+    name="h100",
+    peak_bf16_flops=9.89e14,  # NVIDIA H100 SXM datasheet: 1,979 TFLOPS bf16 with 2:4 sparsity, dense is half; book: 9.9e14
+    hbm_bytes=80e9,  # datasheet: 80 GB
+    hbm_bandwidth=3.35e12,  # datasheet: 3.35 TB/s
+    link_bandwidth=4.5e11,  # NVLink 4: 18 links x 25 GB/s per direction (datasheet: 900 GB/s both ways); book Networking
+    torus_dims=0,  # NVSwitch: all GPUs of a node one hop apart
+    dcn_bandwidth=5e10,  # one 400 Gb/s ConnectX-7 InfiniBand NIC per GPU (book: DGX H100 SuperPod)
+    hop_latency_s=0.47e-6,  # _NCCL_LATENCY
+    chips_per_host=8,  # DGX/HGX H100 node
+    sources=("https://www.nvidia.com/en-us/data-center/h100/", SCALING_BOOK_GPUS, _NCCL_LATENCY),
+)
+
+H200 = ChipProfile(
+    name="h200",
+    peak_bf16_flops=9.89e14,  # NVIDIA H200 datasheet: same Hopper compute as H100 SXM; book: 9.9e14
+    hbm_bytes=141e9,  # datasheet: 141 GB HBM3e
+    hbm_bandwidth=4.8e12,  # datasheet: 4.8 TB/s
+    link_bandwidth=4.5e11,  # NVLink 4 as H100 (datasheet: 900 GB/s both ways)
+    torus_dims=0,
+    dcn_bandwidth=5e10,  # one 400 Gb/s InfiniBand NIC per GPU, as the H100 reference architecture
+    hop_latency_s=0.47e-6,  # _NCCL_LATENCY
+    chips_per_host=8,
+    sources=("https://www.nvidia.com/en-us/data-center/h200/", SCALING_BOOK_GPUS, _NCCL_LATENCY),
+)
+
+PROFILES: dict[str, ChipProfile] = {chip.name: chip for chip in (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, H100, H200)}
+CPU_PROFILE_NAME = "cpu-local"
+
+# jax's device.device_kind -> profile name. Compile-only libtpu reports these too.
+_DEVICE_KINDS = {
+    "tpu v4": "v4",
+    "tpu v5 lite": "v5e",
+    "tpu v5e": "v5e",
+    "tpu v5": "v5p",
+    "tpu v5p": "v5p",
+    "tpu v6 lite": "v6e",
+    "tpu v6e": "v6e",
+    "cpu": CPU_PROFILE_NAME,
+}
+# GPU kinds carry the memory variant ("NVIDIA H100 80GB HBM3"), so they match by prefix.
+_GPU_KIND_PREFIXES = {"nvidia h100": "h100", "nvidia h200": "h200"}
+
+
+def profile(name: str) -> ChipProfile:
+    """The profile called `name` ("v5e", "h100", "cpu-local" or "cpu" for the measured CPU)."""
+    key = name.strip().lower()
+    if key in ("cpu", CPU_PROFILE_NAME):
+        return _measured_cpu_profile()
+    if key not in PROFILES:
+        raise LabError(f"unknown chip profile {name!r}; use one of {', '.join([*PROFILES, CPU_PROFILE_NAME])}")
+    return PROFILES[key]
+
+
+def profile_for_device_kind(device_kind: str) -> ChipProfile:
+    """The profile of a jax device's `device_kind` ("TPU v5 lite" -> v5e, "NVIDIA H200" -> h200)."""
+    key = device_kind.strip().lower()
+    if key in _DEVICE_KINDS:
+        return profile(_DEVICE_KINDS[key])
+    for prefix, name in _GPU_KIND_PREFIXES.items():
+        if key.startswith(prefix):
+            return profile(name)
+    known = [*_DEVICE_KINDS, *(f"{prefix}*" for prefix in _GPU_KIND_PREFIXES)]
+    raise LabError(f"no chip profile for device kind {device_kind!r}; known kinds: {', '.join(known)}; or pick one with profile(name)")
+
+
+# --- The local CPU, measured ------------------------------------------------
+
+
+def measure_cpu_profile(copy_bytes: int = 256 * 2**20, matmul_size: int = 1024, repeats: int = 5) -> ChipProfile:
+    """Measure this machine: memory-copy bandwidth (bytes copied per second) and a rough matmul FLOP/s.
+
+    Each figure is the median of `repeats` timings after one warm-up run. The
+    copy should be well above the last-level cache so that it measures DRAM.
+    """
+    if copy_bytes < 1 or matmul_size < 1 or repeats < 1:
+        raise LabError("measure_cpu_profile needs positive copy_bytes, matmul_size and repeats")
+    copy_bandwidth = copy_bytes / _median_seconds(_copy_job(copy_bytes), repeats)
+    matmul_flops = 2 * matmul_size**3 / _median_seconds(_matmul_job(matmul_size), repeats)
+    return ChipProfile(
+        name=CPU_PROFILE_NAME,
+        peak_bf16_flops=matmul_flops,  # measured: float32 numpy matmul, a rough stand-in (numpy has no bf16 matmul)
+        hbm_bytes=_physical_memory_bytes(),
+        hbm_bandwidth=copy_bandwidth,  # measured: bytes copied per second (STREAM's "Copy" counts read + write, twice this)
+        link_bandwidth=copy_bandwidth,  # emulated devices exchange data by copying through this same memory bus
+        torus_dims=0,
+        dcn_bandwidth=None,
+        hop_latency_s=0.0,  # not measured here: the emulated devices' synchronisation cost is what bench.py times
+        chips_per_host=1,
+        sources=("measured by lab.hardware.measure_cpu_profile",),
+        note="emulated cpu:N devices share this one memory bus and these cores: N devices do not add bandwidth or FLOP/s",
+    )
+
+
+@functools.cache
+def _measured_cpu_profile() -> ChipProfile:
+    return measure_cpu_profile()  # measured once per process: it takes about a second
+
+
+def _median_seconds(job, repeats: int) -> float:
+    timings = timeit.repeat(job, number=1, repeat=repeats + 1)  # the first run warms caches and pages
+    return statistics.median(timings[1:])
+
+
+def _copy_job(copy_bytes: int):
+    source = np.ones(copy_bytes, dtype=np.uint8)  # ones, not empty: untouched pages would be mapped lazily inside the timing
+    target = np.zeros_like(source)
+    return lambda: np.copyto(target, source)
+
+
+def _matmul_job(size: int):
+    rng = np.random.default_rng(0)
+    a_NN, b_NN = (rng.standard_normal((size, size), dtype=np.float32) for _ in range(2))
+    return lambda: a_NN @ b_NN
+
+
+def _physical_memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # platforms without these sysconf names
+        return math.nan

@@ -1,0 +1,311 @@
+"""Closed-form costs: what theory says a distributed program should cost.
+
+Every formula cites its source and is tested against the source's own numbers.
+The module is organised in sections; collectives come first, and later
+sections (memory under ZeRO, pipeline bubbles, MoE traffic, roofline
+thresholds) follow the same pattern: a formula, its source, a test.
+
+1. Collectives in the alpha-beta (latency-bandwidth) model of Hockney (1994)
+   and Thakur, Rabenseifner & Gropp (2005), "Optimization of Collective
+   Communication Operations in MPICH" (TRG). A message of n bytes on one link
+   costs alpha + n/beta. An algorithm is a schedule: `steps` rounds of
+   concurrent messages, and `bytes_sent`, the bytes one device puts on its
+   links over the whole collective (forwarded bytes included), over `links`
+   links driven at once:  t = steps * alpha + bytes_sent / (links * beta).
+   Sizes follow nccl-tests (doc/PERFORMANCE.md): S is the all-reduce buffer,
+   the all-gather *output*, the reduce-scatter *input*, the all-to-all
+   per-device buffer, and the permute, broadcast or reduce buffer. The
+   reduction arithmetic (TRG's gamma term) is left out: accelerators overlap
+   it with the transfers.
+2. nccl-tests bandwidths: algbw = S/t and busbw = algbw * factor(kind, N).
+3. The crossover: the size below which a few-step algorithm beats a
+   bandwidth-optimal one.
+4. Collectives on a chip's network, after "How to Scale Your Model" (the
+   scaling book), Part 3: a TPU torus axis, with or without wraparound, and a
+   switched network (NVLink, DCN, InfiniBand).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from lab.errors import LabError
+from lab.hardware import ChipProfile
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "broadcast", "reduce")
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """The predicted cost of one collective on N devices.
+
+    `seconds` combines the two terms as its producer's model says: their sum in
+    the alpha-beta model (section 1), their maximum in the scaling book's model
+    where hops overlap the transfer (section 4).
+    """
+
+    kind: str
+    algorithm: str
+    devices: int
+    size_bytes: float  # S, the nccl-tests size
+    steps: int  # rounds of messages on the critical path
+    bytes_sent: float  # bytes one device puts on its links, forwarding included
+    links: int  # links a device drives at once
+    latency_s: float  # steps * alpha
+    transfer_s: float  # bytes_sent / (links * beta)
+    seconds: float
+
+
+# --- 1. Collectives in the alpha-beta model ---------------------------------
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    steps: int
+    bytes_per_size: float  # bytes_sent / S
+    links: int = 1
+
+
+def _exact_log2(n: int) -> int:
+    if n & (n - 1):
+        raise LabError(f"halving-doubling and recursive-doubling need a power-of-two device count, not {n}; use ring (or pad the group)")
+    return n.bit_length() - 1
+
+
+def _ceil_log2(n: int) -> int:
+    return (n - 1).bit_length()
+
+
+def _ring_pass(n: int) -> _Schedule:
+    """One pass around a ring: N-1 steps, each shard S/N (TRG ring all-gather: (p-1)a + (p-1)/p nb)."""
+    return _Schedule(n - 1, (n - 1) / n)
+
+
+def _bidirectional_pass(n: int) -> _Schedule:
+    """Half the data each way round the ring: every shard goes the short way, floor(N/2) steps on 2 links."""
+    return _Schedule(n // 2, (n - 1) / n, links=2)
+
+
+def _halving_doubling_pass(n: int) -> _Schedule:
+    """Recursive halving (reduce-scatter) or doubling (all-gather): TRG lg(p) a + (p-1)/p n b."""
+    return _Schedule(_exact_log2(n), (n - 1) / n)
+
+
+def _twice(schedule: _Schedule) -> _Schedule:
+    """All-reduce = reduce-scatter then all-gather (TRG, Rabenseifner's algorithm; scaling book Part 3)."""
+    return _Schedule(2 * schedule.steps, 2 * schedule.bytes_per_size, schedule.links)
+
+
+# (kind, algorithm) -> N -> schedule. Each line cites its formula.
+_SCHEDULES: dict[tuple[str, str], Callable[[int], _Schedule]] = {
+    # Ring all-reduce (Patarasuk & Yuan 2009; nccl-tests): 2(N-1) steps, 2(N-1)/N * S.
+    ("all-reduce", "ring"): lambda n: _twice(_ring_pass(n)),
+    ("all-reduce", "bidirectional-ring"): lambda n: _twice(_bidirectional_pass(n)),
+    # Rabenseifner (TRG): 2 lg(p) a + 2 (p-1)/p n b.
+    ("all-reduce", "halving-doubling"): lambda n: _twice(_halving_doubling_pass(n)),
+    # Recursive doubling (TRG): lg(p) (a + n b): the whole buffer at every step.
+    ("all-reduce", "recursive-doubling"): lambda n: _Schedule(_exact_log2(n), _exact_log2(n)),
+    # Binomial reduce then binomial broadcast (TRG): 2 ceil(lg p) (a + n b).
+    ("all-reduce", "binomial-tree"): lambda n: _Schedule(2 * _ceil_log2(n), 2 * _ceil_log2(n)),
+    ("all-gather", "ring"): _ring_pass,
+    ("all-gather", "bidirectional-ring"): _bidirectional_pass,
+    ("all-gather", "halving-doubling"): _halving_doubling_pass,
+    ("reduce-scatter", "ring"): _ring_pass,
+    ("reduce-scatter", "bidirectional-ring"): _bidirectional_pass,
+    ("reduce-scatter", "halving-doubling"): _halving_doubling_pass,
+    # Pairwise exchange (TRG): N-1 steps, one S/N block to each peer.
+    ("all-to-all", "direct"): lambda n: _Schedule(n - 1, (n - 1) / n),
+    # On a ring each block is forwarded hop by hop: S/N * (1 + 2 + ... + N-1) = S (N-1)/2.
+    ("all-to-all", "ring"): lambda n: _Schedule(n - 1, (n - 1) / 2),
+    # Each block goes the short way: S/N * sum_d min(d, N-d) = S/N * floor(N^2/4) (scaling book Part 3 footnote).
+    ("all-to-all", "bidirectional-ring"): lambda n: _Schedule(n // 2, (n * n // 4) / n, links=2),
+    ("collective-permute", "direct"): lambda n: _Schedule(1, 1.0) if n > 1 else _Schedule(0, 0.0),
+    # Binomial tree (TRG): ceil(lg p) (a + n b); the root sends the whole buffer at every step.
+    ("broadcast", "binomial-tree"): lambda n: _Schedule(_ceil_log2(n), _ceil_log2(n)),
+    # van de Geijn, binomial scatter + ring all-gather (TRG): (lg p + p - 1) a + 2 (p-1)/p n b.
+    ("broadcast", "scatter-allgather"): lambda n: _Schedule(_ceil_log2(n) + n - 1, 2 * (n - 1) / n),
+    ("reduce", "binomial-tree"): lambda n: _Schedule(_ceil_log2(n), _ceil_log2(n)),
+    # Rabenseifner reduce, recursive-halving reduce-scatter + binomial gather (TRG): 2 lg p a + 2 (p-1)/p n b.
+    ("reduce", "halving-doubling"): lambda n: _twice(_halving_doubling_pass(n)),
+}
+
+
+def algorithms_for(kind: str) -> tuple[str, ...]:
+    """The algorithms this module knows for a collective kind."""
+    _check_kind(kind)
+    return tuple(algorithm for known_kind, algorithm in _SCHEDULES if known_kind == kind)
+
+
+def collective_cost(kind: str, size_bytes: float, devices: int, *, algorithm: str, alpha: float, beta: float) -> CollectiveCost:
+    """Alpha-beta cost of `kind` on `devices` devices: steps * alpha + bytes_sent / (links * beta).
+
+    `size_bytes` is the nccl-tests size S; `alpha` is seconds per message and
+    `beta` bytes/s per link per direction.
+    """
+    _check_kind(kind)
+    _check_count_and_size(devices, size_bytes)
+    if alpha < 0 or beta <= 0:
+        raise LabError(f"alpha must be >= 0 seconds and beta > 0 bytes/s, got alpha={alpha}, beta={beta}")
+    if (kind, algorithm) not in _SCHEDULES:
+        raise LabError(f"no algorithm {algorithm!r} for {kind}; use one of {', '.join(algorithms_for(kind))}")
+    schedule = _SCHEDULES[kind, algorithm](devices)
+    bytes_sent = schedule.bytes_per_size * size_bytes
+    latency_s, transfer_s = schedule.steps * alpha, bytes_sent / (schedule.links * beta)
+    return CollectiveCost(kind, algorithm, devices, size_bytes, schedule.steps, bytes_sent, schedule.links, latency_s, transfer_s, latency_s + transfer_s)
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise LabError(f"unknown collective kind {kind!r}; use one of {', '.join(KINDS)}")
+
+
+def _check_count_and_size(devices: int, size_bytes: float) -> None:
+    if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
+        raise LabError(f"a collective needs a positive whole number of devices, got {devices!r}")
+    if size_bytes < 0:
+        raise LabError(f"a collective's size must be >= 0 bytes, got {size_bytes}")
+
+
+# --- 2. nccl-tests bandwidths (NVIDIA/nccl-tests doc/PERFORMANCE.md) ---------
+
+# busbw = algbw * factor: the factor turns algbw into the per-link rate an ideal
+# ring achieves, so busbw can be compared with the hardware's link bandwidth
+# whatever N is.
+_BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,  # nccl-tests sendrecv
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+
+
+def bus_bandwidth_factor(kind: str, devices: int) -> float:
+    """nccl-tests' busbw/algbw factor: 2(N-1)/N for all-reduce, (N-1)/N for gather/scatter/all-to-all, else 1."""
+    _check_kind(kind)
+    _check_count_and_size(devices, 0)
+    return _BUS_FACTORS[kind](devices)
+
+
+def algorithm_bandwidth(size_bytes: float, seconds: float) -> float:
+    """nccl-tests algbw = S / t, bytes per second."""
+    if seconds <= 0:
+        raise LabError(f"a bandwidth needs a positive time, got {seconds} s")
+    return size_bytes / seconds
+
+
+def bus_bandwidth(kind: str, size_bytes: float, seconds: float, devices: int) -> float:
+    """nccl-tests busbw = algbw * factor(kind, N), bytes per second."""
+    return algorithm_bandwidth(size_bytes, seconds) * bus_bandwidth_factor(kind, devices)
+
+
+# --- 3. The latency-bandwidth crossover --------------------------------------
+
+
+def crossover_bytes(kind: str, few_steps: str, bandwidth_optimal: str, devices: int, *, alpha: float, beta: float) -> float:
+    """The size S* below which algorithm `few_steps` is faster than `bandwidth_optimal`.
+
+    Both costs are lines in S: k*alpha + c*S/beta, with c = bytes_per_size / links.
+    They cross at S* = alpha * beta * (k_b - k_f) / (c_f - c_b). For all-reduce,
+    recursive doubling (k = log2 N, c = log2 N) against the ring
+    (k = 2(N-1), c = 2(N-1)/N) gives
+        S* = alpha * beta * (2(N-1) - log2 N) / (log2 N - 2(N-1)/N),
+    which is why MPICH uses recursive doubling only for short messages (TRG).
+    Returns inf when `few_steps` is never slower (e.g. Rabenseifner's
+    halving-doubling against the ring: fewer steps, the same bytes; in practice
+    link contention on a ring or torus, which this model leaves out, is what
+    makes the ring win for large sizes), and 0 when it is never faster.
+    """
+    _check_count_and_size(devices, 0)
+    few = collective_cost(kind, 1.0, devices, algorithm=few_steps, alpha=alpha, beta=beta)
+    wide = collective_cost(kind, 1.0, devices, algorithm=bandwidth_optimal, alpha=alpha, beta=beta)
+    latency_saved = wide.latency_s - few.latency_s
+    transfer_lost_per_byte = few.transfer_s - wide.transfer_s  # S = 1 byte above
+    if transfer_lost_per_byte <= 0:  # never slower per byte: faster everywhere if it also saves steps
+        return math.inf if latency_saved > 0 or (latency_saved == 0 and transfer_lost_per_byte < 0) else 0.0
+    return max(latency_saved, 0.0) / transfer_lost_per_byte
+
+
+# --- 4. Collectives on a chip's network (scaling book, Part 3) ----------------
+
+_NETWORK_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def predict_on_torus(kind: str, size_bytes: float, chip: ChipProfile, topology: Sequence[int], dims: Sequence[int]) -> CollectiveCost:
+    """A collective over torus dimensions `dims` of a TPU slice `topology`, e.g. (4, 4, 4) and (0,).
+
+    After the scaling book, Part 3 ("Sharded Matrices"): a dimension that wraps
+    is a ring whose two directions both carry data, 2 links of W each; one that
+    does not is a line whose end chips feed only one direction, 1 link, which
+    "typically doubles the time" (Part 2). Bandwidth adds over the dimensions
+    spanned (Part 3: "increases the available bandwidth by a factor of
+    n_axes"). Bytes follow the bidirectional ring with N = the chips spanned,
+    so an all-gather moves (N-1)/N * S, which tends to the book's V / W_ici for
+    large N. Hops overlap the transfer, so the time is the larger bound
+    (Part 3, "A note on ICI latency"):
+        T = max(T_hop * longest path, bytes_sent / (links * W)).
+    A collective-permute is taken as a shift to a neighbour: 1 hop, S bytes.
+    All-to-all over more than one dimension applies the ring formula to the
+    flattened group, an approximation the book does not make.
+    """
+    extents, wraps = _torus_span(kind, chip, topology, dims)
+    devices = math.prod(extents)
+    _check_count_and_size(devices, size_bytes)
+    if kind == "collective-permute":
+        algorithm, steps, links = "direct", int(devices > 1), 1
+    else:
+        algorithm, links = "bidirectional-ring", sum(2 if wrap else 1 for wrap in wraps)
+        longest_path = sum(extent // 2 if wrap else extent - 1 for extent, wrap in zip(extents, wraps))
+        steps = longest_path * (2 if kind == "all-reduce" else 1)  # all-reduce: reduce-scatter, then all-gather
+    bytes_sent = _SCHEDULES[kind, algorithm](devices).bytes_per_size * size_bytes
+    return _overlapped(kind, f"torus {algorithm}", devices, size_bytes, steps, bytes_sent, links, chip.hop_latency_s, chip.link_bandwidth)
+
+
+def predict_on_switch(kind: str, size_bytes: float, chip: ChipProfile, devices: int, *, network: str = "link") -> CollectiveCost:
+    """A collective among `devices` chips through a switch: NVLink in a node, or DCN / InfiniBand.
+
+    `network="link"` uses the chip's own link (a GPU's NVLink egress; the CPU's
+    memory bus); `network="dcn"` the data-centre network between TPU slices or
+    GPU nodes, one chip's share of it. After the scaling book, Part 12
+    ("Intra-node collectives"): rings for all-gather, reduce-scatter and
+    all-reduce, T = (N-1)/N * S / W per pass; direct sends for all-to-all,
+    (N-1)/N * S / W. The DCN term is bandwidth only: the book gives no DCN
+    latency.
+    """
+    _check_network_kind(kind)
+    _check_count_and_size(devices, size_bytes)
+    if network not in ("link", "dcn"):
+        raise LabError(f"unknown network {network!r}; use 'link' (NVLink, ICI, memory bus) or 'dcn' (between slices or nodes)")
+    bandwidth = chip.link_bandwidth if network == "link" else chip.dcn_bandwidth
+    if bandwidth is None:
+        raise LabError(f"{chip.name} has no data-centre network; use network='link'")
+    hop_latency = chip.hop_latency_s if network == "link" else 0.0
+    algorithm = "ring" if kind in ("all-reduce", "all-gather", "reduce-scatter") else "direct"
+    schedule = _SCHEDULES[kind, algorithm](devices)
+    return _overlapped(kind, algorithm, devices, size_bytes, schedule.steps, schedule.bytes_per_size * size_bytes, 1, hop_latency, bandwidth)
+
+
+def _overlapped(kind, algorithm, devices, size_bytes, steps, bytes_sent, links, hop_latency, bandwidth) -> CollectiveCost:
+    latency_s, transfer_s = steps * hop_latency, bytes_sent / (links * bandwidth)
+    return CollectiveCost(kind, algorithm, devices, size_bytes, steps, bytes_sent, links, latency_s, transfer_s, max(latency_s, transfer_s))
+
+
+def _torus_span(kind: str, chip: ChipProfile, topology: Sequence[int], dims: Sequence[int]) -> tuple[list[int], list[bool]]:
+    _check_network_kind(kind)
+    if not chip.torus_dims:
+        raise LabError(f"{chip.name} has no torus; use predict_on_switch for a switched network")
+    wraps = chip.wraparound(topology)
+    if not dims or len(set(dims)) != len(dims) or any(not 0 <= dim < len(topology) for dim in dims):
+        raise LabError(f"dims {tuple(dims)} must be distinct indices into topology {'x'.join(map(str, topology))}")
+    return [topology[dim] for dim in dims], [wraps[dim] for dim in dims]
+
+
+def _check_network_kind(kind: str) -> None:
+    _check_kind(kind)
+    if kind not in _NETWORK_KINDS:
+        raise LabError(f"no network formula for {kind} (XLA emits none); use collective_cost, or one of {', '.join(_NETWORK_KINDS)}")

@@ -1,0 +1,240 @@
+"""Theory is code, and is tested: each formula against hand-computed values and its source's numbers."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lab.errors import LabError
+from lab.hardware import profile
+from lab.theory import (
+    KINDS,
+    algorithm_bandwidth,
+    algorithms_for,
+    bus_bandwidth,
+    bus_bandwidth_factor,
+    collective_cost,
+    crossover_bytes,
+    predict_on_switch,
+    predict_on_torus,
+)
+
+MiB = 2**20
+ALPHA, BETA = 1e-6, 1e10  # 1 us per message, 10 GB/s per link
+
+
+def cost(kind, size, devices, algorithm, alpha=ALPHA, beta=BETA):
+    return collective_cost(kind, size, devices, algorithm=algorithm, alpha=alpha, beta=beta)
+
+
+# --- 1. alpha-beta schedules, by hand for N = 8, S = 64 MiB -------------------
+
+
+@pytest.mark.parametrize(
+    "kind, algorithm, steps, bytes_sent, links",
+    [
+        ("all-reduce", "ring", 14, 2 * 7 / 8 * 64 * MiB, 1),
+        ("all-reduce", "bidirectional-ring", 8, 2 * 7 / 8 * 64 * MiB, 2),
+        ("all-reduce", "halving-doubling", 6, 2 * 7 / 8 * 64 * MiB, 1),
+        ("all-reduce", "recursive-doubling", 3, 3 * 64 * MiB, 1),
+        ("all-reduce", "binomial-tree", 6, 6 * 64 * MiB, 1),
+        ("all-gather", "ring", 7, 7 / 8 * 64 * MiB, 1),
+        ("all-gather", "bidirectional-ring", 4, 7 / 8 * 64 * MiB, 2),
+        ("all-gather", "halving-doubling", 3, 7 / 8 * 64 * MiB, 1),
+        ("reduce-scatter", "ring", 7, 7 / 8 * 64 * MiB, 1),
+        ("reduce-scatter", "halving-doubling", 3, 7 / 8 * 64 * MiB, 1),
+        ("all-to-all", "direct", 7, 7 / 8 * 64 * MiB, 1),
+        ("all-to-all", "ring", 7, (1 + 2 + 3 + 4 + 5 + 6 + 7) / 8 * 64 * MiB, 1),
+        ("all-to-all", "bidirectional-ring", 4, (1 + 2 + 3 + 4 + 3 + 2 + 1) / 8 * 64 * MiB, 2),
+        ("collective-permute", "direct", 1, 64 * MiB, 1),
+        ("broadcast", "binomial-tree", 3, 3 * 64 * MiB, 1),
+        ("broadcast", "scatter-allgather", 3 + 7, 2 * 7 / 8 * 64 * MiB, 1),
+        ("reduce", "binomial-tree", 3, 3 * 64 * MiB, 1),
+        ("reduce", "halving-doubling", 6, 2 * 7 / 8 * 64 * MiB, 1),
+    ],
+)
+def test_schedules_by_hand(kind, algorithm, steps, bytes_sent, links):
+    result = cost(kind, 64 * MiB, 8, algorithm)
+    assert (result.steps, result.bytes_sent, result.links) == (steps, pytest.approx(bytes_sent), links)
+    assert result.seconds == pytest.approx(steps * ALPHA + bytes_sent / (links * BETA))
+
+
+def test_every_kind_has_an_algorithm_and_every_algorithm_handles_one_device():
+    for kind in KINDS:
+        assert algorithms_for(kind)
+        for algorithm in algorithms_for(kind):
+            alone = cost(kind, 64 * MiB, 1, algorithm)
+            assert (alone.steps, alone.bytes_sent, alone.seconds) == (0, 0, 0), (kind, algorithm)
+
+
+def test_bidirectional_ring_with_odd_devices_takes_the_short_way():
+    assert cost("all-gather", 3 * MiB, 3, "bidirectional-ring").steps == 1
+    assert cost("all-to-all", 5 * MiB, 5, "bidirectional-ring").bytes_sent == pytest.approx((1 + 2 + 2 + 1) / 5 * 5 * MiB)
+
+
+def test_user_mistakes_raise_lab_errors():
+    with pytest.raises(LabError, match="power-of-two"):
+        cost("all-reduce", MiB, 6, "halving-doubling")
+    with pytest.raises(LabError, match="ring"):
+        cost("all-to-all", MiB, 8, "halving-doubling")
+    with pytest.raises(LabError, match="all-reduce"):
+        cost("allreduce", MiB, 8, "ring")
+    with pytest.raises(LabError, match="positive whole number"):
+        cost("all-reduce", MiB, 0, "ring")
+    with pytest.raises(LabError, match="beta"):
+        cost("all-reduce", MiB, 8, "ring", beta=0)
+
+
+kinds_and_algorithms = st.sampled_from([(kind, algorithm) for kind in KINDS for algorithm in algorithms_for(kind)])
+power_of_two_devices = st.integers(0, 10).map(lambda exponent: 2**exponent)
+sizes = st.integers(0, 10**12)  # bytes
+
+
+@given(kinds_and_algorithms, power_of_two_devices, sizes, sizes)
+def test_cost_grows_with_size(kind_and_algorithm, devices, size_a, size_b):
+    kind, algorithm = kind_and_algorithm
+    small, large = sorted((size_a, size_b))
+    assert cost(kind, small, devices, algorithm).seconds <= cost(kind, large, devices, algorithm).seconds
+
+
+@given(st.integers(1, 4096), sizes)
+def test_ring_sends_less_than_twice_the_buffer(devices, size):
+    ring_bytes = cost("all-reduce", size, devices, "ring").bytes_sent
+    assert ring_bytes == pytest.approx(2 * (devices - 1) / devices * size)
+    assert ring_bytes < 2 * size or size == 0
+    assert cost("all-gather", size, devices, "ring").bytes_sent <= size
+
+
+# --- 2. nccl-tests bandwidths -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, factor",
+    [
+        ("all-reduce", 2 * 7 / 8),
+        ("all-gather", 7 / 8),
+        ("reduce-scatter", 7 / 8),
+        ("all-to-all", 7 / 8),
+        ("broadcast", 1),
+        ("reduce", 1),
+        ("collective-permute", 1),
+    ],
+)
+def test_bus_bandwidth_factors_follow_nccl_tests(kind, factor):
+    assert bus_bandwidth_factor(kind, 8) == pytest.approx(factor)
+    assert bus_bandwidth(kind, 8e9, 2.0, 8) == pytest.approx(4e9 * factor)
+
+
+def test_algorithm_bandwidth_is_size_over_time():
+    assert algorithm_bandwidth(64 * MiB, 0.5) == 128 * MiB
+    with pytest.raises(LabError, match="positive time"):
+        algorithm_bandwidth(1, 0)
+
+
+@given(st.sampled_from(["all-reduce", "all-gather", "reduce-scatter"]), st.integers(2, 1024), st.integers(1, 10**12))
+def test_busbw_of_a_bandwidth_bound_ring_is_the_link_bandwidth(kind, devices, size):
+    # The point of nccl-tests' factor: an ideal ring's busbw equals the link rate, whatever N.
+    ring = cost(kind, size, devices, "ring", alpha=0)
+    assert bus_bandwidth(kind, size, ring.seconds, devices) == pytest.approx(BETA)
+
+
+# --- 3. crossover -------------------------------------------------------------
+
+
+def test_all_reduce_crossover_closed_form_by_hand():
+    # N = 8: recursive doubling 3 steps x S, ring 14 steps x 7/4 S; S* = alpha beta (14 - 3) / (3 - 7/4) = 8.8 alpha beta
+    assert crossover_bytes("all-reduce", "recursive-doubling", "ring", 8, alpha=ALPHA, beta=BETA) == pytest.approx(8.8 * ALPHA * BETA)
+
+
+@given(st.integers(2, 12).map(lambda exponent: 2**exponent), st.floats(1e-7, 1e-4), st.floats(1e8, 1e12))
+def test_the_costs_are_equal_at_the_crossover(devices, alpha, beta):
+    size = crossover_bytes("all-reduce", "recursive-doubling", "ring", devices, alpha=alpha, beta=beta)
+    few = cost("all-reduce", size, devices, "recursive-doubling", alpha, beta)
+    ring = cost("all-reduce", size, devices, "ring", alpha, beta)
+    assert few.seconds == pytest.approx(ring.seconds, rel=1e-9)
+    assert cost("all-reduce", size / 2, devices, "recursive-doubling", alpha, beta).seconds < cost("all-reduce", size / 2, devices, "ring", alpha, beta).seconds
+
+
+def test_crossover_edge_cases():
+    # Halving-doubling sends the ring's bytes in fewer steps: in the alpha-beta model it never loses.
+    assert crossover_bytes("all-reduce", "halving-doubling", "ring", 8, alpha=ALPHA, beta=BETA) == math.inf
+    # The ring never beats recursive doubling *below* a size; it wins above one.
+    assert crossover_bytes("all-reduce", "ring", "recursive-doubling", 8, alpha=ALPHA, beta=BETA) == 0
+    # With two devices recursive doubling sends the ring's bytes (S) in one step instead of two.
+    assert crossover_bytes("all-reduce", "recursive-doubling", "ring", 2, alpha=ALPHA, beta=BETA) == math.inf
+
+
+# --- 4. on a chip's network: the scaling book's worked answers ----------------
+
+B, D = 1024, 4096  # Part 3, "Some Problems to Work", Question 2: bf16[B_X, D_Y] on a TPU v4p 4x4x4
+
+
+def test_book_q2_all_gather_over_one_wrapped_axis():
+    # AllGather_X([B_X, D_Y]) gathers 2BD/Y bytes: the book's answer 2BD / (9e10 Y) = 23 us is the large-axis
+    # limit V / W_ici; the ring's exact (N-1)/N share is 3/4 of it.
+    gathered = 2 * B * D / 4
+    result = predict_on_torus("all-gather", gathered, profile("v4"), (4, 4, 4), (0,))
+    assert (result.links, result.steps) == (2, 2)
+    assert result.seconds == result.transfer_s == pytest.approx(3 / 4 * gathered / 9e10)
+    assert result.transfer_s * 4 / 3 == pytest.approx(2 * B * D / (9e10 * 4))
+    assert round(result.transfer_s * 4 / 3 * 1e6) == 23
+
+
+def test_book_q2_all_gather_over_two_axes_doubles_the_bandwidth():
+    result = predict_on_torus("all-gather", 2 * B * D, profile("v4"), (4, 4, 4), (0, 1))
+    assert result.links == 4
+    assert result.transfer_s * 16 / 15 == pytest.approx(2 * B * D / 1.8e11)  # book: "2BD / 1.8e11 seconds, or 46 us"
+
+
+def test_book_q3_tiny_all_gather_is_latency_bound():
+    # AllGather_X([B_X]) with B = 128 in bf16: "we can do the full gather in only 2 hops, so roughly 2us"
+    result = predict_on_torus("all-gather", 2 * 128, profile("v4"), (4, 4, 4), (0,))
+    assert result.seconds == result.latency_s == pytest.approx(2e-6)
+
+
+def test_book_pop_quiz_2_v5e_without_wraparound():
+    # v5e mesh {X: 8, Y: 4}: AllGather_Y of bf16[2048, 8192]; no wraparound below 16, so
+    # "3 * 8.4e6 / 4.5e10 = 560us" (3 hops of a 1/4 shard, one way)
+    result = predict_on_torus("all-gather", 2 * 2048 * 8192, profile("v5e"), (8, 4), (1,))
+    assert (result.links, result.steps) == (1, 3)
+    assert result.seconds == pytest.approx(560e-6, rel=0.01)
+
+
+def test_torus_all_reduce_is_twice_and_all_to_all_a_quarter_of_an_all_gather():
+    v5p, size = profile("v5p"), 64 * MiB
+    gather = predict_on_torus("all-gather", size, v5p, (8, 8, 8), (2,))
+    assert predict_on_torus("all-reduce", size, v5p, (8, 8, 8), (2,)).transfer_s == pytest.approx(2 * gather.transfer_s)
+    # Part 3: "An AllToAll ... is thus 1/4 the cost of an AllGather" of the same global array V = N * S.
+    all_to_all = predict_on_torus("all-to-all", size / 8, v5p, (8, 8, 8), (2,))
+    assert all_to_all.transfer_s == pytest.approx(size / (4 * 2 * v5p.link_bandwidth))
+
+
+def test_torus_rejects_a_switched_chip_and_bad_dims():
+    with pytest.raises(LabError, match="predict_on_switch"):
+        predict_on_torus("all-gather", MiB, profile("h100"), (8,), (0,))
+    with pytest.raises(LabError, match="distinct indices"):
+        predict_on_torus("all-gather", MiB, profile("v5p"), (4, 4, 4), (0, 0))
+    with pytest.raises(LabError, match="collective_cost"):
+        predict_on_torus("broadcast", MiB, profile("v5p"), (4, 4, 4), (0,))
+
+
+def test_book_gpu_pop_quiz_1_h100_node_all_gather():
+    # Part 12: AllGather(bf16[B_X, F]) on 8xH100, B = 1024, F = 16384: "more precisely 65us"
+    result = predict_on_switch("all-gather", 2 * 1024 * 16384, profile("h100"), 8)
+    assert result.seconds == pytest.approx(65e-6, rel=0.01)
+
+
+def test_gpu_all_to_all_in_a_node_is_b_over_w_n():
+    # Part 12: B (N-1) / (W N^2) for B global bytes, i.e. (N-1)/N of one device's buffer over W
+    h100, per_device = profile("h100"), 8 * MiB
+    result = predict_on_switch("all-to-all", per_device, h100, 8)
+    assert result.transfer_s == pytest.approx(8 * per_device * 7 / (h100.link_bandwidth * 64))
+
+
+def test_dcn_uses_the_per_chip_data_centre_bandwidth():
+    v5p = profile("v5p")
+    across_slices = predict_on_switch("all-reduce", 64 * MiB, v5p, 4, network="dcn")
+    assert across_slices.seconds == pytest.approx(2 * 3 / 4 * 64 * MiB / v5p.dcn_bandwidth)
+    with pytest.raises(LabError, match="no data-centre network"):
+        predict_on_switch("all-reduce", MiB, profile("cpu"), 4, network="dcn")
