@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import math
 import re
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -151,6 +151,10 @@ _MESH = re.compile(
     rf"|@mesh<(?P<old_axes>[^>]*)>(?:\(devices=(?P<old_ids>{_NESTED_PARENS})\))?)"
     r"\s*\{(?P<refs>[^}]*)\}$"
 )
+_GROUPS_VALUE = re.compile(  # an iota or mesh replica_groups value at the start of the attributes that follow it
+    rf"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+    rf"|(?:mesh\[[^\]]*\](?:,\s*device_ids=\({_NESTED_PARENS}\))?|@mesh<[^>]*>(?:\({_NESTED_PARENS}\))?)\s*\{{[^}}]*\}}"
+)
 _AXIS_REF = re.compile(r"^(?P<name>[^:]+?)(?::\((?P<pre>\d+)\)(?P<size>\d+))?$")
 
 
@@ -207,7 +211,9 @@ def _mesh_groups(text: str) -> Groups:
         name = ref["name"].strip().strip("'\"") if ref else None
         if name not in names:
             raise ValueError(f"mesh replica groups name axis {part!r}, not one of {names}")
-        refs.append((names.index(name), int(ref["pre"]) if ref["pre"] else None, int(ref["size"]) if ref["size"] else None))
+        refs.append(
+            (names.index(name), int(ref["pre"]) if ref["pre"] else None, int(ref["size"]) if ref["size"] else None)
+        )
     return _groups_over_axis_refs(devices, refs)
 
 
@@ -238,7 +244,9 @@ def _groups_over_axis_refs(devices: np.ndarray, refs: list[tuple[int, int | None
     by_dim: dict[int, list[tuple[int | None, int | None]]] = defaultdict(list)
     for dim, pre, size in refs:
         by_dim[dim].append((pre, size))
-    pieces: dict[int, tuple[list[int], list[int]]] = {d: _split_dim(devices.shape[d], parts) for d, parts in by_dim.items()}
+    pieces: dict[int, tuple[list[int], list[int]]] = {
+        d: _split_dim(devices.shape[d], parts) for d, parts in by_dim.items()
+    }
     reindexed, offsets = [], []
     for dim, size in enumerate(devices.shape):
         offsets.append(len(reindexed))
@@ -284,7 +292,10 @@ _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 
 def _arrays(shape_text: str) -> list[tuple[str, Shape]]:
     """(dtype, dims) of every array in a shape, tuples flattened; layouts ignored."""
-    return [(dtype, tuple(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())) for dtype, dims in _ARRAY.findall(shape_text)]
+    return [
+        (dtype, tuple(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip()))
+        for dtype, dims in _ARRAY.findall(shape_text)
+    ]
 
 
 def _bits(dtype: str) -> int:
@@ -301,14 +312,21 @@ def _nbytes(arrays: Iterable[tuple[str, Shape]]) -> int:
 
 # --------------------------------------------------------------------------- scanning
 
-_KEYWORDS = re.compile(r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast|AsyncCollective")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
+_KEYWORDS = re.compile(
+    r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast|AsyncCollective"
+)
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$"
+)
 _SIMPLE_OPERANDS = re.compile(r"^([^()]*)\)")
 _HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[^\s(){]+)")
-_CALLEE = re.compile(r"\b(?:calls|body)=%?([\w.\-]+)")
+_CALLEE = re.compile(r"\b(?:calls|body|to_apply)=%?([\w.\-]+)")  # fusion/async/while/call -> callee
 _ASYNC_SUFFIX = re.compile(r"-(start|update|done)$")
 _OP_NAME = r'op_name="([^"]*)"'
-_UNMODELLED = {"ragged-all-to-all": "ragged-all-to-all: its sizes depend on offsets known only at run time", "collective-broadcast": "collective-broadcast is not one of the modelled kinds"}
+_UNMODELLED = {
+    "ragged-all-to-all": "ragged-all-to-all: its sizes depend on offsets known only at run time",
+    "collective-broadcast": "collective-broadcast is not one of the modelled kinds",
+}
 
 
 @dataclass(frozen=True)
@@ -336,8 +354,12 @@ def _instruction(line: str, computation: str, line_number: int) -> _Instruction 
     end = simple.end() if simple else _closing_paren(rest)
     listed = re.sub(r"/\*.*?\*/", "", rest[: end - 1])
     # current XLA prints operands as %name; older text put a shape before each name
-    operands = tuple(re.findall(r"%([\w.\-]+)", listed) if "%" in listed else (op.strip() for op in listed.split(",") if op.strip()))
-    return _Instruction(match["name"], match["shape"], match["opcode"], operands, rest[end:], computation, line_number, line)
+    operands = tuple(
+        re.findall(r"%([\w.\-]+)", listed) if "%" in listed else (op.strip() for op in listed.split(",") if op.strip())
+    )
+    return _Instruction(
+        match["name"], match["shape"], match["opcode"], operands, rest[end:], computation, line_number, line
+    )
 
 
 def _closing_paren(text: str) -> int:
@@ -358,7 +380,9 @@ class _Scan:
     num_devices: int | None = None
     instructions: list[_Instruction] = field(default_factory=list)
     callers: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # callee -> (computation, line number, line)
-    markers: dict[str, str] = field(default_factory=dict)  # computation -> "start"/"done" of a TPU async collective fusion
+    markers: dict[str, str] = field(
+        default_factory=dict
+    )  # computation -> "start"/"done" of a TPU async collective fusion
     skipped: list[Skipped] = field(default_factory=list)
 
 
@@ -374,7 +398,7 @@ def _scan(hlo_text: str) -> _Scan:
                 computation = header["name"] if header else computation
                 scan.entry = computation if header and header["entry"] else scan.entry
             continue
-        if "calls=" in line or "body=" in line:
+        if "calls=" in line or "body=" in line or "to_apply=" in line:
             for callee in _CALLEE.findall(line):
                 scan.callers.setdefault(callee, (computation, number, line))
         if not _KEYWORDS.search(line):
@@ -383,7 +407,13 @@ def _scan(hlo_text: str) -> _Scan:
             scan.markers[computation] = "start" if "AsyncCollectiveStart" in line else "done"
         instruction = _instruction(line, computation, number)
         if instruction is None:
-            scan.skipped.append(Skipped(number, line.strip()[:240], "mentions a collective but is not an HLO instruction this parser can read"))
+            scan.skipped.append(
+                Skipped(
+                    number,
+                    line.strip()[:240],
+                    "mentions a collective but is not an HLO instruction this parser can read",
+                )
+            )
         elif _base_opcode(instruction.opcode) in KINDS or instruction.opcode in _UNMODELLED:
             scan.instructions.append(instruction)
     return scan
@@ -423,12 +453,18 @@ class _Context:
     repeats: int | None = 1
 
 
-def parse_collectives(hlo_text: str, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] = AXES) -> tuple[tuple[Collective, ...], tuple[Skipped, ...]]:
+def parse_collectives(
+    hlo_text: str, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] = AXES
+) -> tuple[tuple[Collective, ...], tuple[Skipped, ...]]:
     """The collectives in an HLO module's text, and the lines it skipped (never raises on odd text).
 
     With `mesh_shape` (and the mesh's `axis_names`), each collective's groups
     are mapped to the mesh axes they span.
     """
+    if mesh_shape is not None and len(mesh_shape) != len(axis_names):
+        raise LabError(
+            f"mesh_shape {tuple(mesh_shape)} has {len(mesh_shape)} axes but axis_names has {len(axis_names)}; pass axis_names=mesh.axis_names"
+        )
     scan = _scan(hlo_text)
     mesh = (tuple(mesh_shape), tuple(axis_names)) if mesh_shape is not None else None
     num_devices = scan.num_devices or (math.prod(mesh_shape) if mesh_shape is not None else None)
@@ -444,8 +480,16 @@ def parse_collectives(hlo_text: str, mesh_shape: Sequence[int] | None = None, ax
             context = contexts[instruction.computation]
             collective = _build(instruction, result, form, is_async, context, num_devices, mesh, scan.markers)
             found.append((collective, instruction.attr(r'chain_id="(\d+)"') if context.fusion else None))
-        except (ValueError, IndexError, KeyError, ZeroDivisionError) as err:  # text we misread must not crash the caller
-            skipped.append(Skipped(instruction.line_number, instruction.line.strip()[:240], str(err) or type(err).__name__))
+        except (
+            ValueError,
+            TypeError,
+            IndexError,
+            KeyError,
+            ZeroDivisionError,
+        ) as err:  # text we misread must not crash the caller
+            skipped.append(
+                Skipped(instruction.line_number, instruction.line.strip()[:240], str(err) or type(err).__name__)
+            )
     return _merge_async_fusion_chains(found, scan.markers), tuple(skipped)
 
 
@@ -458,7 +502,9 @@ def _logical_collectives(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[
         first = instruction.operands[0] if instruction.operands else ""
         if not phase:
             was_async = instruction.attr(r'async_collective_name="([^"]+)"')
-            form = f"{instruction.opcode} (was {was_async}, scheduled synchronously)" if was_async else instruction.opcode
+            form = (
+                f"{instruction.opcode} (was {was_async}, scheduled synchronously)" if was_async else instruction.opcode
+            )
             yield instruction, instruction.shape, form, False
         elif phase.group(1) == "start":
             starts[instruction.name] = instruction
@@ -467,7 +513,13 @@ def _logical_collectives(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[
         else:
             start = starts.pop(updates.get(first, first), None)
             if start is None:
-                skipped.append(Skipped(instruction.line_number, instruction.line.strip()[:240], f"{instruction.opcode} without a matching start"))
+                skipped.append(
+                    Skipped(
+                        instruction.line_number,
+                        instruction.line.strip()[:240],
+                        f"{instruction.opcode} without a matching start",
+                    )
+                )
                 continue
             yield start, instruction.shape, f"{start.opcode}/{instruction.opcode}", True
     for start in starts.values():
@@ -489,24 +541,29 @@ def _context(computation: str, scan: _Scan) -> _Context:
             context = replace(context, async_wrapper=caller)
         elif caller.opcode == "while" and caller.attr(r"\bbody=%?([\w.\-]+)") == computation:
             trips = caller.attr(r'"known_trip_count":\{"n":"(\d+)"\}')
-            context = replace(context, repeats=None if trips is None or context.repeats is None else context.repeats * int(trips))
+            context = replace(
+                context, repeats=None if trips is None or context.repeats is None else context.repeats * int(trips)
+            )
         computation = caller_computation
     return context
 
 
-def _build(instruction: _Instruction, result_shape: str, form: str, is_async: bool, context: _Context, num_devices: int | None, mesh, markers: dict[str, str]) -> Collective:
+def _build(
+    instruction: _Instruction,
+    result_shape: str,
+    form: str,
+    is_async: bool,
+    context: _Context,
+    num_devices: int | None,
+    mesh,
+    markers: dict[str, str],
+) -> Collective:
     kind = _base_opcode(instruction.opcode)
     results = _arrays(result_shape)
     if not results:
         raise _Unreadable(f"no array shape in {result_shape[:80]!r}")
-    pairs: tuple[tuple[int, int], ...] = ()
-    if kind == "collective-permute":
-        pairs = _source_target_pairs(instruction)
-        groups = _connected_components(pairs)
-    else:
-        text = _replica_groups_text(instruction)
-        groups = expand_replica_groups(text, num_devices) if text is not None else expand_replica_groups("{}", num_devices)
-    group_size = max((len(g) for g in groups), default=None) if groups else None
+    groups, pairs = _groups_and_pairs(kind, instruction, num_devices)
+    group_size = max(map(len, groups), default=None)
     operands = _operand_arrays(kind, results, instruction, group_size)
     name, computation, fused = instruction.name, instruction.computation, context.fusion is not None
     split_all_to_all = kind == "all-to-all" and instruction.attr(r"dimensions=\{([\d,]*)\}") is None
@@ -539,6 +596,16 @@ def _build(instruction: _Instruction, result_shape: str, form: str, is_async: bo
     )
 
 
+def _groups_and_pairs(
+    kind: str, instruction: _Instruction, num_devices: int | None
+) -> tuple[Groups, tuple[tuple[int, int], ...]]:
+    """Replica groups (for a permute: the devices its pairs link) and a permute's source-target pairs."""
+    if kind == "collective-permute":
+        pairs = _source_target_pairs(instruction)
+        return _connected_components(pairs), pairs
+    return expand_replica_groups(_replica_groups_text(instruction) or "{}", num_devices), ()
+
+
 def _replica_groups_text(instruction: _Instruction) -> str | None:
     """The replica_groups value in any notation (a mesh value holds commas, spaces and braces)."""
     attrs = instruction.attrs
@@ -548,7 +615,7 @@ def _replica_groups_text(instruction: _Instruction) -> str | None:
     value = attrs[start + len("replica_groups=") :]
     if value.startswith("{"):
         return value[: _closing_brace(value)]
-    match = re.match(rf"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|(?:mesh\[[^\]]*\](?:,\s*device_ids=\({_NESTED_PARENS}\))?|@mesh<[^>]*>(?:\({_NESTED_PARENS}\))?)\s*\{{[^}}]*\}}", value)
+    match = _GROUPS_VALUE.match(value)
     if not match:
         raise _Unreadable(f"unknown replica_groups notation {value[:80]!r}")
     return match.group()
@@ -587,7 +654,9 @@ def _connected_components(pairs: Sequence[tuple[int, int]]) -> Groups:
     return tuple(sorted(tuple(m) for m in members.values()))
 
 
-def _operand_arrays(kind: str, results: list[tuple[str, Shape]], instruction: _Instruction, group_size: int | None) -> list[tuple[str, Shape]]:
+def _operand_arrays(
+    kind: str, results: list[tuple[str, Shape]], instruction: _Instruction, group_size: int | None
+) -> list[tuple[str, Shape]]:
     """Operand shapes from result shapes (operands are printed by name only in current HLO text)."""
     if kind not in ("all-gather", "reduce-scatter"):
         return results
@@ -614,7 +683,9 @@ def _fused_form(kind: str, context: _Context, marker: str | None) -> str:
     return f"{kind} inside fusion %{fusion.name} (kind={fusion_kind}, calls=%{callee})"
 
 
-def _merge_async_fusion_chains(found: list[tuple[Collective, str | None]], markers: dict[str, str]) -> tuple[Collective, ...]:
+def _merge_async_fusion_chains(
+    found: list[tuple[Collective, str | None]], markers: dict[str, str]
+) -> tuple[Collective, ...]:
     """One collective per TPU async collective fusion chain (start, continuations, done share a chain_id)."""
     chains: dict[str, list[Collective]] = defaultdict(list)
     for collective, chain in found:
@@ -627,7 +698,13 @@ def _merge_async_fusion_chains(found: list[tuple[Collective, str | None]], marke
             result.append(collective)
         elif collective is _chain_head(members, markers):
             parts = len(members)
-            result.append(replace(collective, is_async=True, form=f"{collective.form}; chain {chain}: {parts} fusions (start, continuations, done)"))
+            result.append(
+                replace(
+                    collective,
+                    is_async=True,
+                    form=f"{collective.form}; chain {chain}: {parts} fusions (start, continuations, done)",
+                )
+            )
     return tuple(result)
 
 
@@ -672,7 +749,9 @@ def summarize(collectives: Iterable[Collective]) -> tuple[CollectiveTotal, ...]:
         row[0] += runs
         row[1] += runs * c.size_bytes
         row[2] &= c.repeats is not None
-    order = sorted(totals, key=lambda key: (KINDS.index(key[0]) if key[0] in KINDS else len(KINDS), key[1] is None, key[1] or ()))
+    order = sorted(
+        totals, key=lambda key: (KINDS.index(key[0]) if key[0] in KINDS else len(KINDS), key[1] is None, key[1] or ())
+    )
     return tuple(CollectiveTotal(kind, axes, *totals[(kind, axes)]) for kind, axes in order)
 
 
@@ -697,7 +776,10 @@ def format_bytes(n: float) -> str:
 
 def format_memory(memory: dict[str, int]) -> str:
     """One line: the non-zero memory figures per device, in KiB/MiB/GiB."""
-    return ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in memory.items() if value) or "no memory figures"
+    return (
+        ", ".join(f"{name.replace('_', ' ')} {format_bytes(value)}" for name, value in memory.items() if value)
+        or "no memory figures"
+    )
 
 
 def format_cost(cost: dict[str, float]) -> str:
@@ -791,12 +873,15 @@ def _cost(compiled) -> dict[str, float]:
 def parse_benchmark(lines: int = 100_000) -> float:
     """Seconds `parse_collectives` takes on a synthetic TPU-like module of about `lines` lines."""
     block = [
-        "  %fusion.{i} = bf16[64,2048]{{1,0:T(8,128)(2,1)}} fusion(%copy-done.{i}, %all-gather.{i}), kind=kOutput, calls=%fused_computation.{i}, metadata={{op_name=\"jit(step)/dot_general\"}}",
-        "  %all-gather.{i} = bf16[1024,2048]{{1,0:T(8,128)(2,1)}} all-gather(%param.{i}), channel_id={i}, replica_groups=[4,2]<=[4,2]T(1,0), dimensions={{0}}, use_global_device_ids=true, metadata={{op_name=\"jit(step)/all_gather\"}}",
+        '  %fusion.{i} = bf16[64,2048]{{1,0:T(8,128)(2,1)}} fusion(%copy-done.{i}, %all-gather.{i}), kind=kOutput, calls=%fused_computation.{i}, metadata={{op_name="jit(step)/dot_general"}}',
+        '  %all-gather.{i} = bf16[1024,2048]{{1,0:T(8,128)(2,1)}} all-gather(%param.{i}), channel_id={i}, replica_groups=[4,2]<=[4,2]T(1,0), dimensions={{0}}, use_global_device_ids=true, metadata={{op_name="jit(step)/all_gather"}}',
         "  %copy-start.{i} = (bf16[64,1024]{{1,0}}, bf16[64,1024]{{1,0}}, u32[]{{:S(2)}}) copy-start(%param.{i})",
         "  %copy-done.{i} = bf16[64,1024]{{1,0}} copy-done(%copy-start.{i})",
         "  %all-reduce.{i} = (bf16[2048,512]{{1,0}}, bf16[512,2048]{{1,0}}) all-reduce(%fusion.{i}, %copy-done.{i}), channel_id={i}, replica_groups=mesh['axis_0'=4,'axis_1'=2] {{'axis_1'}}, use_global_device_ids=true, to_apply=%add",
-    ] + ["  %add.{i}" + f"_{k}" + " = f32[128,128]{{1,0}} add(%p.{i}, %q.{i}), metadata={{op_name=\"jit(step)/add\"}}" for k in range(15)]
+    ] + [
+        "  %add.{i}" + f"_{k}" + ' = f32[128,128]{{1,0}} add(%p.{i}, %q.{i}), metadata={{op_name="jit(step)/add"}}'
+        for k in range(15)
+    ]
     body = "\n".join(line.format(i=i) for i in range(max(1, lines // len(block))) for line in block)
     text = f"HloModule bench, num_partitions=8\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n{body}\n}}\n"
     start = time.perf_counter()

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lab.errors import LabError
 from lab.hlo import Collective, expand_replica_groups, inspect, parse_collectives, summarize
 from lab.mesh import AXES, MeshSpec, device_groups
 
@@ -73,7 +74,7 @@ def primitives_program(mesh, rows: int = 8):
 
 def fsdp_tp_step(mesh):
     """One SGD step of a two-layer MLP, weights sharded over fsdp x tensor, batch over data x fsdp (GSPMD)."""
-    sharding = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    sharding = lambda *spec: NamedSharding(mesh, P(*spec))
     batch, d_model, d_ff = 256, 1024, 2048  # large enough that the TPU compiler keeps reduce-scatters
 
     def loss(params, x_BD):
@@ -96,14 +97,21 @@ def fsdp_tp_step(mesh):
 
 def overlap_program(mesh):
     """An all-gather the TPU compiler can overlap with an independent matmul (async collective fusion)."""
-    sharding = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    sharding = lambda *spec: NamedSharding(mesh, P(*spec))
 
     def body(w_local, x_local):
         w_full = jax.lax.all_gather(w_local, "fsdp", tiled=True, axis=0)
         independent = jnp.tanh(x_local @ x_local.T) @ x_local
         return jax.lax.psum(x_local @ w_full, ("data", "tensor")), independent
 
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("fsdp", None), P(("data", "fsdp"), "tensor")), out_specs=(P(("data", "fsdp")), P(("data", "fsdp"), "tensor"))))
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("fsdp", None), P(("data", "fsdp"), "tensor")),
+            out_specs=(P(("data", "fsdp")), P(("data", "fsdp"), "tensor")),
+        )
+    )
     w = jax.ShapeDtypeStruct((128, 1024), jnp.bfloat16, sharding=sharding("fsdp", None))
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16, sharding=sharding(("data", "fsdp"), "tensor"))
     return fn, (w, x)
@@ -111,10 +119,10 @@ def overlap_program(mesh):
 
 def scan_fsdp_program(mesh):
     """FSDP over a scanned stack of layers: collectives inside while loops."""
-    sharding = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    sharding = lambda *spec: NamedSharding(mesh, P(*spec))
 
     def loss(w_LDD, x_BD):
-        layer = lambda x, w: (jnp.tanh(jnp.einsum("bd,de->be", x, w, out_sharding=sharding("fsdp", None))), None)  # noqa: E731
+        layer = lambda x, w: (jnp.tanh(jnp.einsum("bd,de->be", x, w, out_sharding=sharding("fsdp", None))), None)
         return jnp.mean(jax.lax.scan(layer, x_BD, w_LDD)[0] ** 2)
 
     fn = jax.jit(lambda w, x: w - 0.1 * jax.grad(loss)(w, x))
@@ -126,9 +134,11 @@ def scan_fsdp_program(mesh):
 def small_psum_scatter_program(mesh):
     """A 4 KiB psum_scatter: the TPU compiler writes it as an all-reduce and a dynamic-slice."""
     spec = P(("data", "fsdp"), "tensor")
-    body = lambda x_local: jax.lax.psum_scatter(x_local, "fsdp", scatter_dimension=0, tiled=True)  # noqa: E731
+    body = lambda x_local: jax.lax.psum_scatter(x_local, "fsdp", scatter_dimension=0, tiled=True)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
-    return fn, (jax.ShapeDtypeStruct((8 * 4, 128 * mesh.shape["tensor"]), jnp.float32, sharding=NamedSharding(mesh, spec)),)
+    return fn, (
+        jax.ShapeDtypeStruct((8 * 4, 128 * mesh.shape["tensor"]), jnp.float32, sharding=NamedSharding(mesh, spec)),
+    )
 
 
 def transposed_sum_program(mesh):
@@ -183,6 +193,10 @@ def test_mesh_groups_with_sub_axes():
     # A sub-axis (pre)size is the piece of `size` after `pre` major elements of its axis.
     assert expand_replica_groups("mesh['x'=8] {'x':(1)2}") == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert expand_replica_groups("mesh['x'=8] {'x':(2)4}") == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert expand_replica_groups("mesh['x'=8] {'x':(2)2}") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    # two pieces of one axis: x = 4*b0 + 2*b1 + b2; groups vary b0 and b2, in the order the refs name them
+    assert expand_replica_groups("mesh['x'=8] {'x':(1)2,'x':(4)2}") == ((0, 1, 4, 5), (2, 3, 6, 7))
+    assert expand_replica_groups("mesh['x'=8] {'x':(4)2,'x':(1)2}") == ((0, 4, 1, 5), (2, 6, 3, 7))
     assert expand_replica_groups("mesh[u=2,v=3] {}") == tuple((i,) for i in range(6))
 
 
@@ -277,7 +291,12 @@ def test_async_pairs_are_counted_once_with_done_shapes():
     assert sorted(c.name for c in collectives) == ["ag-start", "ars", "rs", "rs-start"]
     assert all(c.is_async for c in collectives)
     gather = next(c for c in collectives if c.kind == "all-gather")
-    assert (gather.form, gather.axes, gather.operand_shapes, gather.result_shapes) == ("all-gather-start/all-gather-done", ("y",), ((8, 4),), ((16, 4),))
+    assert (gather.form, gather.axes, gather.operand_shapes, gather.result_shapes) == (
+        "all-gather-start/all-gather-done",
+        ("y",),
+        ((8, 4),),
+        ((16, 4),),
+    )
     assert gather.size_bytes == gather.result_bytes == 16 * 4 * 2
     scatter = next(c for c in collectives if c.name == "rs-start")
     assert (scatter.axes, scatter.operand_shapes, scatter.size_bytes) == (("x",), ((16,),), 16 * 4)
@@ -308,7 +327,15 @@ def test_unreadable_lines_are_reported_not_raised():
     collectives, skipped = parse_collectives(text, (4,), ("x",))
     assert [c.name for c in collectives] == ["ok"]
     reasons = " | ".join(s.reason for s in skipped)
-    for expected in ("unknown replica_groups", "without dimensions", "without a matching start", "without a matching done", "ragged", "not an HLO instruction", "source_target_pairs"):
+    for expected in (
+        "unknown replica_groups",
+        "without dimensions",
+        "without a matching start",
+        "without a matching done",
+        "ragged",
+        "not an HLO instruction",
+        "source_target_pairs",
+    ):
         assert expected in reasons
     assert len(skipped) == 7 and all(s.line_number > 0 for s in skipped)
 
@@ -319,9 +346,11 @@ def test_truncated_or_random_text_never_raises(data):
     real = (DATA / "tpu_v5p_2x2x2_fsdp_tp_step.hlo").read_text().splitlines()
     lines = data.draw(st.lists(st.sampled_from(real), max_size=30))
     cut = [line[: data.draw(st.integers(0, len(line)))] for line in lines]
-    noise = data.draw(st.text(alphabet=st.sampled_from(list("%{}[]()<=,'=T: allreducegathr-0123456789\n")), max_size=300))
+    noise = data.draw(
+        st.text(alphabet=st.sampled_from(list("%{}[]()<=,'=T: allreducegathr-0123456789\n")), max_size=300)
+    )
     collectives, skipped = parse_collectives("\n".join(cut) + "\n" + noise, MESH222)
-    assert all(isinstance(c, Collective) for c in collectives)
+    assert all(isinstance(c, Collective) for c in collectives) and all(s.reason for s in skipped)
 
 
 # --------------------------------------------------------------------------- real HLO, CPU compiler
@@ -336,7 +365,12 @@ def _assert_primitives(collectives, rows: int = 8):
     assert (scatter.size_bytes, scatter.result_bytes) == (local_bytes, local_bytes // 2)
     assert by_kind_axes(collectives, "all-reduce", ("data", "tensor")).size_bytes == local_bytes
     assert by_kind_axes(collectives, "all-to-all", ("data",)).size_bytes == local_bytes
-    assert {c.op_name.rsplit("/", 1)[-1] for c in collectives} >= {"all_gather", "reduce_scatter", "all_to_all", "ppermute"}
+    assert {c.op_name.rsplit("/", 1)[-1] for c in collectives} >= {
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "ppermute",
+    }
 
 
 def test_cpu_fixture_primitives():
@@ -378,6 +412,21 @@ def test_live_cpu_inspection(mesh222, tmp_path):
     assert {t.kind for t in inspection.summary()} == {k for k, _ in PRIMITIVES}
 
 
+def test_live_cpu_plain_function_on_concrete_arrays(mesh222):
+    x = jax.device_put(np.ones((16, 16), np.float32), NamedSharding(mesh222, P("data", "tensor")))
+    inspection = inspect(lambda x: jnp.sum(x), x)  # jitted for us; the mesh comes from x's sharding
+    # GSPMD reduces one sharded dimension at a time: two all-reduces, not one over (data, tensor)
+    assert sorted(kinds_and_axes(inspection.collectives)) == [("all-reduce", ("data",)), ("all-reduce", ("tensor",))]
+    assert inspection.mesh_shape == MESH222
+
+
+def test_user_mistakes_raise_lab_errors():
+    with pytest.raises(LabError, match="needs a function"):
+        inspect("not a function")
+    with pytest.raises(LabError, match="axis_names"):
+        parse_collectives(module(all_reduce_line("{}")), MESH222, ("x", "y"))
+
+
 # --------------------------------------------------------------------------- real HLO, TPU compiler (compile-only)
 
 
@@ -402,7 +451,12 @@ def test_tpu_fixture_small_psum_scatter_becomes_all_reduce():
 def test_tpu_fixture_fsdp_tp_step_v5p():
     collectives, skipped = fixture("tpu_v5p_2x2x2_fsdp_tp_step.hlo", MESH222)
     assert skipped == ()
-    assert kinds_and_axes(collectives) >= {("all-gather", ("fsdp",)), ("reduce-scatter", ("fsdp",)), ("all-reduce", ("data",)), ("all-reduce", ("tensor",))}
+    assert kinds_and_axes(collectives) >= {
+        ("all-gather", ("fsdp",)),
+        ("reduce-scatter", ("fsdp",)),
+        ("all-reduce", ("data",)),
+        ("all-reduce", ("tensor",)),
+    }
     (scatter,) = [c for c in collectives if c.kind == "reduce-scatter"]
     assert scatter.fused and "all-reduce + dynamic-slice" in scatter.form  # the %all-reduce-scatter fusion
     assert scatter.combined and scatter.operand_bytes == 2 * scatter.result_bytes  # both weight gradients
@@ -450,11 +504,15 @@ def test_live_tpu_fsdp_tp_step_v5p():
 
 def test_replica_group_ids_are_mesh_positions_not_device_ids(v5e):
     order = np.random.default_rng(0).permutation(len(v5e))
-    mesh = Mesh(np.asarray(v5e, dtype=object)[order].reshape(MESH224), AXES, axis_types=(AxisType.Explicit,) * len(AXES))
+    mesh = Mesh(
+        np.asarray(v5e, dtype=object)[order].reshape(MESH224), AXES, axis_types=(AxisType.Explicit,) * len(AXES)
+    )
     assert [d.id for d in mesh.devices.flat] != list(range(len(v5e)))
     spec = P(("data", "fsdp"), "tensor")
     fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "tensor"), mesh=mesh, in_specs=spec, out_specs=spec))
-    (collective,) = inspect(fn, jax.ShapeDtypeStruct((32, 512), jnp.float32, sharding=NamedSharding(mesh, spec))).collectives
+    (collective,) = inspect(
+        fn, jax.ShapeDtypeStruct((32, 512), jnp.float32, sharding=NamedSharding(mesh, spec))
+    ).collectives
     assert collective.replica_groups == ((0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15))
     assert collective.axes == ("tensor",)
 
@@ -470,9 +528,21 @@ def write_fixtures() -> None:
         "cpu_shard_map_primitives.hlo": (primitives_program, devices_for("cpu:8"), "data=2,fsdp=2,tensor=2"),
         "cpu_scan_fsdp.hlo": (scan_fsdp_program, devices_for("cpu:8"), "fsdp=8"),
         "cpu_transposed_sum.hlo": (transposed_sum_program, devices_for("cpu:8"), "data=2,fsdp=2,tensor=2"),
-        "tpu_v5e_4x4_shard_map_primitives.hlo": (functools.partial(primitives_program, rows=TPU_ROWS), topology_devices("v5e:4x4"), "data=2,fsdp=2,tensor=4"),
-        "tpu_v5e_4x4_small_psum_scatter.hlo": (small_psum_scatter_program, topology_devices("v5e:4x4"), "data=2,fsdp=2,tensor=4"),
-        "tpu_v5e_4x4_async_collective_fusion.hlo": (overlap_program, topology_devices("v5e:4x4"), "data=2,fsdp=2,tensor=4"),
+        "tpu_v5e_4x4_shard_map_primitives.hlo": (
+            functools.partial(primitives_program, rows=TPU_ROWS),
+            topology_devices("v5e:4x4"),
+            "data=2,fsdp=2,tensor=4",
+        ),
+        "tpu_v5e_4x4_small_psum_scatter.hlo": (
+            small_psum_scatter_program,
+            topology_devices("v5e:4x4"),
+            "data=2,fsdp=2,tensor=4",
+        ),
+        "tpu_v5e_4x4_async_collective_fusion.hlo": (
+            overlap_program,
+            topology_devices("v5e:4x4"),
+            "data=2,fsdp=2,tensor=4",
+        ),
         "tpu_v5p_2x2x2_fsdp_tp_step.hlo": (fsdp_tp_step, topology_devices("v5p:2x2x2"), "data=2,fsdp=2,tensor=2"),
     }
     DATA.mkdir(parents=True, exist_ok=True)
