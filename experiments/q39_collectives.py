@@ -28,10 +28,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lab import hardware, hlo, theory  # noqa: E402
-from lab.bench import format_bytes, size_sweep, time_fn  # noqa: E402
+from lab.bench import format_bytes, measure_collective, size_sweep  # noqa: E402
 from lab.collectives import build_program  # noqa: E402
 from lab.devices import devices_for  # noqa: E402
-from lab.mesh import AXES, MeshSpec  # noqa: E402
+from lab.mesh import MeshSpec  # noqa: E402
 from lab.progress import track  # noqa: E402
 from lab.report import Result, Table, provenance  # noqa: E402
 from lab.verdict import check  # noqa: E402
@@ -106,20 +106,12 @@ and only in the limit: 2(N-1)/N · S is S at N = 2 and approaches 2S as N grows.
 
 
 def _measure(op: str, mesh, size: int, config: Config) -> dict:
-    program = build_program(op, mesh, "fsdp")
-    abstract = program.abstract_input(size, np.dtype(config.dtype))
-    compiled = program.fn.lower(abstract).compile()
-    found, _ = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, AXES)
-    x = program.example_input(size, np.dtype(config.dtype))
-    placed = program.place(x)
-    wrong = int(np.sum(np.asarray(compiled(placed)) != program.reference(x)))
-    timing = time_fn(compiled, placed, warmup=1, repeats=config.repeats, min_seconds=0.02)
-    n = program.group_size
+    point = measure_collective(op, mesh, "fsdp", size, dtype=config.dtype, repeats=config.repeats)
     return {
-        "op": op, "size": size, "count": int(np.prod(x.shape[1:])) * (n if program.recipe.gathers else 1), "dtype": config.dtype,
-        "time_s": timing.median, "time_min_s": timing.min, "time_max_s": timing.max,
-        "algbw": theory.algorithm_bandwidth(size, timing.median), "busbw": theory.bus_bandwidth(op, size, timing.median, n),
-        "wrong": wrong, "hlo": [(c.kind, c.axes, c.size_bytes, c.group_size, c.form) for c in found],
+        "op": op, "size": size, "count": point.count, "dtype": config.dtype,
+        "time_s": point.timing.median, "time_min_s": point.timing.min, "time_max_s": point.timing.max,
+        "algbw": point.algbw, "busbw": point.busbw, "wrong": point.wrong,
+        "hlo": [(c.kind, c.axes, c.size_bytes, c.group_size, c.form) for c in point.collectives],
     }
 
 

@@ -1,12 +1,36 @@
 """The sharding lab: distributed-training theory next to what XLA actually did.
 
+Data flows one way: a mesh spec becomes a `jax.sharding.Mesh` (lab.mesh), a
+program is written with `shard_map` and explicit collectives
+(lab.collectives), compiled, and its optimized HLO read back (lab.hlo); the
+closed-form theory (lab.theory, lab.hardware) predicts it, `compare` gives the
+verdicts, and lab.report writes them to results/.
+
 The public API is listed here explicitly; everything else is internal.
 """
 
+from lab.bench import Timing as Timing
+from lab.bench import time_fn as time_fn
+from lab.collectives import NAMES as COLLECTIVES
+from lab.collectives import CollectiveProgram as CollectiveProgram
+from lab.collectives import build_program as build_program
 from lab.devices import DEFAULT_TARGET as DEFAULT_TARGET
 from lab.devices import Target as Target
 from lab.devices import devices_for as devices_for
 from lab.devices import parse_target as parse_target
 from lab.errors import LabError as LabError
+from lab.hardware import ChipProfile as ChipProfile
+from lab.hardware import profile as profile
+from lab.hlo import Collective as Collective
+from lab.hlo import Inspection as Inspection
+from lab.hlo import inspect as inspect
+from lab.hlo import parse_collectives as parse_collectives
+from lab.hlo import summarize as summarize
 from lab.mesh import AXES as AXES
 from lab.mesh import MeshSpec as MeshSpec
+from lab.report import Result as Result
+from lab.theory import CollectiveCost as CollectiveCost
+from lab.theory import collective_cost as collective_cost
+from lab.verdict import Check as Check
+from lab.verdict import Expectation as Expectation
+from lab.verdict import compare as compare

@@ -89,8 +89,43 @@ def size_sweep(begin: str | int, end: str | int, factor: int = 2) -> list[int]:
 
 def format_bytes(n: float) -> str:
     """Binary units, the way nccl-tests and XLA print sizes: 1.5 MiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    import humanize
+
+    return humanize.naturalsize(n, binary=True, format="%.3g")
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One row of an nccl-tests-style sweep, with what XLA compiled for it."""
+
+    op: str
+    size: int  # S per device, nccl-tests convention
+    count: int  # elements in S
+    dtype: str
+    group_size: int
+    timing: Timing
+    algbw: float  # bytes/s
+    busbw: float  # bytes/s
+    wrong: int  # elements that differ from the numpy reference, over all devices
+    collectives: tuple  # lab.hlo.Collective found in the compiled program
+
+
+def measure_collective(op: str, mesh, axes, size: int, *, dtype: str = "float32", warmup: int = 1, repeats: int = 5) -> SweepPoint:
+    """Compile collective `op` over `axes` for S = `size` bytes, check every element, time it."""
+    import numpy as np
+
+    from lab import hlo, theory
+    from lab.collectives import build_program
+
+    program = build_program(op, mesh, axes)
+    compiled = program.fn.lower(program.abstract_input(size, np.dtype(dtype))).compile()
+    found, _ = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
+    x = program.example_input(size, np.dtype(dtype))
+    placed = program.place(x)
+    wrong = int(np.sum(np.asarray(compiled(placed)) != program.reference(x)))
+    timing = time_fn(compiled, placed, warmup=warmup, repeats=repeats, min_seconds=0.02)
+    n = program.group_size
+    return SweepPoint(
+        op, size, size // np.dtype(dtype).itemsize, dtype, n, timing,
+        theory.algorithm_bandwidth(size, timing.median), theory.bus_bandwidth(op, size, timing.median, n), wrong, found,
+    )

@@ -23,7 +23,7 @@ from rich.console import Console
 from lab.devices import DEFAULT_TARGET
 from lab.errors import LabError
 
-_out = Console()
+_out = Console() if sys.stdout.isatty() else Console(width=160)  # piped output: do not squeeze tables
 _err = Console(stderr=True)
 
 
@@ -44,6 +44,49 @@ class List:
     """List the experiments and the questions they answer."""
 
 
+@dataclass(frozen=True)
+class Inspect:
+    """Compile a sharded program for a mesh and target (or read an HLO dump) and show its collectives."""
+
+    program: str = "all-reduce"
+    """a collective from lab.collectives (all-reduce, ring-all-reduce, ...)"""
+    axes: tuple[str, ...] = ("tensor",)
+    """mesh axes the collective runs over"""
+    mesh: str = "data=2,fsdp=2,tensor=2"
+    """mesh spec, e.g. data=2,fsdp=2,tensor=2 (one axis may be -1)"""
+    target: str = DEFAULT_TARGET
+    """cpu:N, gpu, tpu, or tpu:<gen>:<topology> (compile-only)"""
+    size: str = "1M"
+    """bytes per device D (nccl-tests size S)"""
+    dtype: str = "float32"
+    hlo: Path | None = None
+    """read this optimized-HLO text file (e.g. from XLA_FLAGS=--xla_dump_to) instead of compiling"""
+    device_order: tuple[int, ...] = ()
+    """with --hlo: the replica-group device ids in mesh order (default 0, 1, 2, ...)"""
+    dump: Path | None = None
+    """write the HLO before and after optimization to this folder"""
+
+
+@dataclass(frozen=True)
+class Bench:
+    """nccl-tests-style sweep: size, count, type, op, time, algbw, busbw, #wrong."""
+
+    ops: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    begin: Annotated[str, tyro.conf.arg(aliases=("-b",))] = "1K"
+    """smallest size per device"""
+    end: Annotated[str, tyro.conf.arg(aliases=("-e",))] = "64M"
+    """largest size per device"""
+    factor: Annotated[int, tyro.conf.arg(aliases=("-f",))] = 2
+    """each size is this times the previous"""
+    iters: Annotated[int, tyro.conf.arg(aliases=("-n",))] = 10
+    """timed calls per size (median reported)"""
+    warmup: Annotated[int, tyro.conf.arg(aliases=("-w",))] = 2
+    axes: tuple[str, ...] = ("fsdp",)
+    mesh: str = "fsdp=-1"
+    target: str = DEFAULT_TARGET
+    dtype: str = "float32"
+
+
 def _run_command():
     """``lab run <experiment> [options]``: one subcommand per experiment Config."""
     from experiments import registry
@@ -53,14 +96,12 @@ def _run_command():
 
 
 def _commands():
-    from lab.inspect_cmd import BenchCollectives, Inspect
-
     return Union[
         Annotated[Report, tyro.conf.subcommand("report")],
         Annotated[_run_command(), tyro.conf.subcommand("run", description="Run one experiment and write its page.")],
         Annotated[List, tyro.conf.subcommand("list")],
         Annotated[Inspect, tyro.conf.subcommand("inspect")],
-        Annotated[BenchCollectives, tyro.conf.subcommand("bench", description="nccl-tests-style sweep of the collectives.")],
+        Annotated[Bench, tyro.conf.subcommand("bench")],
     ]
 
 
@@ -68,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lab`` console script."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        command = tyro.cli(_commands(), args=argv, prog="lab", config=(tyro.conf.OmitSubcommandPrefixes,))
+        command = _parse(argv)
         return _dispatch(command)
     except LabError as err:
         _err.print(f"lab: error: {err}", highlight=False, soft_wrap=True)
@@ -78,18 +119,129 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _dispatch(command) -> int:
-    from lab.inspect_cmd import BenchCollectives, Inspect, bench_collectives, inspect
+def _parse(argv: list[str]):
+    """tyro's parser, with its boxed error message folded into one line."""
+    import contextlib
+    import io
 
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(_commands(), args=argv, prog="lab", config=(tyro.conf.OmitSubcommandPrefixes,))
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise LabError(_one_line(captured.getvalue())) from None
+        sys.stderr.write(captured.getvalue())
+        raise
+
+
+def _one_line(box: str) -> str:
+    """The message lines of a tyro error box, joined: "Unrecognized options: x; Available subcommands: ..."."""
+    lines = [line.strip(" │╰╯─").strip() for line in box.splitlines() if not line.startswith("╭")]  # ╭ carries the title
+    keep = [line for line in lines if line and not line.startswith(("For full helptext", "Argument helptext")) and set(line) - set("─-")]
+    return "; ".join(keep[:2]) + " (see lab --help)" if keep else "could not parse the command line (see lab --help)"
+
+
+def _dispatch(command) -> int:
     if isinstance(command, Report):
         return report(command)
     if isinstance(command, List):
         return list_experiments()
     if isinstance(command, Inspect):
         return inspect(command)
-    if isinstance(command, BenchCollectives):
-        return bench_collectives(command)
+    if isinstance(command, Bench):
+        return bench(command)
     return run_one(command)
+
+
+def inspect(command: Inspect) -> int:
+    """Print the collectives table (kind, form, axes, bytes), memory and cost."""
+    from lab import hlo
+    from lab.devices import devices_for
+    from lab.mesh import MeshSpec, describe
+
+    if command.hlo is not None:
+        return _inspect_dump(command)
+    devices = devices_for(command.target)
+    mesh = MeshSpec.parse(command.mesh).build(devices)
+    from lab.bench import parse_size
+    from lab.collectives import build_program
+
+    import numpy as np
+
+    program = build_program(command.program, mesh, command.axes)
+    found = hlo.inspect(program.fn, program.abstract_input(parse_size(command.size), np.dtype(command.dtype)), mesh=mesh)
+    _out.print(f"{command.program} over {','.join(command.axes)} on {command.target}\n{describe(mesh)}", highlight=False)
+    _print_inspection(found.collectives, found.skipped)
+    _out.print(f"memory per device: {hlo.format_memory(found.memory)}\ncost: {hlo.format_cost(found.cost)}", highlight=False)
+    if command.dump is not None:
+        before, after = found.dump(command.dump)
+        _out.print(f"HLO written: {before}, {after}")
+    return 0
+
+
+def _inspect_dump(command: Inspect) -> int:
+    """The collectives table for an HLO text dump from any run."""
+    import re
+    from dataclasses import replace
+
+    from lab import hlo
+    from lab.mesh import MeshSpec, axes_of_groups
+
+    try:
+        text = command.hlo.read_text()
+    except OSError as err:
+        raise LabError(f"cannot read HLO file {str(command.hlo)!r}: {err.strerror}; give the path of an HLO text dump") from None
+    header = re.search(r"num_partitions=(\d+)", text)
+    devices = int(header[1]) if header else MeshSpec.parse(command.mesh).size
+    spec = MeshSpec.parse(command.mesh).resolve(devices)
+    found, skipped = hlo.parse_collectives(text, spec.shape)
+    if command.device_order:
+        order = list(command.device_order)
+        if sorted(order) != list(range(spec.size)):
+            raise LabError(f"--device-order must list each of the {spec.size} device ids 0..{spec.size - 1} once, in mesh order")
+        position = {device: index for index, device in enumerate(order)}
+        found = tuple(replace(c, axes=axes_of_groups(spec.shape, spec.sizes.keys() and list(spec.sizes), [[position[d] for d in g] for g in c.replica_groups])) if c.replica_groups else c for c in found)
+    _out.print(f"{command.hlo}: mesh {spec} ({spec.size} devices)", highlight=False)
+    _print_inspection(found, skipped)
+    return 0
+
+
+def _print_inspection(collectives, skipped) -> None:
+    from rich.table import Table
+
+    from lab import hlo
+    from lab.bench import format_bytes
+
+    table = Table("kind", "as written", "dtype", "S per device", "N", "axes", "op name", title="collectives in the optimized HLO")
+    for c in collectives:
+        axes = "?" if c.axes is None else ",".join(c.axes) or "-"
+        written = ("" if c.form == c.kind else c.form) + (" (async)" if c.is_async else "")
+        table.add_row(c.kind, written, ",".join(c.dtypes), format_bytes(c.size_bytes), str(c.group_size or "?"), axes, (c.op_name or "").rsplit("/", 1)[-1])
+    _out.print(table)
+    _out.print(hlo.summary_table(hlo.summarize(collectives)))
+    if skipped:
+        _out.print(f"{len(skipped)} line(s) not understood and skipped, e.g. line {skipped[0].line_number}: {skipped[0].reason}", highlight=False)
+
+
+def bench(command: Bench) -> int:
+    """Sweep sizes for each collective and print an nccl-tests-style table."""
+    from rich.table import Table
+
+    from lab import progress
+    from lab.bench import format_bytes, measure_collective, size_sweep
+    from lab.devices import devices_for
+    from lab.mesh import MeshSpec
+
+    sizes = size_sweep(command.begin, command.end, command.factor)
+    mesh = MeshSpec.parse(command.mesh).build(devices_for(command.target))
+    table = Table("size", "count", "type", "op", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong", title=f"collectives over {','.join(command.axes)} on {command.target}")
+    with progress.session():
+        for op, size in progress.track([(op, s) for op in command.ops for s in sizes], "bench"):
+            p = measure_collective(op, mesh, command.axes, size, dtype=command.dtype, warmup=command.warmup, repeats=command.iters)
+            table.add_row(format_bytes(size), str(p.count), command.dtype, op, f"{p.timing.median * 1e6:.1f}", f"{p.algbw / 1e9:.2f}", f"{p.busbw / 1e9:.2f}", str(p.wrong))
+    _out.print(table)
+    return 0
 
 
 def list_experiments() -> int:

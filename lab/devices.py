@@ -133,6 +133,8 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
         raise LabError(f"this JAX has no compile-only topologies ({err}); upgrade jax") from None
     if not _libtpu_installed():
         raise LabError(f"target tpu:{topology} needs libtpu; install it with: pip install 'jax[tpu]' (or pip install -e '.[tpu]')")
+    # Compile-only use never touches a chip, so two processes may load libtpu at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": slices} if slices > 1 else {}
     with quiet_native_stderr() as noise:
         try:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from lab.bench import format_bytes
 from lab.errors import LabError
 from lab.mesh import AXES, axes_of_groups
 
@@ -766,12 +767,6 @@ def summary_table(totals: Iterable[CollectiveTotal], title: str = "collectives i
         axes = "?" if t.axes is None else ",".join(t.axes) or "-"
         table.add_row(t.kind, axes, f"{t.count}{'' if t.exact else '+'}", format_bytes(t.total_bytes))
     return table
-
-
-def format_bytes(n: float) -> str:
-    import humanize
-
-    return humanize.naturalsize(n, binary=True)
 
 
 def format_memory(memory: dict[str, int]) -> str:

@@ -33,4 +33,4 @@ def test_time_fn_counts_repeats_and_orders_its_statistics():
 
 
 def test_format_bytes():
-    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB" and format_bytes(64 * 2**20) == "64 MiB"
+    assert format_bytes(512) == "512 Bytes" and format_bytes(1536) == "1.5 KiB" and format_bytes(64 * 2**20) == "64 MiB"

@@ -1,0 +1,188 @@
+"""Logical axes to mesh axes: a parallelism strategy is a rules table, not a fork of the model.
+
+The model names each array dimension by what it means (``batch``, ``embed``,
+``mlp``, ...). A `Rules` table says which mesh axes each logical axis is split
+over; `Rules.spec` turns a parameter's logical axes into a `PartitionSpec`.
+A `Strategy` is a few such tables, one per moment of a training step:
+
+* ``params``: where the working copy of the weights lives between steps;
+* ``grads``: where gradients end up once reduced (replicated: an all-reduce;
+  sharded over ``fsdp``: a reduce-scatter);
+* ``optimizer``: where the fp32 master weights and Adam's moments live;
+* ``compute``: the weights as a matmul uses them (for data parallelism:
+  whole; a later tensor-parallel table keeps ``heads``/``mlp`` split);
+* ``activations``: the batch is split over every data-parallel axis.
+
+The data-parallel family (Rajbhandari et al. 2020, ZeRO, arXiv:1910.02054) is
+then four tables: DDP replicates everything; ZeRO-1 shards the optimizer state;
+ZeRO-2 also the gradients; ZeRO-3 / FSDP also the parameters, gathering each
+layer's weights just before use. ZeRO-3 comes twice: resharding after the
+forward pass (gather again in the backward: ZeRO-3 memory) or keeping the
+gathered weights until the backward (PyTorch FSDP's
+``reshard_after_forward=False``: ZeRO-2 memory in the backward pass).
+
+Two mistakes are caught here rather than deep inside XLA: a table that maps
+two dimensions of one array onto the same mesh axis (a collision), and a
+"sharded" strategy that leaves too much of the model unsharded (the
+sufficiently-sharded guard, after the check MaxText runs before training).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from jax.sharding import PartitionSpec as P
+
+from lab.errors import LabError
+from lab.mesh import AXES
+
+LOGICAL_AXES = ("batch", "sequence", "embed", "heads", "head_dim", "mlp", "vocab", "layers", "experts")
+DATA_AXES = ("data", "fsdp")  # the mesh axes a data-parallel step splits the batch over
+
+
+@dataclass(frozen=True)
+class Rules:
+    """logical axis -> mesh axes; a logical axis not listed is replicated."""
+
+    table: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        for logical, mesh_axes in self.table:
+            if logical not in LOGICAL_AXES:
+                raise LabError(f"rules map unknown logical axis {logical!r}; the logical axes are {', '.join(LOGICAL_AXES)}")
+            unknown = [a for a in mesh_axes if a not in AXES]
+            if unknown:
+                raise LabError(f"rules map {logical!r} to unknown mesh axis {unknown[0]!r}; the mesh axes are {', '.join(AXES)}")
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, str | Sequence[str]]) -> "Rules":
+        """``Rules.of({"embed": "fsdp", "batch": ("data", "fsdp")})``."""
+        return cls(tuple((k, (v,) if isinstance(v, str) else tuple(v)) for k, v in mapping.items()))
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        return dict(self.table).get(logical, ()) if logical is not None else ()
+
+    def spec(self, logical_axes: Sequence[str | None], name: str = "array") -> P:
+        """The PartitionSpec of an array whose dimensions have these logical axes.
+
+        A mesh axis may split only one dimension of an array: mapping two
+        dimensions of `name` onto one mesh axis raises a LabError naming both.
+        """
+        entries, owner = [], {}
+        for dim, logical in enumerate(logical_axes):
+            axes = self.mesh_axes(logical)
+            for axis in axes:
+                if axis in owner:
+                    raise LabError(
+                        f"rules collide on {name}: dimensions {owner[axis][0]} ({owner[axis][1]}) and {dim} ({logical}) "
+                        f"both map to mesh axis {axis!r}; map one of {owner[axis][1]!r}, {logical!r} elsewhere"
+                    )
+                owner[axis] = (dim, logical)
+            entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return P(*entries)
+
+
+def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_sizes: Mapping[str, int]) -> None:
+    """Every split dimension must divide evenly over its mesh axes (XLA would pad silently)."""
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        ways = math.prod(mesh_sizes[a] for a in axes)
+        if size % ways:
+            shown = ",".join(f"{a}={mesh_sizes[a]}" for a in axes)
+            raise LabError(f"parameter {name} dimension {dim} (size {size}) is not divisible by mesh axis {shown}; choose a model size divisible by {ways} or a smaller {'/'.join(axes)} axis")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A data-parallel strategy: where params, grads and optimizer state live, as rules tables."""
+
+    name: str
+    description: str
+    params: Rules
+    grads: Rules
+    optimizer: Rules
+    compute: Rules = Rules()
+    activations: Rules = Rules.of({"batch": DATA_AXES})
+    reshard_after_forward: bool = True  # ZeRO-3: drop gathered weights after the forward, gather again in the backward
+    persist_below: int = 0  # parameters with fewer elements stay replicated (DeepSpeed's stage3_param_persistence_threshold)
+    max_unsharded_fraction: float = 0.05  # the sufficiently-sharded guard, for strategies that shard parameters
+
+    @property
+    def shards_params(self) -> bool:
+        return bool(self.params.table)
+
+    @property
+    def shards_grads(self) -> bool:
+        return bool(self.grads.table)
+
+    def param_rules(self, size: int) -> Rules:
+        """The storage table for a parameter of `size` elements (small ones may persist replicated)."""
+        return Rules() if size < self.persist_below else self.params
+
+    def grad_rules(self, size: int) -> Rules:
+        return Rules() if size < self.persist_below and self.shards_params else self.grads
+
+
+_SHARDED = Rules.of({"embed": "fsdp"})  # ZeRO shards every weight along its model dimension, like MaxText's fsdp rule
+_REPLICATED = Rules()
+
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("ddp", "DDP: replicated params, grads and Adam state; gradients all-reduced", _REPLICATED, _REPLICATED, _REPLICATED),
+        Strategy("zero1", "ZeRO-1: Adam state (and fp32 master weights) sharded", _REPLICATED, _REPLICATED, _SHARDED),
+        Strategy("zero2", "ZeRO-2: + gradients sharded (reduce-scatter)", _REPLICATED, _SHARDED, _SHARDED),
+        Strategy("zero3", "ZeRO-3 / FSDP: + params sharded, gathered before use, resharded after the forward", _SHARDED, _SHARDED, _SHARDED),
+        Strategy(
+            "zero3-keep",
+            "ZeRO-3 keeping gathered weights from forward to backward (FSDP reshard_after_forward=False)",
+            _SHARDED, _SHARDED, _SHARDED, reshard_after_forward=False,
+        ),
+    )
+}
+
+
+def get_strategy(name: str) -> Strategy:
+    """A strategy by name; an unknown name lists the known ones."""
+    if name not in STRATEGIES:
+        raise LabError(f"unknown strategy {name!r}; use one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+@dataclass(frozen=True)
+class ShardingReport:
+    """How much of the model a strategy leaves whole on every device of the fsdp axis."""
+
+    total_bytes: int
+    unsharded_bytes: int
+    largest_unsharded: tuple[str, ...]
+
+    @property
+    def unsharded_fraction(self) -> float:
+        return self.unsharded_bytes / self.total_bytes if self.total_bytes else 0.0
+
+
+def sharding_report(params: Iterable[tuple[str, int, P]], axis: str = "fsdp") -> ShardingReport:
+    """(name, bytes, storage spec) per parameter -> bytes not split over `axis`."""
+    total, unsharded = 0, []
+    for name, nbytes, spec in params:
+        total += nbytes
+        used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
+        if axis not in used:
+            unsharded.append((nbytes, name))
+    unsharded.sort(reverse=True)
+    return ShardingReport(total, sum(b for b, _ in unsharded), tuple(n for _, n in unsharded[:3]))
+
+
+def check_sufficiently_sharded(strategy: Strategy, report: ShardingReport, axis_size: int) -> None:
+    """Fail loudly when a parameter-sharding strategy leaves more than its limit of bytes whole."""
+    if not strategy.shards_params or axis_size == 1:
+        return
+    if report.unsharded_fraction > strategy.max_unsharded_fraction:
+        raise LabError(
+            f"strategy {strategy.name} leaves {report.unsharded_fraction:.0%} of parameter bytes unsharded over fsdp "
+            f"(limit {strategy.max_unsharded_fraction:.0%}; largest: {', '.join(report.largest_unsharded)}); "
+            f"map a dimension of those parameters to 'fsdp' or lower the persistence threshold"
+        )

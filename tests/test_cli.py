@@ -1,0 +1,72 @@
+"""The `lab` command: one line and exit code 2 on a mistake; real output otherwise."""
+
+import json
+
+import pytest
+
+from lab.cli import main
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["inspect", "--mesh", "dta=2"], "unknown axis 'dta'"),
+        (["inspect", "--mesh", "data=3"], "uses 3 devices but the target has 8"),
+        (["inspect", "--target", "tpu:v9z:banana"], "unknown target"),
+        (["inspect", "--program", "ring-all-reduce", "--axes", "fsdp", "--size", "3"], "not a positive multiple of 4 bytes"),
+        (["inspect", "--hlo", "/no/such/file", "--mesh", "data=8"], "cannot read HLO file"),
+        (["bench", "-b", "0"], "sizes must be positive"),
+        (["report", "--only", "nope"], "unknown experiment 'nope'"),
+        (["run", "nonexistent"], "Unrecognized options: nonexistent"),
+        (["bench", "--factor", "x"], "invalid literal"),
+    ],
+)
+def test_mistakes_give_one_line_and_exit_2(capsys, devices, argv, words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_list_names_every_experiment_and_its_question(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("collectives", "ring_allreduce", "allreduce_equivalence"):
+        assert name in out
+    assert "#39" in out and "#40" in out
+
+
+def test_inspect_prints_the_collectives_with_their_axes(capsys, devices, tmp_path):
+    assert main(["inspect", "--program", "ring-all-reduce", "--axes", "fsdp", "--mesh", "fsdp=4,tensor=2", "--dump", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "collective-permute" in out and "fsdp" in out and "memory per device" in out
+    after = next(tmp_path.glob("*.after_optimizations.hlo"))
+    # the dump reads back through --hlo to the same table
+    assert main(["inspect", "--hlo", str(after), "--mesh", "fsdp=4,tensor=2"]) == 0
+    assert "│ collective-permute │ fsdp │     6 │" in capsys.readouterr().out
+
+
+def test_inspect_dump_with_a_device_order(capsys, tmp_path):
+    text = "HloModule m, num_partitions=4\nENTRY %e (p: f32[8]) -> f32[8] {\n  %p = f32[8] parameter(0)\n  ROOT %ar = f32[8] all-reduce(%p), replica_groups={{0,2},{1,3}}, to_apply=%add\n}\n"
+    path = tmp_path / "dump.txt"
+    path.write_text(text)
+    assert main(["inspect", "--hlo", str(path), "--mesh", "data=2,tensor=2"]) == 0
+    assert "│ all-reduce │ data │" in capsys.readouterr().out
+    # with devices 0,2,1,3 in mesh order, the groups {0,2},{1,3} are tensor neighbours
+    assert main(["inspect", "--hlo", str(path), "--mesh", "data=2,tensor=2", "--device-order", "0", "2", "1", "3"]) == 0
+    assert "│ all-reduce │ tensor │" in capsys.readouterr().out
+
+
+def test_bench_prints_an_nccl_tests_table(capsys, devices):
+    assert main(["bench", "-b", "1K", "-e", "2K", "-f", "2", "-n", "2", "-w", "1", "--ops", "all-reduce"]) == 0
+    out = capsys.readouterr().out
+    assert "busbw" in out and out.count("all-reduce") >= 2
+
+
+def test_report_only_writes_the_page_and_keeps_the_index(capsys, devices, tmp_path):
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "result.json").write_text(json.dumps({"name": "old", "title": "Old", "question": "#1", "summary": "", "checks": []}))
+    assert main(["report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
+    index = (tmp_path / "README.md").read_text()
+    assert "allreduce_equivalence/README.md" in index and "[Old](old/README.md)" in index
+    assert (tmp_path / "allreduce_equivalence" / "result.json").exists()
