@@ -11,7 +11,7 @@ The public API is listed here explicitly; everything else is internal.
 
 from lab.bench import Timing as Timing
 from lab.bench import time_fn as time_fn
-from lab.collectives import NAMES as COLLECTIVES
+from lab.collectives import NAMES as NAMES
 from lab.collectives import CollectiveProgram as CollectiveProgram
 from lab.collectives import build_program as build_program
 from lab.devices import DEFAULT_TARGET as DEFAULT_TARGET

@@ -263,6 +263,7 @@ def run_one(config) -> int:
     from lab import report as pages
 
     experiment = next(e for e in registry().values() if isinstance(config, e.config))
+    _check_target(experiment, getattr(config, "target", DEFAULT_TARGET))
     with progress.session():
         result = experiment.run(config)
     page = pages.write(result)
@@ -277,10 +278,10 @@ def report(command: Report) -> int:
     from experiments import get, registry
     from lab import progress
     from lab import report as pages
-    from lab.devices import parse_target
 
-    parse_target(command.target)
     chosen = [get(n) for n in command.only] if command.only else list(registry().values())
+    for experiment in chosen:
+        _check_target(experiment, command.target)
     started, results = time.perf_counter(), []
     with progress.session():
         for experiment in progress.track(chosen, "lab report"):
@@ -297,6 +298,14 @@ def report(command: Report) -> int:
     index = pages.write_index(results, command.results, elapsed_s=None if command.only else time.perf_counter() - started)
     _out.print(f"index: {index}  ({time.perf_counter() - started:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command
+
+
+def _check_target(experiment, target: str) -> None:
+    """Experiments that execute programs cannot run on a compile-only target."""
+    from lab.devices import parse_target
+
+    if parse_target(target).compile_only and not getattr(experiment.module, "COMPILE_ONLY", False):
+        raise LabError(f"experiment {experiment.name} executes programs, so it cannot run on the compile-only target {target}; use cpu:N, gpu or tpu (and `lab inspect --target {target}` to see what the TPU compiler does)")
 
 
 def _merge_existing(results, folder: Path):

@@ -70,3 +70,16 @@ def test_report_only_writes_the_page_and_keeps_the_index(capsys, devices, tmp_pa
     index = (tmp_path / "README.md").read_text()
     assert "allreduce_equivalence/README.md" in index and "[Old](old/README.md)" in index
     assert (tmp_path / "allreduce_equivalence" / "result.json").exists()
+
+
+def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    for argv in (["inspect", "--axes", "fsdp", "--mesh", "fsdp=4", "--target", "tpu:v5e:2x2"], ["inspect", "--size", "1K"]):
+        done = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == "", done.stderr
+        assert "all-" in done.stdout
