@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Union
+from typing import Annotated, Literal, Union
 
 import tyro
 from rich.console import Console
@@ -71,6 +71,8 @@ class Inspect:
 class Bench:
     """nccl-tests-style sweep: size, count, type, op, time, algbw, busbw, #wrong."""
 
+    suite: tyro.conf.Positional[Literal["collectives"]] = "collectives"
+    """what to benchmark (later issues add more suites)"""
     ops: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
     begin: Annotated[str, tyro.conf.arg(aliases=("-b",))] = "1K"
     """smallest size per device"""

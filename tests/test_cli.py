@@ -58,7 +58,7 @@ def test_inspect_dump_with_a_device_order(capsys, tmp_path):
 
 
 def test_bench_prints_an_nccl_tests_table(capsys, devices):
-    assert main(["bench", "-b", "1K", "-e", "2K", "-f", "2", "-n", "2", "-w", "1", "--ops", "all-reduce"]) == 0
+    assert main(["bench", "collectives", "-b", "1K", "-e", "2K", "-f", "2", "-n", "2", "-w", "1", "--ops", "all-reduce"]) == 0
     out = capsys.readouterr().out
     assert "busbw" in out and out.count("all-reduce") >= 2
 
