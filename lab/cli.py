@@ -174,7 +174,18 @@ def inspect(command: Inspect) -> int:
     program = build_program(command.program, mesh, command.axes)
     found = hlo.inspect(program.fn, program.abstract_input(parse_size(command.size), np.dtype(command.dtype)), mesh=mesh)
     _out.print(f"{command.program} over {','.join(command.axes)} on {command.target}\n{describe(mesh)}", highlight=False)
-    _print_inspection(found.collectives, found.skipped)
+    predicted = None
+    if devices[0].platform == "tpu":
+        from lab.topology import describe_axes
+
+        _out.print("where each axis runs:\n" + describe_axes(mesh), highlight=False)
+        from lab.mesh import slice_local_shape
+
+        if slice_local_shape(mesh) != tuple(mesh.devices.shape):
+            _out.print("multi-slice: libtpu compiles the program of one slice, so its HLO numbers devices within a slice "
+                       "and holds only the ICI part of a collective; the DCN part across slices is not in this module.", highlight=False)
+        predicted = [_predicted_time(c, mesh) for c in found.collectives]
+    _print_inspection(found.collectives, found.skipped, predicted)
     _out.print(f"memory per device: {hlo.format_memory(found.memory)}\ncost: {hlo.format_cost(found.cost)}", highlight=False)
     if command.dump is not None:
         before, after = found.dump(command.dump)
@@ -209,17 +220,32 @@ def _inspect_dump(command: Inspect) -> int:
     return 0
 
 
-def _print_inspection(collectives, skipped) -> None:
+def _predicted_time(collective, mesh) -> str:
+    """Theory's time for one collective on the TPU target's links ('-' where it has no axes)."""
+    from lab.hardware import profile_for_device_kind
+    from lab.topology import placement, predict
+
+    if not collective.axes:
+        return "-"
+    chip = profile_for_device_kind(mesh.devices.flat[0].device_kind)
+    where = placement(mesh, collective.axes, chip)
+    cost = predict(collective.kind, collective.size_bytes, where, chip)
+    return f"{cost.seconds * 1e6:.1f} us ({where})" if cost else f"- ({where})"
+
+
+def _print_inspection(collectives, skipped, predicted: list[str] | None = None) -> None:
     from rich.table import Table
 
     from lab import hlo
     from lab.bench import format_bytes
 
-    table = Table("kind", "as written", "dtype", "S per device", "N", "axes", "op name", title="collectives in the optimized HLO")
-    for c in collectives:
+    columns = ["kind", "as written", "dtype", "S per device", "N", "axes", "op name"] + (["predicted"] if predicted else [])
+    table = Table(*columns, title="collectives in the optimized HLO")
+    for i, c in enumerate(collectives):
         axes = "?" if c.axes is None else ",".join(c.axes) or "-"
         written = ("" if c.form == c.kind else c.form) + (" (async)" if c.is_async else "")
-        table.add_row(c.kind, written, ",".join(c.dtypes), format_bytes(c.size_bytes), str(c.group_size or "?"), axes, (c.op_name or "").rsplit("/", 1)[-1])
+        cells = [c.kind, written, ",".join(c.dtypes), format_bytes(c.size_bytes), str(c.group_size or "?"), axes, (c.op_name or "").rsplit("/", 1)[-1]]
+        table.add_row(*cells, *([predicted[i]] if predicted else []))
     _out.print(table)
     _out.print(hlo.summary_table(hlo.summarize(collectives)))
     if skipped:

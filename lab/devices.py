@@ -136,6 +136,8 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
     # Compile-only use never touches a chip, so two processes may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": slices} if slices > 1 else {}
+    if topology.startswith("v4:"):
+        kwargs["chip_config_name"] = "megacore"  # one device per chip, as on real v4 (not one per TensorCore)
     with quiet_native_stderr() as noise:
         try:
             description = topologies.get_topology_desc(topology, "tpu", **kwargs)

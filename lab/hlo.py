@@ -50,7 +50,7 @@ import numpy as np
 
 from lab.bench import format_bytes
 from lab.errors import LabError
-from lab.mesh import AXES, axes_of_groups
+from lab.mesh import AXES, axes_of_groups, slice_local_shape
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -812,7 +812,7 @@ def inspect(fn, *args: Any, mesh=None, **kwargs: Any) -> Inspection:
         lowered = jitted.lower(*args, **kwargs)
         compiled = lowered.compile()
     optimized = compiled.as_text()
-    shape = tuple(mesh.devices.shape) if mesh is not None else None
+    shape = slice_local_shape(mesh) if mesh is not None else None
     names = tuple(mesh.axis_names) if mesh is not None else AXES
     collectives, skipped = parse_collectives(optimized, shape, names)
     return Inspection(

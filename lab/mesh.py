@@ -150,6 +150,20 @@ def _dcn_shape(shape: tuple[int, ...], slices: int) -> tuple[int, ...]:
     return tuple(dcn)
 
 
+def slice_local_shape(mesh) -> tuple[int, ...]:
+    """The mesh shape one TPU slice sees: the outer axes divided by the slices they span.
+
+    For a multi-slice mesh libtpu compiles the program of one slice: its HLO
+    has num_partitions = the devices of a slice, and its replica groups number
+    positions within that slice. Single-slice meshes are returned unchanged.
+    """
+    shape = tuple(mesh.devices.shape)
+    slices = len({getattr(d, "slice_index", None) or 0 for d in mesh.devices.flat})
+    if slices == 1:
+        return shape
+    return tuple(s // d for s, d in zip(shape, _dcn_shape(shape, slices)))
+
+
 def device_groups(shape: Sequence[int], axes: Sequence[int]) -> list[tuple[int, ...]]:
     """Groups of flat mesh positions that a collective over the axis indices `axes` uses.
 

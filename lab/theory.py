@@ -254,6 +254,16 @@ def predict_on_torus(kind: str, size_bytes: float, chip: ChipProfile, topology: 
     flattened group, an approximation the book does not make.
     """
     extents, wraps = _torus_span(kind, chip, topology, dims)
+    return predict_on_rings(kind, size_bytes, chip, extents, wraps)
+
+
+def predict_on_rings(kind: str, size_bytes: float, chip: ChipProfile, extents: Sequence[int], wraps: Sequence[bool]) -> CollectiveCost:
+    """The same, for a group spanning `extents` chips along torus dimensions that wrap or not.
+
+    A group covering part of a dimension (2 of its 4 chips, say) is a line
+    however the slice is wired: `lab.topology.placement` gives extents and wraps.
+    """
+    _check_network_kind(kind)
     devices = math.prod(extents)
     _check_count_and_size(devices, size_bytes)
     if kind == "collective-permute":
@@ -309,3 +319,102 @@ def _check_network_kind(kind: str) -> None:
     _check_kind(kind)
     if kind not in _NETWORK_KINDS:
         raise LabError(f"no network formula for {kind} (XLA emits none); use collective_cost, or one of {', '.join(_NETWORK_KINDS)}")
+
+
+# --- 5. Mixture of experts: capacity, all-to-all traffic, balance loss -------
+#
+# An MoE layer with E experts split over an expert-parallel (EP) group of N
+# devices routes each token to k experts. Each device sends every token's k
+# copies to the devices that hold the chosen experts (dispatch) and receives
+# the results back (combine): two all-to-alls per layer in the forward pass.
+
+
+def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: float) -> int:
+    """Slots in each expert's buffer for one group of `tokens`: ceil(tokens · k / E · capacity_factor).
+
+    Switch Transformer (Fedus et al. 2021, arXiv:2101.03961, eq. 3): expert
+    capacity = (tokens per batch / number of experts) · capacity factor, for
+    k = 1; GShard (Lepikhin et al. 2020, arXiv:2006.16668, Algorithm 1) uses
+    2·S/E for top-2, i.e. the k·S/E generalisation. The Switch example:
+    4096 tokens, 64 experts, factor 1.25 -> 80 slots. Tokens beyond an
+    expert's capacity are dropped (they skip the layer through the residual).
+    """
+    _check_moe(tokens, experts, top_k)
+    if not capacity_factor > 0:
+        raise LabError(f"capacity factor {capacity_factor}: must be > 0 (1.0 = exactly the mean load; use None in the layer for no dropping)")
+    return math.ceil(tokens * top_k / experts * capacity_factor)
+
+
+@dataclass(frozen=True)
+class AllToAllTraffic:
+    """Elements one device's dispatch + combine move, for `tokens` tokens on that device.
+
+    The quick reference's 2·B·L·d·k is `elements` summed over the EP group
+    (B·L = all the group's tokens). A fraction (N-1)/N of it crosses devices
+    when experts are chosen uniformly (a token's expert is local with
+    probability 1/N). Static shapes pad each expert's buffer to its capacity
+    C, so what an XLA all-to-all really carries is E·C·d per device and
+    direction: `padded_elements`, larger by E·C / (tokens·k), about the
+    capacity factor (E/k with no dropping, when C = tokens).
+    """
+
+    tokens: int
+    d_model: int
+    experts: int
+    top_k: int
+    devices: int
+    capacity: int
+
+    @property
+    def elements(self) -> int:
+        """2 · tokens · k · d: every routed copy goes out (dispatch) and comes back (combine)."""
+        return 2 * self.tokens * self.top_k * self.d_model
+
+    @property
+    def padded_elements(self) -> int:
+        """2 · E · C · d: the two all-to-all buffers as compiled, padded to capacity."""
+        return 2 * self.experts * self.capacity * self.d_model
+
+    @property
+    def cross_device_fraction(self) -> float:
+        """(N-1)/N: the share of an all-to-all buffer that leaves the device (nccl-tests' all-to-all factor)."""
+        return (self.devices - 1) / self.devices
+
+    @property
+    def padding_factor(self) -> float:
+        return self.padded_elements / self.elements
+
+
+def moe_traffic(tokens: int, d_model: int, experts: int, top_k: int, devices: int, capacity_factor: float | None = None) -> AllToAllTraffic:
+    """Dispatch + combine traffic per device for `tokens` tokens per device on an EP group of `devices`.
+
+    `capacity_factor=None` means no dropping: every expert's buffer must hold
+    all of a device's tokens (C = tokens), since any expert may get them all.
+    """
+    _check_moe(tokens, experts, top_k)
+    _check_count_and_size(devices, 0)
+    if experts % devices:
+        raise LabError(f"{experts} experts do not split over {devices} devices; use a multiple of {devices} experts")
+    capacity = tokens if capacity_factor is None else min(tokens, expert_capacity(tokens, experts, top_k, capacity_factor))
+    return AllToAllTraffic(tokens, d_model, experts, top_k, devices, capacity)
+
+
+def switch_aux_loss_range(experts: int, alpha: float = 1.0) -> tuple[float, float]:
+    """The Switch load-balancing loss α·N·Σ f_i·P_i at perfect balance and at full collapse: (α, α·N).
+
+    Fedus et al. 2021, eq. 4-6: f_i is the share of tokens sent to expert i,
+    P_i the router's mean probability for it. Balanced, f_i = P_i = 1/N and
+    α·N·N·(1/N)² = α; collapsed onto one expert, f = P = 1 there and the loss
+    is α·N. The sum Σ f_i·P_i alone runs from 1/N to 1 (the quick
+    reference's numbers); the factor N keeps the balanced loss at α whatever
+    the number of experts.
+    """
+    _check_moe(1, experts, 1)
+    return alpha, alpha * experts
+
+
+def _check_moe(tokens: int, experts: int, top_k: int) -> None:
+    if experts < 1 or tokens < 1:
+        raise LabError(f"an MoE layer needs at least one expert and one token, got {experts} experts, {tokens} tokens")
+    if not 1 <= top_k <= experts:
+        raise LabError(f"top-k {top_k} with {experts} experts: k must be between 1 and the number of experts")

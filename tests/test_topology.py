@@ -1,0 +1,65 @@
+"""Mesh axes on TPU tori: placement from device coords, and predicted collective times."""
+
+import pytest
+
+from lab import theory
+from lab.devices import topology_devices
+from lab.hardware import profile
+from lab.mesh import MeshSpec
+from lab.topology import placement, predict, slice_shape
+
+
+@pytest.fixture(scope="module")
+def v5e_4x4():
+    return topology_devices("v5e:4x4")
+
+
+def test_slice_shape_from_coords(v5e_4x4):
+    assert slice_shape(v5e_4x4) == (4, 4, 1)
+
+
+def test_each_axis_lands_on_one_torus_dimension(v5e_4x4):
+    mesh = MeshSpec(fsdp=4, tensor=4).build(v5e_4x4)
+    tensor, fsdp = placement(mesh, ("tensor",)), placement(mesh, ("fsdp",))
+    assert tensor.network == fsdp.network == "ici"
+    assert {tensor.torus_dims, fsdp.torus_dims} == {(0,), (1,)}
+    assert placement(mesh, ("fsdp", "tensor")).torus_dims == (0, 1)
+    # v5e wraps an axis only at 16 chips: a 4x4 slice is lines, not rings
+    assert tensor.wraps == (False,) and str(tensor).endswith("line")
+
+
+def test_a_full_v4_cube_dimension_is_a_ring_and_a_part_of_one_is_a_line():
+    mesh = MeshSpec(data=2, fsdp=2, tensor=16).build(topology_devices("v4:4x4x4"))
+    assert placement(mesh, ("tensor",)).wraps == (True, True)
+    data = placement(mesh, ("data",))
+    assert data.extents == (2,) and data.wraps == (False,)
+
+
+def test_slices_are_joined_by_dcn():
+    mesh = MeshSpec(data=2, tensor=4).build(topology_devices("v5e:2x2", 2))
+    assert placement(mesh, ("data",)).network == "dcn"
+    assert placement(mesh, ("tensor",)).network == "ici"
+
+
+def test_predicted_times_follow_the_placement():
+    chip = profile("v5e")
+    mesh = MeshSpec(data=2, tensor=4).build(topology_devices("v5e:2x2", 2))
+    size = 64 * 2**20
+    ici = predict("all-gather", size, placement(mesh, ("tensor",)), chip)
+    dcn = predict("all-gather", size, placement(mesh, ("data",)), chip)
+    assert dcn.seconds > 10 * ici.seconds  # DCN per chip is an order of magnitude below ICI
+    # by hand: two lines of 2 chips (no wraparound), (N-1)/N of S over one link per dimension
+    expected = theory.predict_on_rings("all-gather", size, chip, (2, 2), (False, False))
+    assert ici == expected and ici.bytes_sent == pytest.approx(size * 3 / 4)
+
+
+def test_multislice_hlo_numbers_devices_within_one_slice():
+    from lab.collectives import build_program
+    from lab.hlo import inspect
+    from lab.mesh import slice_local_shape
+
+    mesh = MeshSpec(data=2, fsdp=2, tensor=2).build(topology_devices("v5e:2x2", 2))
+    assert slice_local_shape(mesh) == (1, 1, 2, 1, 2)
+    program = build_program("all-reduce", mesh, ("fsdp",))
+    found = inspect(program.fn, program.abstract_input(1024), mesh=mesh).collectives
+    assert [(c.kind, c.axes, c.group_size) for c in found] == [("all-reduce", ("fsdp",), 2)]
