@@ -314,7 +314,7 @@ def report(command: Report) -> int:
     with progress.session():
         for experiment in progress.track(chosen, "lab report"):
             config = experiment.config()
-            if "target" in {f.name for f in fields(config)}:
+            if "target" in {f.name for f in fields(config)} and _takes_target(experiment, command.target):
                 config = replace(config, target=command.target)
             progress.say(f"[bold]{experiment.name}[/bold] ({experiment.question}) ...")
             result = experiment.run(config)
@@ -326,6 +326,13 @@ def report(command: Report) -> int:
     index = pages.write_index(results, command.results, elapsed_s=None if command.only else time.perf_counter() - started)
     _out.print(f"index: {index}  ({time.perf_counter() - started:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command
+
+
+def _takes_target(experiment, target: str) -> bool:
+    """A compile-only experiment keeps its own TPU topology unless the report's target is one."""
+    from lab.devices import parse_target
+
+    return parse_target(target).compile_only or not getattr(experiment.module, "COMPILE_ONLY", False)
 
 
 def _check_target(experiment, target: str) -> None:

@@ -418,3 +418,250 @@ def _check_moe(tokens: int, experts: int, top_k: int) -> None:
         raise LabError(f"an MoE layer needs at least one expert and one token, got {experts} experts, {tokens} tokens")
     if not 1 <= top_k <= experts:
         raise LabError(f"top-k {top_k} with {experts} experts: k must be between 1 and the number of experts")
+
+
+# --- 6. When sharded training stays compute-bound (scaling book, Part 5) -----
+# Source: "How to Scale Your Model", Part 5 "How to Parallelize a Transformer
+# for Training" (jax-ml/scaling-book training.md). alpha = C / W_ici is the
+# chip's FLOPs per byte of bidirectional ICI bandwidth on one torus axis
+# (2550 on TPU v5p); M_X, M_Y count the torus axes a mesh axis spans.
+
+
+def ici_arithmetic_intensity(chip: ChipProfile) -> float:
+    """alpha = C / W_ici, with W_ici = both directions of one axis's link (v5p: 4.59e14 / 1.8e11 = 2550)."""
+    return chip.peak_bf16_flops / (2 * chip.link_bandwidth)
+
+
+def data_parallel_min_batch_per_chip(chip: ChipProfile, axes_spanned: int = 1) -> float:
+    """DP and FSDP are compute-bound while tokens per chip B/N > alpha / M_X (v5p, 3 axes: 850)."""
+    return ici_arithmetic_intensity(chip) / axes_spanned
+
+
+def tensor_parallel_max_ways(chip: ChipProfile, mlp: int, axes_spanned: int = 1) -> float:
+    """Tensor parallelism over Y chips stays compute-bound while Y < M_Y * F / alpha."""
+    return axes_spanned * mlp / ici_arithmetic_intensity(chip)
+
+
+def fsdp_tp_min_batch_per_chip(chip: ChipProfile, mlp: int, fsdp_axes: int, tp_axes: int) -> float:
+    """FSDP x TP is compute-bound while B/N > 4 alpha^2 / (M_X M_Y F) (about 400 tokens for F = 32k on v5p).
+
+    Earlier versions of the book wrote alpha^2 / (M_X M_Y F); the current one
+    carries the factor 4 from counting both the forward and backward gathers.
+    """
+    alpha = ici_arithmetic_intensity(chip)
+    return 4 * alpha**2 / (fsdp_axes * tp_axes * mlp)
+
+
+def fsdp_tp_optimal_fsdp_ways(batch_tokens: float, mlp: int, chips: int, fsdp_axes: int = 1, tp_axes: int = 1) -> float:
+    """The FSDP degree that minimises communication: X_opt = sqrt((B / F) (M_X / M_Y) N)."""
+    return math.sqrt(batch_tokens / mlp * fsdp_axes / tp_axes * chips)
+
+
+# --- ZeRO: model-state memory and data-parallel traffic -----------------------
+#
+# Rajbhandari, Rasley, Ruwase & He (2020), "ZeRO: Memory Optimizations Toward
+# Training Trillion Parameter Models", SC20, arXiv:1910.02054 (the ZeRO paper).
+
+ZERO_STAGES = (0, 1, 2, 3)  # 0 is plain data parallelism (DDP)
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Bytes per device of the three model states ZeRO partitions."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def zero_model_states(stage: int, parameters: float, devices: int, *, param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
+    """Model-state memory per device under ZeRO stage 0-3 (ZeRO paper, Section 5 and Figure 1).
+
+    Mixed-precision Adam keeps bf16/fp16 parameters and gradients (2Ψ + 2Ψ
+    bytes) and K = 12 bytes per parameter of optimizer state (fp32 master
+    weights, momentum, variance). Each stage divides one more term by the
+    data-parallel degree N:
+        stage 0: (2 + 2 + K) Ψ          stage 1: 2Ψ + 2Ψ + KΨ/N
+        stage 2: 2Ψ + (2 + K) Ψ/N       stage 3: (2 + 2 + K) Ψ/N
+    """
+    if stage not in ZERO_STAGES:
+        raise LabError(f"ZeRO stage {stage!r}: use 0 (DDP), 1, 2 or 3")
+    _check_count_and_size(devices, parameters)
+    share = lambda partitioned: 1 / devices if partitioned else 1.0  # noqa: E731
+    return ModelStateBytes(
+        params=param_bytes * parameters * share(stage >= 3),
+        grads=grad_bytes * parameters * share(stage >= 2),
+        optimizer=optimizer_bytes * parameters * share(stage >= 1),
+    )
+
+
+def zero_step_collectives(stage: int, model_bytes: float, *, regathered_bytes: float | None = None) -> dict[str, float]:
+    """S (nccl-tests size) moved per step by each collective kind, for a model of `model_bytes`.
+
+    ZeRO paper, Section 7: data parallelism all-reduces the gradients (S = Ψ);
+    stages 1 and 2 reduce-scatter the gradients and all-gather the updated
+    parameters (the two halves of that all-reduce: the same volume, 7.2.1);
+    stage 3 all-gathers the parameters before the forward pass and again before
+    the backward pass, and reduce-scatters the gradients (7.2.2). Whatever is
+    kept gathered from forward to backward (`regathered_bytes` smaller than
+    `model_bytes`; 0 for PyTorch FSDP's reshard_after_forward=False) is not
+    gathered twice.
+    """
+    if stage not in ZERO_STAGES:
+        raise LabError(f"ZeRO stage {stage!r}: use 0 (DDP), 1, 2 or 3")
+    if stage == 0:
+        return {"all-reduce": model_bytes}
+    if stage in (1, 2):
+        return {"reduce-scatter": model_bytes, "all-gather": model_bytes}
+    regathered = model_bytes if regathered_bytes is None else regathered_bytes
+    return {"all-gather": model_bytes + regathered, "reduce-scatter": model_bytes}
+
+
+def step_wire_bytes(collectives: dict[str, float], devices: int) -> float:
+    """Bytes each device sends per step on a ring: sum of S * busbw factor (2(N-1)/N for all-reduce, (N-1)/N else).
+
+    With it, DDP sends 2(N-1)/N Ψ and ZeRO-3 with the backward re-gather
+    3(N-1)/N Ψ: 1.5x, the ZeRO paper's "3Ψ versus 2Ψ" (7.2.2), where the
+    textbook pairing all-reduce = reduce-scatter + all-gather gives "the same 2Ψ".
+    """
+    return sum(size * bus_bandwidth_factor(kind, devices) for kind, size in collectives.items())
+
+
+# --- Overlapping communication with compute, and gradient buckets -------------
+# Compute and communication that wait for each other cost C + T; run at once
+# they cost max(C, T) (Narayanan et al. 2019, PipeDream, SOSP, Section 2;
+# the scaling book, Part 3, "overlapping communication"): overlap hides
+# min(C, T) and removes no bytes.
+
+
+@dataclass(frozen=True)
+class OverlapTime:
+    """A step of `compute_s` and `comm_s`, serial against overlapped."""
+
+    compute_s: float
+    comm_s: float
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def overlapped_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def hidden_s(self) -> float:
+        return min(self.compute_s, self.comm_s)
+
+    @property
+    def exposed_s(self) -> float:
+        """Communication still on the critical path once overlapped: max(0, T - C)."""
+        return self.overlapped_s - self.compute_s
+
+    @property
+    def speedup(self) -> float:
+        return self.serial_s / self.overlapped_s if self.overlapped_s else 1.0
+
+
+def overlap_time(compute_s: float, comm_s: float) -> OverlapTime:
+    """T = C + T_comm without overlap, max(C, T_comm) with it."""
+    if compute_s < 0 or comm_s < 0:
+        raise LabError(f"times must be >= 0 seconds, got compute {compute_s} and communication {comm_s}")
+    return OverlapTime(compute_s, comm_s)
+
+
+def collective_matmul_time(compute_s: float, step_comm_s: float, devices: int, *, bidirectional: bool = False) -> float:
+    """all_gather(X) @ W as N block products on a ring, each step's transfer under the previous product.
+
+    After Wang et al. 2023 ("Overlap Communication with Dependent Computation
+    via Decomposition", ASPLOS) and the scaling book, Part 3: N blocks of
+    c = C/N each; a ring needs N-1 transfers of one block (t each), so
+        T = c + (N-1) * max(c, t),
+    against C + (N-1) t for gather-then-multiply. Both directions at once move
+    two blocks per step for floor(N/2) steps: T = c + sum over steps of
+    max(blocks * c, t). When c < t (the matmul too small to cover a block's
+    transfer) the ring is communication-bound and overlap buys little.
+    """
+    _check_count_and_size(devices, 0)
+    if compute_s < 0 or step_comm_s < 0:
+        raise LabError(f"times must be >= 0 seconds, got compute {compute_s} and step {step_comm_s}")
+    block = compute_s / devices
+    if not bidirectional:
+        return block + (devices - 1) * max(block, step_comm_s)
+    steps = [2 if 2 * s != devices else 1 for s in range(1, devices // 2 + 1)]
+    return block + sum(max(blocks * block, step_comm_s) for blocks in steps)
+
+
+def bucket_count(total_bytes: float, bucket_bytes: float) -> int:
+    """ceil(G / b): the all-reduces of gradients G cut into buckets of b (one when b >= G)."""
+    if bucket_bytes <= 0:
+        raise LabError(f"bucket size {bucket_bytes}: a bucket must hold a positive number of bytes")
+    if total_bytes < 0:
+        raise LabError(f"gradient bytes must be >= 0, got {total_bytes}")
+    return max(1, math.ceil(total_bytes / bucket_bytes))
+
+
+@dataclass(frozen=True)
+class BucketedTime:
+    """A data-parallel step whose gradient all-reduce is cut into buckets."""
+
+    buckets: int
+    bucket_bytes: float
+    comm_s: float  # sum over buckets: n * latency + G * factor / beta
+    latency_s: float  # the n * alpha part of comm_s
+    backward_s: float
+    exposed_s: float  # communication left after the backward pass ends
+
+    @property
+    def step_s(self) -> float:
+        return self.backward_s + self.exposed_s
+
+
+def bucketed_allreduce_time(grad_bytes: float, bucket_bytes: float, devices: int, *, alpha: float, beta: float,
+                            backward_s: float = 0.0, overlap: bool = True, algorithm: str = "ring") -> BucketedTime:
+    """Gradients of G bytes all-reduced in buckets of b, during a backward pass of `backward_s`.
+
+    Each bucket is one all-reduce (`collective_cost`), so communication is
+        T_comm(b) = n(b) * alpha_AR + G * 2(N-1)/N / beta,   n(b) = ceil(G / b)
+    (Li et al. 2020, "PyTorch Distributed", VLDB, Section 3.2.3: the bucket
+    size trades launch latency against how early the first all-reduce can
+    start). With overlap the backward produces gradients at an even rate,
+    bucket i is ready at C * (bytes up to i) / G, buckets go one after another
+    on one channel, and the step waits for
+        end = max_i (ready_i + sum_{j >= i} t_j),   exposed = end - C,
+    whose i = last term is the exposed tail: the last bucket's all-reduce
+    starts no earlier than the end of the backward. Without overlap every
+    byte is exposed.
+    """
+    count = bucket_count(grad_bytes, bucket_bytes)
+    sizes = [min(bucket_bytes, grad_bytes - k * bucket_bytes) for k in range(count)]
+    costs = [collective_cost("all-reduce", s, devices, algorithm=algorithm, alpha=alpha, beta=beta) for s in sizes]
+    seconds = [c.seconds for c in costs]
+    comm_s, latency_s = sum(seconds), sum(c.latency_s for c in costs)
+    if not overlap:
+        return BucketedTime(count, bucket_bytes, comm_s, latency_s, backward_s, comm_s)
+    ready = [backward_s * min(1.0, (k + 1) * bucket_bytes / grad_bytes) if grad_bytes else backward_s for k in range(count)]
+    end, after = 0.0, 0.0  # after = sum_{j >= i} t_j, built from the last bucket back
+    for k in reversed(range(count)):
+        after += seconds[k]
+        end = max(end, ready[k] + after)
+    return BucketedTime(count, bucket_bytes, comm_s, latency_s, backward_s, max(0.0, end - backward_s))
+
+
+def optimal_bucket_bytes(grad_bytes: float, backward_s: float, bucket_latency_s: float) -> float:
+    """b* = G * sqrt(alpha_AR / C): the bucket that balances waiting for the first bucket against launches.
+
+    In the communication-bound regime the step ends at ready_1 + all
+    transfers = (b/G) C + (G/b) alpha_AR + G factor/beta; its derivative
+    C/G - G alpha_AR / b^2 vanishes at b* (this lab's derivation from the
+    model of `bucketed_allreduce_time`). When compute covers the
+    communication the tail (one bucket's all-reduce) is what is left, and
+    the best bucket is the smallest that keeps n * alpha_AR hidden.
+    """
+    if grad_bytes <= 0 or backward_s <= 0 or bucket_latency_s <= 0:
+        raise LabError("optimal_bucket_bytes needs positive gradient bytes, backward time and per-bucket latency")
+    return grad_bytes * math.sqrt(bucket_latency_s / backward_s)

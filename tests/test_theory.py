@@ -238,3 +238,172 @@ def test_dcn_uses_the_per_chip_data_centre_bandwidth():
     assert across_slices.seconds == pytest.approx(2 * 3 / 4 * 64 * MiB / v5p.dcn_bandwidth)
     with pytest.raises(LabError, match="no data-centre network"):
         predict_on_switch("all-reduce", MiB, profile("cpu"), 4, network="dcn")
+
+
+# --- 6. compute-bound thresholds (scaling book, Part 5) ------------------------
+
+
+def test_v5p_thresholds_match_the_book():
+    from lab.hardware import profile
+    from lab.theory import (
+        data_parallel_min_batch_per_chip,
+        fsdp_tp_min_batch_per_chip,
+        fsdp_tp_optimal_fsdp_ways,
+        ici_arithmetic_intensity,
+        tensor_parallel_max_ways,
+    )
+
+    v5p = profile("v5p")
+    assert ici_arithmetic_intensity(v5p) == pytest.approx(2550, rel=1e-3)
+    assert data_parallel_min_batch_per_chip(v5p, axes_spanned=3) == pytest.approx(850, rel=1e-3)
+    assert tensor_parallel_max_ways(v5p, mlp=32768) == pytest.approx(12.85, rel=1e-2)  # "8-16 way"
+    assert fsdp_tp_min_batch_per_chip(v5p, mlp=32768, fsdp_axes=2, tp_axes=1) == pytest.approx(397, rel=1e-2)  # "roughly 400"
+    assert fsdp_tp_optimal_fsdp_ways(batch_tokens=2**20, mlp=2**15, chips=64) == pytest.approx(math.sqrt(32 * 64))
+
+
+# --- ZeRO: model-state memory and data-parallel traffic -----------------------
+
+from lab.theory import ModelStateBytes, step_wire_bytes, zero_model_states, zero_step_collectives  # noqa: E402
+
+
+@pytest.mark.parametrize("stage, gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1_7_5b_parameters_on_64_devices(stage, gigabytes):
+    # ZeRO paper, Figure 1: Ψ = 7.5B, N_d = 64, K = 12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB
+    assert zero_model_states(stage, 7.5e9, 64).total / 1e9 == pytest.approx(gigabytes, abs=0.05)
+
+
+def test_zero_stages_partition_one_more_term_each():
+    psi, n = 1000, 8
+    assert zero_model_states(0, psi, n) == ModelStateBytes(2 * psi, 2 * psi, 12 * psi)
+    assert zero_model_states(1, psi, n) == ModelStateBytes(2 * psi, 2 * psi, 12 * psi / n)
+    assert zero_model_states(2, psi, n) == ModelStateBytes(2 * psi, 2 * psi / n, 12 * psi / n)
+    assert zero_model_states(3, psi, n) == ModelStateBytes(2 * psi / n, 2 * psi / n, 12 * psi / n)
+
+
+def test_zero3_moves_one_and_a_half_times_ddp_unless_it_keeps_the_gathered_weights():
+    psi, n = 1e9, 8
+    ddp = step_wire_bytes(zero_step_collectives(0, psi), n)
+    assert ddp == pytest.approx(2 * 7 / 8 * psi)
+    assert step_wire_bytes(zero_step_collectives(1, psi), n) == pytest.approx(ddp)  # RS + AG = AR
+    assert step_wire_bytes(zero_step_collectives(3, psi), n) / ddp == pytest.approx(1.5)
+    assert step_wire_bytes(zero_step_collectives(3, psi, regathered_bytes=0), n) / ddp == pytest.approx(1.0)
+
+
+def test_zero_rejects_an_unknown_stage():
+    with pytest.raises(LabError, match="ZeRO stage 4"):
+        zero_model_states(4, 10, 2)
+    with pytest.raises(LabError, match="ZeRO stage"):
+        zero_step_collectives(-1, 10)
+
+
+# --- Overlapping communication with compute, and gradient buckets -------------
+
+from lab.theory import (  # noqa: E402
+    bucket_count,
+    bucketed_allreduce_time,
+    collective_matmul_time,
+    collective_cost,
+    optimal_bucket_bytes,
+    overlap_time,
+)
+
+
+def test_overlap_hides_the_smaller_of_compute_and_communication():
+    step = overlap_time(0.100, 0.040)  # the quick-reference's example: 100 ms compute, 40 ms communication
+    assert (step.serial_s, step.overlapped_s) == pytest.approx((0.140, 0.100))
+    assert step.hidden_s == pytest.approx(0.040) and step.exposed_s == 0
+    assert overlap_time(0.040, 0.100).exposed_s == pytest.approx(0.060)  # communication-bound: overlap cannot hide it all
+
+
+def test_collective_matmul_hides_all_but_one_block_when_compute_covers_each_transfer():
+    assert collective_matmul_time(8.0, 0.5, 8) == pytest.approx(8.0)  # c = 1 > t: compute-bound, every transfer hidden
+    assert collective_matmul_time(8.0, 2.0, 8) == pytest.approx(1 + 7 * 2.0)  # c < t: the ring is communication-bound
+    # both directions: 4 steps on 8 devices, two blocks a step except the opposite block
+    assert collective_matmul_time(8.0, 0.5, 8, bidirectional=True) == pytest.approx(1 + 2 + 2 + 2 + 1)
+    assert collective_matmul_time(8.0, 3.0, 8, bidirectional=True) == pytest.approx(1 + 4 * 3.0)
+
+
+def test_bucket_count_rounds_up_and_a_huge_bucket_is_one():
+    assert bucket_count(10, 4) == 3
+    assert bucket_count(10, 10**9) == 1
+    with pytest.raises(LabError, match="positive"):
+        bucket_count(10, 0)
+
+
+def test_bucketed_time_without_overlap_is_the_sum_of_the_bucket_all_reduces():
+    g, n, alpha, beta = 100e6, 8, 1e-5, 1e10
+    result = bucketed_allreduce_time(g, 25e6, n, alpha=alpha, beta=beta, backward_s=1.0, overlap=False)
+    one = collective_cost("all-reduce", 25e6, n, algorithm="ring", alpha=alpha, beta=beta).seconds
+    assert result.buckets == 4 and result.comm_s == pytest.approx(4 * one) and result.exposed_s == result.comm_s
+    assert result.latency_s == pytest.approx(4 * 2 * (n - 1) * alpha)
+
+
+def test_with_overlap_only_the_last_bucket_is_exposed_when_compute_dominates():
+    g, n, alpha, beta = 100e6, 8, 1e-5, 1e10
+    result = bucketed_allreduce_time(g, 25e6, n, alpha=alpha, beta=beta, backward_s=10.0)
+    last = collective_cost("all-reduce", 25e6, n, algorithm="ring", alpha=alpha, beta=beta).seconds
+    assert result.exposed_s == pytest.approx(last) and result.step_s == pytest.approx(10.0 + last)
+
+
+def test_optimal_bucket_beats_its_neighbours_when_communication_bound():
+    g, n, alpha, beta, backward = 1e9, 64, 5e-6, 1e11, 0.01
+    latency = 2 * (n - 1) * alpha
+    best = optimal_bucket_bytes(g, backward, latency)
+    assert best == pytest.approx(g * math.sqrt(latency / backward))
+
+    def step(b):
+        return bucketed_allreduce_time(g, b, n, alpha=alpha, beta=beta, backward_s=backward).step_s
+
+    assert step(best) < step(best / 4) and step(best) < step(best * 4)
+
+
+# --- 5. Mixture of experts ------------------------------------------------------------
+
+from lab.theory import expert_capacity, moe_traffic, switch_aux_loss_range  # noqa: E402
+
+
+def test_switch_capacity_example_4096_tokens_64_experts_factor_1_25_gives_80():
+    assert expert_capacity(4096, 64, 1, 1.25) == 80
+    assert expert_capacity(4096, 64, 2, 1.0) == 128  # GShard top-2: 2·S/E
+    assert expert_capacity(10, 4, 1, 1.0) == 3  # rounded up: 2.5 -> 3
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, -1.0])
+def test_capacity_factor_at_or_below_zero_is_a_user_error(capacity_factor):
+    with pytest.raises(LabError, match="capacity factor"):
+        expert_capacity(4096, 64, 1, capacity_factor)
+
+
+def test_top_k_above_the_expert_count_is_a_user_error():
+    with pytest.raises(LabError, match="top-k 9 with 8 experts"):
+        expert_capacity(64, 8, 9, 1.0)
+
+
+def test_dispatch_plus_combine_move_2_B_L_d_k_over_the_group():
+    devices, tokens_per_device, d, k = 8, 512, 64, 2
+    traffic = moe_traffic(tokens_per_device, d, 16, k, devices, capacity_factor=1.25)
+    assert devices * traffic.elements == 2 * (devices * tokens_per_device) * d * k
+    assert traffic.cross_device_fraction == pytest.approx(7 / 8)
+    assert traffic.capacity == 80 and traffic.padding_factor == pytest.approx(1.25)
+
+
+def test_padding_with_no_dropping_is_experts_over_k():
+    traffic = moe_traffic(256, 32, 16, 2, 4, capacity_factor=None)
+    assert traffic.capacity == 256 and traffic.padding_factor == pytest.approx(16 / 2)
+
+
+def test_padding_rounds_capacity_up():
+    traffic = moe_traffic(100, 8, 8, 1, 8, capacity_factor=1.0)
+    assert traffic.capacity == 13 and traffic.padded_elements == 2 * 8 * 13 * 8
+
+
+def test_traffic_needs_experts_divisible_by_the_group():
+    with pytest.raises(LabError, match="12 experts do not split over 8"):
+        moe_traffic(64, 8, 12, 1, 8)
+
+
+def test_switch_aux_loss_is_alpha_when_balanced_and_alpha_n_when_collapsed():
+    assert switch_aux_loss_range(64, alpha=0.01) == pytest.approx((0.01, 0.64))
+    balanced, collapsed = switch_aux_loss_range(8)
+    assert balanced == 1.0 and collapsed == 8.0
+    assert collapsed / 8 == 1.0 and balanced / 8 == pytest.approx(1 / 8)  # the bare sum Σ f·P: 1/N to 1

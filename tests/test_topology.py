@@ -63,3 +63,15 @@ def test_multislice_hlo_numbers_devices_within_one_slice():
     program = build_program("all-reduce", mesh, ("fsdp",))
     found = inspect(program.fn, program.abstract_input(1024), mesh=mesh).collectives
     assert [(c.kind, c.axes, c.group_size) for c in found] == [("all-reduce", ("fsdp",), 2)]
+
+
+def test_a_256_chip_slice_compiles_and_maps_its_axes():
+    from lab.collectives import build_program
+    from lab.hlo import inspect
+
+    mesh = MeshSpec(fsdp=16, tensor=16).build(topology_devices("v6e:16x16"))
+    assert {placement(mesh, (a,)).torus_dims for a in ("fsdp", "tensor")} == {(0,), (1,)}
+    assert placement(mesh, ("tensor",)).wraps == (True,)  # v6e wraps an axis of 16 chips
+    program = build_program("all-gather", mesh, ("tensor",))
+    found = inspect(program.fn, program.abstract_input(2**20), mesh=mesh).collectives
+    assert [(c.axes, c.group_size) for c in found] == [(("tensor",), 16)]

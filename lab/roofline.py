@@ -1,0 +1,87 @@
+"""Roofline of a compiled program: compute-, memory- or communication-bound?
+
+For one step of an SPMD program on one chip (the scaling book, Part 1
+"Rooflines", and Part 5 "Training"), three lower bounds on its time:
+
+* compute:       T_math = FLOPs per chip / peak FLOP/s
+* memory:        T_hbm  = bytes accessed per chip / HBM bandwidth
+* communication: T_comm = the sum of each collective's predicted time on the
+  links its mesh axes use (lab.topology), counted without overlap.
+
+XLA's cost analysis of the partitioned module gives FLOPs and bytes per chip;
+the collectives come from its optimized HLO. With perfect overlap the step
+takes max(T_math, T_hbm, T_comm); with none, about the sum. A program is
+"bound" by its largest term: compute-bound is the goal, communication-bound
+means more chips no longer help.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lab.hardware import ChipProfile, profile_for_device_kind
+from lab.hlo import Collective, Inspection
+from lab.topology import Placement, placement, predict
+
+
+@dataclass(frozen=True)
+class PredictedCollective:
+    collective: Collective
+    where: Placement | None  # None: no mesh axes known for it
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """Predicted times of one compiled step on one chip profile."""
+
+    chip: str
+    flops: float
+    bytes_accessed: float
+    compute_s: float
+    memory_s: float
+    collectives: tuple[PredictedCollective, ...]
+
+    @property
+    def communication_s(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def bound(self) -> str:
+        """Which term is largest: "compute", "memory" or "communication"."""
+        terms = {"compute": self.compute_s, "memory": self.memory_s, "communication": self.communication_s}
+        return max(terms, key=terms.get)
+
+    @property
+    def overlapped_s(self) -> float:
+        """Step time if everything overlapped perfectly: the largest term."""
+        return max(self.compute_s, self.memory_s, self.communication_s)
+
+    @property
+    def serial_s(self) -> float:
+        """Step time if nothing overlapped: the sum."""
+        return self.compute_s + self.memory_s + self.communication_s
+
+
+def roofline(inspection: Inspection, mesh, chip: ChipProfile | None = None) -> Roofline:
+    """Predict compute, HBM and communication time for a program compiled over `mesh`."""
+    chip = chip or profile_for_device_kind(mesh.devices.flat[0].device_kind)
+    flops = inspection.cost.get("flops", 0.0)
+    accessed = inspection.cost.get("bytes accessed", 0.0)
+    return Roofline(
+        chip=chip.name,
+        flops=flops,
+        bytes_accessed=accessed,
+        compute_s=flops / chip.peak_bf16_flops,
+        memory_s=accessed / chip.hbm_bandwidth,
+        collectives=tuple(_predicted(c, mesh, chip) for c in inspection.collectives),
+    )
+
+
+def _predicted(collective: Collective, mesh, chip: ChipProfile) -> PredictedCollective:
+    if not collective.axes:
+        return PredictedCollective(collective, None, 0.0)
+    where = placement(mesh, collective.axes, chip)
+    cost = predict(collective.kind, collective.size_bytes, where, chip)
+    runs = collective.repeats if collective.repeats is not None else 1
+    return PredictedCollective(collective, where, runs * (cost.seconds if cost else 0.0))
