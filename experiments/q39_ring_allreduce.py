@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lab import hlo, theory  # noqa: E402
-from lab.bench import format_bytes, parse_size, size_sweep, time_fn  # noqa: E402
+from lab.bench import crossover, format_bytes, parse_size, size_sweep, time_fn  # noqa: E402
 from lab.collectives import build_program  # noqa: E402
 from lab.devices import devices_for  # noqa: E402
 from lab.mesh import AXES, MeshSpec  # noqa: E402
@@ -161,21 +161,11 @@ def _crossovers(sizes, sweep, n, alpha, beta) -> dict:
     predicted = theory.crossover_bytes("all-reduce", "recursive-doubling", "ring", n, alpha=alpha, beta=beta)
     ring = [t.median for t in sweep["ring-all-reduce"]]
     doubling = [t.median for t in sweep["recursive-doubling-all-reduce"]]
-    measured = _first_crossing(sizes, doubling, ring)
+    measured = crossover(sizes, np.asarray(ring) / np.asarray(doubling))  # where the ring overtakes doubling
     # rtol 0.5 (relative to the larger) accepts exactly a factor of 2 either way
     label = "size where the ring overtakes recursive doubling (bytes; within 2x)"
     checks = [check(label, round(predicted), round(measured) if measured else "no crossing in the sweep", rtol=0.5)]
     return {"predicted": predicted, "measured": measured, "checks": checks}
-
-
-def _first_crossing(sizes, few_steps, ring) -> float | None:
-    """The size (log-interpolated) where `ring` first becomes faster than `few_steps`."""
-    diff = np.log(np.asarray(ring)) - np.log(np.asarray(few_steps))  # < 0: the ring is faster
-    for i in range(1, len(sizes)):
-        if diff[i - 1] >= 0 > diff[i]:
-            w = diff[i - 1] / (diff[i - 1] - diff[i])
-            return float(math.exp(math.log(sizes[i - 1]) + w * (math.log(sizes[i]) - math.log(sizes[i - 1]))))
-    return None
 
 
 def _model_checks(sizes, sweep, predicted) -> list:

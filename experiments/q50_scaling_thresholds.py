@@ -17,7 +17,6 @@ own program has, next to the book's.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import matplotlib
@@ -26,12 +25,11 @@ matplotlib.use("Agg")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from lab import hlo, theory  # noqa: E402
-from lab.bench import format_bytes  # noqa: E402
+from lab.bench import crossover, format_bytes  # noqa: E402
 from lab.devices import parse_target, topology_devices  # noqa: E402
 from lab.hardware import profile_for_device_kind  # noqa: E402
 from lab.mesh import MeshSpec  # noqa: E402
@@ -183,18 +181,8 @@ def _thresholds(sweep, chip, config: Config) -> dict:
             predicted = theory.fsdp_tp_min_batch_per_chip(chip, config.mlp, _axes_spanned(mesh, "fsdp"), _axes_spanned(mesh, "tensor"))
         else:
             predicted = theory.data_parallel_min_batch_per_chip(chip, _axes_spanned(mesh, "data" if name == "data parallel" else "fsdp"))
-        out[name] = {"theory": predicted, "xla": _crossing([r["batch_per_chip"] for r in rows], [r["ratio"] for r in rows])}
+        out[name] = {"theory": predicted, "xla": crossover([r["batch_per_chip"] for r in rows], [r["ratio"] for r in rows])}
     return out
-
-
-def _crossing(batches, ratios) -> float | None:
-    """Batch per chip (log-interpolated) where comm/compute falls through 1."""
-    logs = np.log(np.asarray(ratios))
-    for i in range(1, len(batches)):
-        if logs[i - 1] >= 0 > logs[i]:
-            w = logs[i - 1] / (logs[i - 1] - logs[i])
-            return float(math.exp(math.log(batches[i - 1]) + w * (math.log(batches[i]) - math.log(batches[i - 1]))))
-    return None
 
 
 def _checks(sweep, thresholds, tensor, chip, config: Config) -> list:

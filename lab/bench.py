@@ -129,3 +129,21 @@ def measure_collective(op: str, mesh, axes, size: int, *, dtype: str = "float32"
         op, size, size // np.dtype(dtype).itemsize, dtype, n, timing,
         theory.algorithm_bandwidth(size, timing.median), theory.bus_bandwidth(op, size, timing.median, n), wrong, found,
     )
+
+
+def crossover(xs, ratios) -> float | None:
+    """The x (interpolated on log scales) where a ratio first falls from >= 1 to < 1; None if it never does.
+
+    The crossover of two measured curves a(x), b(x) is ``crossover(xs, a / b)``:
+    where b overtakes a.
+    """
+    import math
+
+    import numpy as np
+
+    logs = np.log(np.asarray(ratios, dtype=float))
+    for i in range(1, len(xs)):
+        if logs[i - 1] >= 0 > logs[i]:
+            w = logs[i - 1] / (logs[i - 1] - logs[i])
+            return float(math.exp(math.log(xs[i - 1]) + w * (math.log(xs[i]) - math.log(xs[i - 1]))))
+    return None

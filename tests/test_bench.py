@@ -34,3 +34,11 @@ def test_time_fn_counts_repeats_and_orders_its_statistics():
 
 def test_format_bytes():
     assert format_bytes(512) == "512 Bytes" and format_bytes(1536) == "1.5 KiB" and format_bytes(64 * 2**20) == "64 MiB"
+
+
+def test_crossover_interpolates_where_a_ratio_falls_through_one():
+    from lab.bench import crossover
+
+    assert crossover([1, 4], [2.0, 0.5]) == pytest.approx(2.0)  # log-midpoint
+    assert crossover([1, 2, 4], [0.5, 0.4, 0.3]) is None
+    assert crossover([1, 2, 4], [3.0, 1.0, 0.5]) == pytest.approx(2.0)
