@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lab import hlo, theory  # noqa: E402
-from lab.bench import crossover, format_bytes, parse_size, size_sweep, time_fn  # noqa: E402
+from lab.bench import crossover, format_bytes, parse_size, size_sweep, time_fn, time_interleaved  # noqa: E402
 from lab.collectives import build_program  # noqa: E402
 from lab.devices import devices_for  # noqa: E402
 from lab.mesh import AXES, MeshSpec  # noqa: E402
@@ -117,7 +117,8 @@ def _ring_against_psum(n: int, devices, size: int, repeats: int) -> dict:
     permutes = [c for c in found if c.kind == "collective-permute"]
     sent = sum(c.operand_bytes * (c.repeats or 1) for c in permutes)
     same = bool(np.array_equal(np.asarray(compiled_ring(placed)), np.asarray(compiled_psum(placed))))
-    t_ring, t_psum = time_fn(compiled_ring, placed, repeats=repeats), time_fn(compiled_psum, placed, repeats=repeats)
+    timings = time_interleaved({"ring": (compiled_ring, (placed,)), "psum": (compiled_psum, (placed,))}, repeats=repeats)
+    t_ring, t_psum = timings["ring"], timings["psum"]
     expected = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1)
     checks = [
         check(f"N={n}: ring result equals psum (all elements)", True, same),

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab import hlo, theory
-from lab.bench import format_bytes, parse_size, time_fn
+from lab.bench import format_bytes, parse_size, time_interleaved
 from lab.collectives import all_gather, all_reduce, reduce_scatter
 from lab.devices import devices_for, topology_devices
 from lab.errors import LabError
@@ -114,7 +114,7 @@ def _compare(mesh, size: int, repeats: int) -> dict:
         seen[name], _ = hlo.parse_collectives(compiled[name].as_text(), mesh.devices.shape)
     same = bool(np.array_equal(np.asarray(compiled["all-reduce"](placed)), np.asarray(compiled["reduce-scatter + all-gather"](placed))))
     sent = {name: sum(c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size) for c in found) for name, found in seen.items()}
-    timing = {name: time_fn(c, placed, repeats=repeats, min_seconds=0.02) for name, c in compiled.items()}
+    timing = time_interleaved({name: (c, (placed,)) for name, c in compiled.items()}, repeats=repeats)
     ring = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1).bytes_sent
     label = f"D={format_bytes(size)}"
     checks = [

@@ -60,6 +60,22 @@ def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 10, min_seconds
     return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
+def time_interleaved(calls: dict[str, tuple[Callable, tuple]], *, repeats: int = 5, warmup: int = 1) -> dict[str, Timing]:
+    """Time several programs round-robin: one call of each per round, `repeats` rounds.
+
+    On a shared machine the load drifts during a measurement; taking turns
+    spreads the drift over every variant alike, so their ratios stay fair,
+    which timing each variant in one block does not.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for name, (fn, args) in calls.items():
+        time_fn(fn, *args, warmup=warmup, repeats=1)
+    for _ in range(repeats):
+        for name, (fn, args) in calls.items():
+            samples[name].append(time_fn(fn, *args, warmup=0, repeats=1).median)
+    return {name: Timing(statistics.median(s), min(s), max(s), len(s)) for name, s in samples.items()}
+
+
 def parse_size(text: str | int) -> int:
     """``"64M"`` -> 67108864 bytes (K, M, G are powers of 1024, as in nccl-tests)."""
     if isinstance(text, int):

@@ -413,6 +413,29 @@ def switch_aux_loss_range(experts: int, alpha: float = 1.0) -> tuple[float, floa
     return alpha, alpha * experts
 
 
+def dropped_share(loads: Sequence[float], capacity: float) -> float:
+    """Share of routed assignments that find their expert full: Σ_i max(0, n_i - C) / Σ_i n_i.
+
+    `loads` are the assignments each expert (or expert replica) receives from
+    one group; C is its capacity (`expert_capacity`). Dropping is per expert:
+    idle slots elsewhere do not absorb an overflow (Switch Transformer §2.2).
+    """
+    total = sum(loads)
+    if total <= 0 or capacity < 0:
+        raise LabError(f"dropped share needs a positive load and a capacity >= 0, got {total} assignments and capacity {capacity}")
+    return sum(max(0.0, n - capacity) for n in loads) / total
+
+
+def capacity_factor_to_drop_nothing(max_load: float, tokens: int, experts: int, top_k: int) -> float:
+    """The capacity factor at which the busiest expert fits: n_max · E / (tokens · k), inverting `expert_capacity`.
+
+    A hot expert with a share h of the tokens (top-1) needs cf = h·E: every
+    other expert's buffer grows with it, since capacity is one number for all.
+    """
+    _check_moe(tokens, experts, top_k)
+    return max_load * experts / (tokens * top_k)
+
+
 def _check_moe(tokens: int, experts: int, top_k: int) -> None:
     if experts < 1 or tokens < 1:
         raise LabError(f"an MoE layer needs at least one expert and one token, got {experts} experts, {tokens} tokens")
@@ -665,3 +688,141 @@ def optimal_bucket_bytes(grad_bytes: float, backward_s: float, bucket_latency_s:
     if grad_bytes <= 0 or backward_s <= 0 or bucket_latency_s <= 0:
         raise LabError("optimal_bucket_bytes needs positive gradient bytes, backward time and per-bucket latency")
     return grad_bytes * math.sqrt(bucket_latency_s / backward_s)
+
+
+# --- Pipeline parallelism: bubbles, step time, activations in flight ---------
+#
+# P stages, m micro-batches, v chunks (virtual stages) per device, F and B the
+# forward and backward time of one micro-batch on one whole stage. The
+# schedules themselves, and a simulator that checks every formula here, are in
+# lab.parallel.pipeline.
+
+
+def _check_pipeline(stages: int, micro_batches: int, chunks: int = 1) -> None:
+    for name, value in (("stages", stages), ("micro_batches", micro_batches), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise LabError(f"{name}={value!r}: a pipeline needs a positive whole number of {name.replace('_', '-')}")
+
+
+def pipeline_bubble_fraction(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """Idle share of the step, equal stages and costs: (P-1) / (v·m + P-1).
+
+    v = 1 is GPipe (Huang et al. 2019, Sec. 2.3: bubble O((K-1)/(M+K-1)))
+    and equally 1F1B: with F and B the same on every stage both take
+    (m + P - 1)(F + B), since 1F1B only reorders each stage's work
+    (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+    GPU Clusters Using Megatron-LM", Sec. 2.2.1: "the bubble time is the same").
+    Interleaving v chunks cuts the bubble *time* to (P-1)(F+B)/v (ibid.,
+    Sec. 2.2.2), so of the whole step it is (P-1)/(v·m + P-1).
+    """
+    _check_pipeline(stages, micro_batches, chunks)
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
+
+
+def pipeline_bubble_ratio(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """Megatron-LM's bubble time over ideal time: (P-1) / (v·m) (Narayanan et al. 2021, Sec. 2.2)."""
+    _check_pipeline(stages, micro_batches, chunks)
+    return (stages - 1) / (chunks * micro_batches)
+
+
+def pipeline_step_time(stages: int, micro_batches: int, forward: float, backward: float, chunks: int = 1) -> float:
+    """m(F+B) + (P-1)(F+B)/v: the ideal work plus the bubble (equal stages; Narayanan et al. 2021, Sec. 2.2)."""
+    _check_pipeline(stages, micro_batches, chunks)
+    return (micro_batches + (stages - 1) / chunks) * (forward + backward)
+
+
+def imbalanced_step_time(forward: Sequence[float], backward: Sequence[float], micro_batches: int) -> float:
+    """GPipe with a time per stage: sum_s (F_s + B_s) + (m-1)(max_s F_s + max_s B_s).
+
+    Each phase is a flow shop of m identical jobs through the stages in order,
+    whose makespan is the sum of the stage times plus m-1 times the slowest
+    one (Johnson 1954; Pinedo, "Scheduling", 2016, Sec. 6.1): the slowest
+    stage sets the pace, the others wait for it.
+    """
+    _check_pipeline(len(forward), micro_batches)
+    if len(forward) != len(backward):
+        raise LabError(f"give one backward time per stage: {len(forward)} forward, {len(backward)} backward")
+    return sum(forward) + sum(backward) + (micro_batches - 1) * (max(forward) + max(backward))
+
+
+def zero_bubble_h1_step_time(stages: int, micro_batches: int, forward: float, input_grad: float, weight_grad: float) -> float:
+    """ZB-H1: m(F+I+W) + (P-1)(F+I-W), for m >= P (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 3.1).
+
+    I is the input-gradient half of the backward and W the weight-gradient
+    half; 1F1B's bubble is (P-1)(F+I+W), so with F = I = W ZB-H1 keeps a third of it.
+    """
+    _check_pipeline(stages, micro_batches)
+    if micro_batches < stages:
+        raise LabError(f"the ZB-H1 formula assumes m >= P; got m={micro_batches}, P={stages} (simulate the schedule instead)")
+    return micro_batches * (forward + input_grad + weight_grad) + (stages - 1) * (forward + input_grad - weight_grad)
+
+
+def peak_micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0, chunks: int = 1) -> float:
+    """Micro-batches whose activations stage `stage` holds at once, in units of one whole stage's activations.
+
+    * gpipe: all m (every forward runs before the first backward);
+    * 1f1b: min(P - s, m): P - 1 - s warm-up forwards plus the one in steady
+      state (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
+      Training", Sec. 3.2): bounded by P, not m;
+    * interleaved: device d warms up with 2(P-1-d) + (v-1)P chunk forwards
+      (Megatron-LM's schedule), one more in steady state, each 1/v of a stage:
+      min(m, P + (P-1-2d)/v): a little more than 1F1B;
+    * zb-h1: P on every stage for m >= P (1F1B's P - s plus the s weight
+      gradients held back).
+    """
+    _check_pipeline(stages, micro_batches, chunks)
+    if not 0 <= stage < stages:
+        raise LabError(f"stage {stage} is not one of the {stages} stages (0 to {stages - 1})")
+    peaks = {
+        "gpipe": lambda: float(micro_batches),
+        "1f1b": lambda: float(min(stages - stage, micro_batches)),
+        "interleaved": lambda: min(float(micro_batches), stages + (stages - 1 - 2 * stage) / chunks),
+        "zb-h1": lambda: float(min(stages, micro_batches)),
+    }
+    if schedule not in peaks:
+        raise LabError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(peaks)}")
+    return peaks[schedule]()
+
+
+def optimal_micro_batches(stages: int, work_s: float, overhead_s: float) -> float:
+    """The m that minimises (m + P - 1)(W/m + c): m* = sqrt((P-1) W / c).
+
+    Splitting a fixed batch whose forward and backward take W per stage into m
+    micro-batches makes each tick W/m of work plus a fixed cost c (launch,
+    send, bookkeeping), over m + P - 1 ticks per direction. More micro-batches
+    shrink the bubble (the (P-1) W/m term) but pay c once more each (the m·c
+    term); the two balance at m*. The same square root as the gradient-bucket
+    optimum above, from the same trade.
+    """
+    _check_pipeline(stages, 1)
+    if work_s <= 0 or overhead_s <= 0:
+        raise LabError("optimal_micro_batches needs a positive work time and a positive per-micro-batch overhead")
+    return math.sqrt((stages - 1) * work_s / overhead_s)
+
+
+# --- Activation memory under tensor and sequence parallelism -----------------
+# Source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+# Transformer Models" (arXiv:2205.05198), Section 4, eqs. (1)-(3). Bytes kept for
+# the backward pass by one transformer layer, 16-bit activations: s sequence,
+# b micro-batch, h hidden, a heads, t tensor-parallel ways. The 34 is
+# attention 11sbh + MLP 19sbh + two layer norms 4sbh; 5as^2b is the softmax
+# output (2), its dropout mask (1) and dropout output (2). Without dropout the
+# three sbh-sized masks-and-outputs vanish: 34 -> 32 (mask bytes sbh in attention
+# and in the MLP) and 5 -> 2, and TP's unsplit 10 -> 8.
+
+
+def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tensor: int = 1, *,
+                               sequence_parallel: bool = False, dropout: bool = True) -> float:
+    """Korthikanti et al. 2022: sbh(34 + 5as/h) alone, sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34 + 5as/h)/t with TP+SP.
+
+    With TP alone the 10sbh of the layer norms, the inputs of the first
+    matmuls and the dropout masks stay whole on every device; SP splits them
+    along the sequence too, so everything is divided by t.
+    """
+    if min(seq, batch, hidden, heads, tensor) < 1:
+        raise LabError(f"activation memory needs positive sizes, got s={seq}, b={batch}, h={hidden}, a={heads}, t={tensor}")
+    whole, split, attention = (10, 24, 5) if dropout else (8, 24, 2)
+    sbh = seq * batch * hidden
+    if sequence_parallel:
+        return sbh * (whole + split + attention * heads * seq / hidden) / tensor
+    return sbh * (whole + split / tensor + attention * heads * seq / (hidden * tensor))

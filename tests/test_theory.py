@@ -298,14 +298,7 @@ def test_zero_rejects_an_unknown_stage():
 
 # --- Overlapping communication with compute, and gradient buckets -------------
 
-from lab.theory import (  # noqa: E402
-    bucket_count,
-    bucketed_allreduce_time,
-    collective_matmul_time,
-    collective_cost,
-    optimal_bucket_bytes,
-    overlap_time,
-)
+from lab.theory import bucket_count, bucketed_allreduce_time, collective_matmul_time, optimal_bucket_bytes, overlap_time
 
 
 def test_overlap_hides_the_smaller_of_compute_and_communication():
@@ -359,7 +352,7 @@ def test_optimal_bucket_beats_its_neighbours_when_communication_bound():
 
 # --- 5. Mixture of experts ------------------------------------------------------------
 
-from lab.theory import expert_capacity, moe_traffic, switch_aux_loss_range  # noqa: E402
+from lab.theory import capacity_factor_to_drop_nothing, dropped_share, expert_capacity, moe_traffic, switch_aux_loss_range  # noqa: E402
 
 
 def test_switch_capacity_example_4096_tokens_64_experts_factor_1_25_gives_80():
@@ -407,3 +400,117 @@ def test_switch_aux_loss_is_alpha_when_balanced_and_alpha_n_when_collapsed():
     balanced, collapsed = switch_aux_loss_range(8)
     assert balanced == 1.0 and collapsed == 8.0
     assert collapsed / 8 == 1.0 and balanced / 8 == pytest.approx(1 / 8)  # the bare sum Σ f·P: 1/N to 1
+
+
+def test_dropped_share_counts_overflow_per_expert():
+    assert dropped_share([30, 10, 0, 0], capacity=12) == pytest.approx(18 / 40)  # idle experts do not absorb the overflow
+    assert dropped_share([10, 10, 10, 10], capacity=10) == 0.0
+    with pytest.raises(LabError, match="positive load"):
+        dropped_share([0, 0], capacity=4)
+
+
+def test_a_hot_expert_with_share_h_needs_capacity_factor_h_times_e():
+    tokens, experts = 4096, 64
+    assert capacity_factor_to_drop_nothing(0.25 * tokens, tokens, experts, 1) == pytest.approx(0.25 * 64)
+    assert expert_capacity(tokens, experts, 1, capacity_factor_to_drop_nothing(0.25 * tokens, tokens, experts, 1)) == 1024
+
+
+# --- activation memory under tensor and sequence parallelism -------------------
+
+
+def test_activation_memory_matches_korthikanti_formulas():
+    from lab.theory import activation_bytes_per_layer
+
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B's layer (the paper's Table 3 model)
+    sbh = s * b * h
+    assert activation_bytes_per_layer(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(s, b, h, a, 8) == pytest.approx(sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)))
+    assert activation_bytes_per_layer(s, b, h, a, 8, sequence_parallel=True) == pytest.approx(sbh * (34 + 5 * a * s / h) / 8)
+    assert activation_bytes_per_layer(s, b, h, a, 1, sequence_parallel=True) == activation_bytes_per_layer(s, b, h, a)
+
+
+def test_activation_memory_without_dropout_drops_masks():
+    from lab.theory import activation_bytes_per_layer
+
+    assert activation_bytes_per_layer(16, 2, 64, 4, dropout=False) == pytest.approx(16 * 2 * 64 * (32 + 2 * 4 * 16 / 64))
+    assert activation_bytes_per_layer(16, 2, 64, 4, 4, dropout=False) == pytest.approx(16 * 2 * 64 * (8 + 6 + 2 * 4 * 16 / 256))
+    with pytest.raises(LabError, match="positive sizes"):
+        activation_bytes_per_layer(16, 2, 64, 4, 0)
+
+
+# --- Pipeline parallelism: bubbles, step time, activations in flight ---------
+
+from lab import theory as pipeline_theory  # noqa: E402  (section-local import: the section was added last)
+
+
+def test_gpipe_bubble_is_small_once_m_is_four_times_k():
+    # GPipe (Huang et al. 2019, Sec. 2.3): bubble O((K-1)/(M+K-1)), "negligible when M >= 4 x K"
+    for k in (2, 4, 8, 16):
+        assert pipeline_theory.pipeline_bubble_fraction(k, 4 * k) == pytest.approx((k - 1) / (5 * k - 1))
+        assert pipeline_theory.pipeline_bubble_fraction(k, 4 * k) < 0.2
+    assert pipeline_theory.pipeline_bubble_fraction(4, 4) == pytest.approx(3 / 7)  # the quick-reference's example
+
+
+def test_megatron_bubble_ratio_and_interleaving():
+    # Narayanan et al. 2021, Sec. 2.2: t_pb / t_id = (p-1)/m, and (1/v)(p-1)/m interleaved
+    assert pipeline_theory.pipeline_bubble_ratio(8, 32) == pytest.approx(7 / 32)
+    assert pipeline_theory.pipeline_bubble_ratio(8, 32, chunks=2) == pytest.approx(7 / 64)
+    ratio = pipeline_theory.pipeline_bubble_ratio(4, 8, 2)
+    assert pipeline_theory.pipeline_bubble_fraction(4, 8, 2) == pytest.approx(ratio / (1 + ratio))  # bubble / (ideal + bubble)
+    assert pipeline_theory.pipeline_step_time(4, 8, 1.0, 2.0) == pytest.approx(11 * 3)
+    assert pipeline_theory.pipeline_step_time(4, 8, 1.0, 2.0, chunks=2) == pytest.approx((8 + 1.5) * 3)
+
+
+def test_zero_bubble_h1_keeps_a_third_of_the_1f1b_bubble():
+    # Qi et al. 2024, Sec. 3.1: 1F1B bubble (p-1)(T_F+T_B+T_W), ZB-H1 (p-1)(T_F+T_B-T_W)
+    p, m = 4, 12
+    one_f_one_b = pipeline_theory.pipeline_step_time(p, m, 1.0, 2.0) - m * 3.0
+    zb = pipeline_theory.zero_bubble_h1_step_time(p, m, 1.0, 1.0, 1.0) - m * 3.0
+    assert zb * 3 == pytest.approx(one_f_one_b)
+    with pytest.raises(LabError, match="m >= P"):
+        pipeline_theory.zero_bubble_h1_step_time(8, 4, 1.0, 1.0, 1.0)
+
+
+def test_imbalanced_stages_set_the_pace():
+    assert pipeline_theory.imbalanced_step_time([1.0] * 4, [2.0] * 4, 8) == pytest.approx(pipeline_theory.pipeline_step_time(4, 8, 1.0, 2.0))
+    # the quick-reference's follow-up: stage 0 takes 2 s, stage 1 takes 1 s, forward and backward alike
+    assert pipeline_theory.imbalanced_step_time([2.0, 1.0], [2.0, 1.0], 8) == pytest.approx(6 + 7 * 4)
+    with pytest.raises(LabError, match="one backward time per stage"):
+        pipeline_theory.imbalanced_step_time([1.0, 1.0], [1.0], 4)
+
+
+def test_micro_batches_in_flight():
+    assert pipeline_theory.peak_micro_batches_in_flight("gpipe", 4, 16) == 16
+    assert [pipeline_theory.peak_micro_batches_in_flight("1f1b", 4, 16, s) for s in range(4)] == [4, 3, 2, 1]
+    assert pipeline_theory.peak_micro_batches_in_flight("1f1b", 4, 2) == 2
+    assert pipeline_theory.peak_micro_batches_in_flight("interleaved", 4, 16, 0, chunks=2) == pytest.approx(4 + 3 / 2)
+    assert pipeline_theory.peak_micro_batches_in_flight("zb-h1", 4, 16, 3) == 4
+    with pytest.raises(LabError, match="unknown pipeline schedule"):
+        pipeline_theory.peak_micro_batches_in_flight("pipedream-2bw", 4, 16)
+    with pytest.raises(LabError, match="not one of the 4 stages"):
+        pipeline_theory.peak_micro_batches_in_flight("1f1b", 4, 16, 4)
+
+
+@given(st.integers(2, 16), st.floats(1e-3, 10.0), st.floats(1e-5, 1e-1))
+def test_optimal_micro_batches_minimises_the_step(stages, work, overhead):
+    best = pipeline_theory.optimal_micro_batches(stages, work, overhead)
+
+    def step(m: float) -> float:
+        return (m + stages - 1) * (work / m + overhead)
+
+    assert step(best) <= min(step(best * 0.9), step(best * 1.1)) + 1e-12
+
+
+def test_rule_of_thumb_leaves_a_fifth_to_a_third_of_the_step_idle():
+    for p in (2, 4, 8, 16):
+        assert pipeline_theory.pipeline_bubble_fraction(p, 2 * (p - 1)) == pytest.approx(1 / 3)
+        assert pipeline_theory.pipeline_bubble_fraction(p, 4 * (p - 1)) == pytest.approx(1 / 5)
+
+
+def test_pipeline_theory_rejects_bad_sizes():
+    with pytest.raises(LabError, match="positive whole number of micro-batches"):
+        pipeline_theory.pipeline_bubble_fraction(4, 0)
+    with pytest.raises(LabError, match="positive whole number of chunks"):
+        pipeline_theory.pipeline_bubble_fraction(4, 8, chunks=0)
+    with pytest.raises(LabError, match="positive work time"):
+        pipeline_theory.optimal_micro_batches(4, 1.0, 0.0)
