@@ -2,13 +2,13 @@
 
 Every parameter is declared with the *meaning* of each dimension, e.g.
 ``nnx.Param(w, out_sharding=("embed", "mlp"))``; the model never names a mesh
-axis. A `Layout` (see `lab.parallel`) decides at run time where each weight
-lives and how it reaches a matmul: `layout.use(param)` is the single point
-where a sharded weight is gathered (ZeRO-3's all-gather), cast to the compute
-dtype and named for rematerialization.
+axis. A `Layout` (see `lab.parallel.fsdp`) decides at run time where each
+weight lives and how it reaches a matmul: `layout.use(param)` is the single
+point where a sharded weight is gathered (ZeRO-3's all-gather) and cast to the
+compute dtype, and `layout.remat_policy` decides what the backward pass keeps.
 
 Declare abstractly, create sharded (the jax-llm-examples / nanodo pattern):
-`abstract_params(config)` gives shapes, dtypes and logical axes without
+`abstract_model(config)` gives shapes, dtypes and logical axes without
 allocating; `create_params(config, shardings)` runs the initializers under
 ``jit(out_shardings=...)``, so each device only ever materializes its shard
 of a 1B-parameter model.
@@ -23,8 +23,9 @@ embeddings, RMSNorm scales, rotary positions):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,13 @@ class ModelConfig:
     @property
     def parameters(self) -> int:
         """Ψ = 2VD + L(4DHK + 2DF + 2D) + D (see the module docstring)."""
-        v, d, h, k, f, n = self.vocab, self.embed, self.heads, self.head_dim, self.mlp, self.layers
-        return 2 * v * d + n * (4 * d * h * k + 2 * d * f + 2 * d) + d
+        return 2 * self.vocab * self.embed + self.block_parameters + self.embed
+
+    @property
+    def block_parameters(self) -> int:
+        """L(4DHK + 2DF + 2D): the weights inside the layer scan (attention, MLP, their two norms)."""
+        d = self.embed
+        return self.layers * (4 * d * self.heads * self.head_dim + 2 * d * self.mlp + 2 * d)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -99,7 +105,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
         x = x_BSD.astype(jnp.float32)
         normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-        return (normed * layout.use(self.scale).astype(jnp.float32)).astype(x_BSD.dtype)
+        # an einsum, not a broadcast multiply: JAX allows a reduced (replicated, gradient-unreduced) weight in a dot only
+        return jnp.einsum("bsd,d->bsd", normed, layout.use(self.scale).astype(jnp.float32)).astype(x_BSD.dtype)
 
 
 def rotary(x_BSHK: jax.Array) -> jax.Array:
@@ -180,7 +187,10 @@ class Transformer(nnx.Module):
         self.unembed = _param(rngs, _fan_in(0, 1), (config.embed, config.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, layout: Layout) -> jax.Array:
-        x_BSD = jnp.take(layout.use(self.embedding), tokens_BS, axis=0)
+        # a one-hot matmul, not a gather: JAX 0.10 has no sharding rule for gathering from a reduced array,
+        # and as a matmul the table's gradient comes out unreduced like every other weight's
+        one_hot_BSV = jax.nn.one_hot(tokens_BS, self.config.vocab, dtype=layout.compute_dtype)
+        x_BSD = jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding))
 
         def block(x_BSD: jax.Array, one_block: Block) -> jax.Array:
             return one_block(x_BSD, layout)
@@ -204,14 +214,15 @@ def logical_axes(variable: nnx.Variable) -> tuple[str, ...]:
     return tuple(variable.get_metadata("out_sharding"))
 
 
+def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
+    """The initial parameters as a State (call it inside jit, as `create_params` does)."""
+    with nnx.use_eager_sharding(False):
+        return nnx.split(Transformer(config, nnx.Rngs(seed)))[1]
+
+
 def create_params(config: ModelConfig, shardings: nnx.State, seed: int = 0) -> nnx.State:
     """Initialize the parameters directly into `shardings` (a State of NamedShardings): no device holds more than its shard."""
-
-    def init() -> nnx.State:
-        with nnx.use_eager_sharding(False):
-            return nnx.split(Transformer(config, nnx.Rngs(seed)))[1]
-
-    return jax.jit(init, out_shardings=shardings)()
+    return jax.jit(lambda: init_params(config, seed), out_shardings=shardings)()
 
 
 def next_token_loss(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:

@@ -30,8 +30,8 @@ sufficiently-sharded guard, after the check MaxText runs before training).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 from jax.sharding import PartitionSpec as P
 
@@ -57,7 +57,7 @@ class Rules:
                 raise LabError(f"rules map {logical!r} to unknown mesh axis {unknown[0]!r}; the mesh axes are {', '.join(AXES)}")
 
     @classmethod
-    def of(cls, mapping: Mapping[str, str | Sequence[str]]) -> "Rules":
+    def of(cls, mapping: Mapping[str, str | Sequence[str]]) -> Rules:
         """``Rules.of({"embed": "fsdp", "batch": ("data", "fsdp")})``."""
         return cls(tuple((k, (v,) if isinstance(v, str) else tuple(v)) for k, v in mapping.items()))
 
@@ -86,12 +86,15 @@ class Rules:
 
 def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_sizes: Mapping[str, int]) -> None:
     """Every split dimension must divide evenly over its mesh axes (XLA would pad silently)."""
-    for dim, (size, entry) in enumerate(zip(shape, spec)):
+    for dim, (size, entry) in enumerate(zip(shape, spec.partitions)):
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         ways = math.prod(mesh_sizes[a] for a in axes)
         if size % ways:
             shown = ",".join(f"{a}={mesh_sizes[a]}" for a in axes)
             raise LabError(f"parameter {name} dimension {dim} (size {size}) is not divisible by mesh axis {shown}; choose a model size divisible by {ways} or a smaller {'/'.join(axes)} axis")
+
+
+BATCH_OVER_DATA_AXES = Rules.of({"batch": DATA_AXES})  # activations of every data-parallel strategy
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class Strategy:
     grads: Rules
     optimizer: Rules
     compute: Rules = Rules()
-    activations: Rules = Rules.of({"batch": DATA_AXES})
+    activations: Rules = BATCH_OVER_DATA_AXES
     reshard_after_forward: bool = True  # ZeRO-3: drop gathered weights after the forward, gather again in the backward
     persist_below: int = 0  # parameters with fewer elements stay replicated (DeepSpeed's stage3_param_persistence_threshold)
     max_unsharded_fraction: float = 0.05  # the sufficiently-sharded guard, for strategies that shard parameters
@@ -169,7 +172,7 @@ def sharding_report(params: Iterable[tuple[str, int, P]], axis: str = "fsdp") ->
     total, unsharded = 0, []
     for name, nbytes, spec in params:
         total += nbytes
-        used = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
+        used = {a for entry in spec.partitions for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
         if axis not in used:
             unsharded.append((nbytes, name))
     unsharded.sort(reverse=True)

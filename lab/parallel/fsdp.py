@@ -1,0 +1,187 @@
+"""DDP, ZeRO-1/2/3 and FSDP as one `Layout`: where each array lives, and which collective moves it.
+
+The model reads every weight through `Layout.use`, and the training step
+reduces gradients through `Layout.accumulate` and `Layout.finish`. Those
+places are the whole difference between the strategies; the rules tables of
+`lab.rules.STRATEGIES` say which branch each array takes.
+
+JAX's sharding-in-types autodiff puts the collectives in the types (JAX docs,
+"Autodiff and sharding", docs/301/sharding-ad). An array that is whole on every
+device of a data axis is stored as *reduced* over it (physically replicated);
+the cotangent of a reduced array is *unreduced*: per-device partial sums, no
+collective yet. A `jax.reshard` of an unreduced array is the reduction: to a
+whole spec an all-reduce, to a spec split over ``fsdp`` a reduce-scatter. So:
+
+* DDP, ZeRO-1, ZeRO-2 store the working weights whole (reduced over the data
+  axes); `use` has nothing to do and gradients come out as partial sums. A
+  whole gradient buffer can hold partial sums, so DDP and ZeRO-1 accumulate
+  micro-batches unreduced and all-reduce once per step (PyTorch's
+  ``no_sync``); a sharded buffer cannot, so ZeRO-2 reduce-scatters each
+  micro-batch's gradient into its shard.
+* ZeRO-3 stores each weight split over ``fsdp`` (and reduced over ``data``,
+  for HSDP meshes); `use` reshards it whole: the all-gather. Autodiff
+  transposes that all-gather into the reduce-scatter of the gradient inside
+  the backward pass of each layer; the ``data`` replicas' partial sums wait
+  for one all-reduce of the shard per step.
+* Reshard after forward: the block's remat policy refuses to save the output
+  of a ``reshard`` (the gathered weight), so the backward pass gathers it
+  again (ZeRO-3 memory). Keeping it (``zero3-keep``, FSDP's
+  ``reshard_after_forward=False``) saves one all-gather per weight and holds
+  every layer's whole weights from forward to backward.
+
+Meshes use Explicit axis types, so every collective here is a `jax.reshard`
+someone wrote; nothing is left to sharding propagation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lab.errors import LabError
+from lab.model import logical_axes
+from lab.rules import DATA_AXES, Strategy, check_divisible, check_sufficiently_sharded, sharding_report
+
+_REMAT: dict[str, Callable | None] = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_saveable,  # save matmul outputs, recompute the elementwise rest
+    "full": jax.checkpoint_policies.nothing_saveable,  # save only each block's input
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),  # weight-matmul outputs to host memory
+}
+REMAT_POLICIES = tuple(_REMAT)
+_GATHERED = ("reshard", "convert_element_type")  # the primitives whose outputs are a gathered weight
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A strategy on a mesh, with the dtypes of the working weights and of the matmuls."""
+
+    mesh: jax.sharding.Mesh
+    strategy: Strategy
+    param_dtype: jnp.dtype = jnp.float32  # the working copy the forward gathers (FSDP2's MixedPrecisionPolicy.param_dtype)
+    compute_dtype: jnp.dtype = jnp.float32
+    remat: str = "none"
+    sizes: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.remat not in _REMAT:
+            raise LabError(f"unknown remat policy {self.remat!r}; use one of {', '.join(_REMAT)}")
+        object.__setattr__(self, "sizes", dict(zip(self.mesh.axis_names, self.mesh.devices.shape)))
+
+    # --- where arrays live -------------------------------------------------------------
+
+    @property
+    def data_axes(self) -> frozenset[str]:
+        """The data-parallel mesh axes with more than one device: the batch is split over them."""
+        return frozenset(a for a in DATA_AXES if self.sizes.get(a, 1) > 1)
+
+    def batch_spec(self) -> P:
+        """The tokens' spec: the batch split over the live data axes (a size-1 axis in a contracting
+        dimension would have to appear in every unreduced set, so it is left out)."""
+        spec = self.strategy.activations.spec(("batch", "sequence"), "the batch")
+        return P(*(_entry([a for a in _axes(entry) if a in self.data_axes]) for entry in spec))
+
+    def check_batch(self, global_batch: int, micro_batches: int = 1) -> None:
+        ways = micro_batches * math.prod(self.sizes[a] for a in self.data_axes)
+        if global_batch % ways:
+            shown = ",".join(f"{a}={self.sizes[a]}" for a in DATA_AXES if a in self.data_axes) or "one device"
+            raise LabError(f"global batch {global_batch} is not divisible by the data axes ({shown}) times {micro_batches} micro-batches; use a multiple of {ways}")
+
+    def shardings(self, params: nnx.State, table: str) -> nnx.State:
+        """NamedShardings of `params` under the strategy's ``params``, ``grads`` or ``optimizer`` table."""
+        return _map_variables(lambda path, v: v.replace(NamedSharding(self.mesh, self.spec(_name(path), v, table))), params)
+
+    def spec(self, name: str, variable: nnx.Variable, table: str) -> P:
+        """One parameter's spec under a table; working weights are reduced over the data axes they are whole on."""
+        size = math.prod(variable.shape)
+        rules = {"params": self.strategy.param_rules, "grads": self.strategy.grad_rules, "optimizer": lambda _: self.strategy.optimizer}[table](size)
+        spec = rules.spec(logical_axes(variable), name)
+        check_divisible(name, variable.shape, spec, self.sizes)
+        spec = P(*(_entry([a for a in _axes(entry) if self.sizes[a] > 1]) for entry in spec))  # a size-1 axis splits nothing
+        whole_on = self.data_axes - _mesh_axes(spec)
+        return P(*spec, reduced=whole_on) if table == "params" and whole_on else spec
+
+    def check_sufficiently_sharded(self, params: nnx.State) -> None:
+        rows = []
+        itemsize = jnp.dtype(self.param_dtype).itemsize
+        _map_variables(lambda path, v: rows.append((_name(path), v.size * itemsize, self.spec(_name(path), v, "params"))), params)
+        check_sufficiently_sharded(self.strategy, sharding_report(rows), self.sizes.get("fsdp", 1))
+
+    # --- the forward pass: a weight as a matmul uses it --------------------------------
+
+    def use(self, param: nnx.Param) -> jax.Array:
+        """The weight whole and reduced over every data axis (ZeRO-3: the all-gather), in the compute dtype."""
+        w = param[...]
+        if self.data_axes:  # a no-op unless the weight is split over a data axis
+            w = jax.reshard(w, NamedSharding(self.mesh, P(*self.strategy.compute.spec(logical_axes(param)), reduced=self.data_axes)))
+        return w.astype(self.compute_dtype)
+
+    @property
+    def remat_policy(self) -> Callable | None:
+        """The block's checkpoint policy: the chosen remat, without (or with) the gathered weights.
+
+        The test is on primitives, not on a `checkpoint_name`: a policy that refuses a named value still saves
+        the unnamed value the name was applied to. A gathered weight is the output of ``reshard`` and, when the
+        compute dtype differs, of the ``convert_element_type`` after it; refusing both makes the backward pass
+        gather again (casts of activations are recomputed too, which costs one elementwise pass).
+        """
+        base = _REMAT[self.remat]
+        if not self.strategy.shards_params:
+            return base
+        if self.strategy.reshard_after_forward:
+            return lambda prim, *args, **params: prim.name not in _GATHERED and (base is None or base(prim, *args, **params))
+        if base is None:
+            return None
+        return lambda prim, *args, **params: prim.name == "reshard" or base(prim, *args, **params)
+
+    # --- the backward pass: where gradients are reduced --------------------------------
+
+    def accumulate(self, accumulated: nnx.State | None, grads: nnx.State, targets: nnx.State) -> nnx.State:
+        """Add one micro-batch's gradients, reduce-scattering now over the axes the target is split on."""
+
+        def scatter(grad: jax.Array, target: NamedSharding) -> jax.Array:
+            unreduced = jax.typeof(grad).sharding.spec.unreduced
+            scatter_over = unreduced & _mesh_axes(target.spec)
+            if not scatter_over:  # nothing to split: keep partial sums (DDP, ZeRO-1, HSDP's data axis)
+                return grad
+            return jax.reshard(grad, NamedSharding(self.mesh, P(*target.spec.partitions, unreduced=unreduced - scatter_over)))
+
+        grads = jax.tree.map(scatter, grads, targets)
+        return grads if accumulated is None else jax.tree.map(jnp.add, accumulated, grads)
+
+    def finish(self, accumulated: nnx.State, targets: nnx.State) -> nnx.State:
+        """Reduce what is still partial sums: the once-per-step all-reduce (of the shard, for ZeRO-3 on HSDP)."""
+        return jax.reshard(accumulated, targets)
+
+    def zeros(self, accumulator: nnx.State) -> nnx.State:
+        """Zeros typed like `accumulator` (ShapeDtypeStructs), unreduced ones included."""
+        return jax.tree.map(lambda a: jax.reshard(jnp.zeros(a.shape, a.dtype), a.sharding), accumulator)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _entry(axes: list[str]):
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _mesh_axes(spec: P) -> set[str]:
+    """The mesh axes a spec splits some dimension over."""
+    return {a for entry in spec.partitions for a in _axes(entry)}
+
+
+def _name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _map_variables(fn, state: nnx.State) -> nnx.State:
+    """Apply fn(path, variable) to every Variable of a State."""
+    return jax.tree_util.tree_map_with_path(fn, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

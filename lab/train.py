@@ -1,0 +1,250 @@
+"""The training step: one function for every data-parallel strategy.
+
+A step is: split the global batch into micro-batches; for each, the forward
+and backward pass, adding its gradients into an accumulator (`Layout.accumulate`
+reduce-scatters there when the strategy shards gradients); reduce what is left
+(`Layout.finish`: the all-reduce of DDP and ZeRO-1); then AdamW (optax) on the
+optimizer's shard, and the new weights written back in the parameters' layout
+(for ZeRO-1 and ZeRO-2 that is the all-gather of the updated weights).
+
+Mixed precision follows the ZeRO paper's accounting (Rajbhandari et al. 2020,
+Section 3.1): the working weights and gradients are kept in ``param_dtype``
+(bf16: 2Ψ + 2Ψ bytes) while the optimizer keeps fp32 master weights and two
+fp32 moments (12Ψ), each in its strategy's layout. With fp32 working weights
+the master copy would duplicate them, so the optimizer reads the working
+weights directly (resharding replicated weights to its shard is a local slice).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from lab import hlo
+from lab.errors import LabError
+from lab.model import ModelConfig, abstract_model, init_params, next_token_loss
+from lab.parallel.fsdp import Layout
+from lab.rules import get_strategy
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: strategy, micro-batching, optimizer and precision."""
+
+    strategy: str = "zero3"
+    micro_batches: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-8
+    param_dtype: str = "float32"  # working weights and gradients; "bfloat16" with fp32 master weights
+    compute_dtype: str = "float32"
+    remat: str = "none"  # none | dots | full | offload
+    persist_below: int = 0  # ZeRO-3: parameters with fewer elements stay replicated
+
+    def dtype(self, name: str) -> jnp.dtype:
+        if name not in DTYPES:
+            raise LabError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+        return DTYPES[name]
+
+
+class TrainState(NamedTuple):
+    """What persists between steps: working weights, fp32 master weights (None when the same), AdamW state."""
+
+    params: nnx.State
+    master: nnx.State | None
+    opt_state: optax.OptState
+
+
+class Trainer:
+    """A model, a strategy and a mesh: the state's shardings and the jitted step."""
+
+    def __init__(self, model: ModelConfig, config: TrainConfig, mesh: jax.sharding.Mesh):
+        if config.micro_batches < 1:
+            raise LabError(f"micro_batches={config.micro_batches}: use 1 or more")
+        strategy = replace(get_strategy(config.strategy), persist_below=config.persist_below)
+        self.model, self.config, self.mesh = model, config, mesh
+        self.layout = Layout(mesh, strategy, config.dtype(config.param_dtype), config.dtype(config.compute_dtype), config.remat)
+        self.graphdef, self.abstract_params = abstract_model(model)
+        self.param_shardings = self.layout.shardings(self.abstract_params, "params")
+        self.grad_shardings = self.layout.shardings(self.abstract_params, "grads")
+        self.optimizer_shardings = self.layout.shardings(self.abstract_params, "optimizer")
+        self.layout.check_sufficiently_sharded(self.abstract_params)
+        self._compiled: dict[tuple[str, int, bool], jax.stages.Compiled] = {}
+        self.optimizer = optax.adamw(config.learning_rate, b1=0.9, b2=0.95, eps=config.adam_eps, weight_decay=config.weight_decay)
+
+    @property
+    def separate_master(self) -> bool:
+        return self.layout.param_dtype != jnp.float32
+
+    # --- state --------------------------------------------------------------------------
+
+    def init(self, seed: int = 0) -> TrainState:
+        """The state, initialized directly into its shardings (one program: no device holds more than its shard)."""
+        shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
+        with jax.set_mesh(self.mesh):
+            return jax.jit(lambda: self._create(seed), out_shardings=shardings)()
+
+    def place(self, state: TrainState) -> TrainState:
+        """Put a state (e.g. from another mesh, or numpy) into this trainer's shardings."""
+        shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
+        return jax.device_put(jax.tree.map(np.asarray, state), shardings)
+
+    def abstract_state(self) -> TrainState:
+        """The state as ShapeDtypeStructs with shardings: enough to compile on a topology with no devices."""
+        with jax.set_mesh(self.mesh):
+            return self._on_mesh(jax.eval_shape(lambda: self._create(0)))
+
+    def _create(self, seed: int) -> TrainState:
+        master = jax.reshard(init_params(self.model, seed), self.optimizer_shardings)
+        return TrainState(self._working_copy(master), master if self.separate_master else None, self.optimizer.init(master))
+
+    def _on_mesh(self, abstract):
+        """eval_shape types carry the abstract mesh; compiling for a topology needs the concrete one."""
+        def concrete(a):
+            spec = a.sharding.spec if a.sharding is not None else jax.sharding.PartitionSpec()  # optax's step count
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
+
+        return jax.tree.map(concrete, abstract)
+
+    def _working_copy(self, master: nnx.State) -> nnx.State:
+        """fp32 master weights -> working weights in the parameters' layout (ZeRO-1/2: an all-gather)."""
+        return jax.reshard(jax.tree.map(lambda m: m.astype(self.layout.param_dtype), master), self.param_shardings)
+
+    # --- data ---------------------------------------------------------------------------
+
+    def batch_sharding(self) -> NamedSharding:
+        return NamedSharding(self.mesh, self.layout.batch_spec())
+
+    def batch(self, global_batch: int, seed: int = 0) -> jax.Array:
+        """Random tokens [B, S+1] (inputs and next-token targets), split over the data axes."""
+        self.layout.check_batch(global_batch, self.config.micro_batches)
+        tokens = np.random.default_rng(seed).integers(0, self.model.vocab, (global_batch, self.model.seq + 1), dtype=np.int32)
+        return jax.device_put(tokens, self.batch_sharding())
+
+    def abstract_batch(self, global_batch: int) -> jax.ShapeDtypeStruct:
+        self.layout.check_batch(global_batch, self.config.micro_batches)
+        return jax.ShapeDtypeStruct((global_batch, self.model.seq + 1), jnp.int32, sharding=self.batch_sharding())
+
+    # --- the step -----------------------------------------------------------------------
+
+    @functools.cached_property
+    def step(self):
+        """jit(state, tokens) -> (state, loss); the state is donated."""
+        return jax.jit(self._step, donate_argnums=0)
+
+    @functools.cached_property
+    def gradients(self):
+        """jit(params, tokens) -> (reduced gradients in the strategy's layout, loss)."""
+        return jax.jit(self._gradients)
+
+    def compiled_step(self, global_batch: int, *, to_read: bool = False) -> jax.stages.Compiled:
+        """The step compiled ahead of time for abstract inputs: no device memory needed, so it works on
+        compile-only topologies; on real devices the same executable is what `time_step` runs.
+
+        ``to_read=True`` compiles it only to read its HLO and memory: on CPU the LLVM back end then runs
+        unoptimized (HLO, buffers and collectives are settled before it), about twice as fast to compile.
+        """
+        return self._compile("step", global_batch, to_read, lambda: self.step.lower(self.abstract_state(), self.abstract_batch(global_batch)))
+
+    def compiled_gradients(self, global_batch: int) -> jax.stages.Compiled:
+        """The forward and backward alone, compiled to be read: its outputs are the reduced gradients in their layout, and the loss."""
+        return self._compile("gradients", global_batch, True, lambda: self.gradients.lower(self.abstract_state().params, self.abstract_batch(global_batch)))
+
+    def _compile(self, program: str, global_batch: int, to_read: bool, lower) -> jax.stages.Compiled:
+        key = (program, global_batch, to_read)
+        if key not in self._compiled:  # jit's own cache does not hold ahead-of-time compiles
+            fast = to_read and self.mesh.devices.flat[0].platform == "cpu"
+            with jax.set_mesh(self.mesh):
+                self._compiled[key] = lower().compile({"xla_backend_optimization_level": 0} if fast else None)
+        return self._compiled[key]
+
+    def inspect_step(self, global_batch: int, *, to_read: bool = False) -> hlo.Inspection:
+        """The step's collectives, memory and cost (`lab.hlo.Inspection`); ``to_read``: see `compiled_step`."""
+        return _inspection(self.compiled_step(global_batch, to_read=to_read), self.mesh)
+
+    def inspect_gradients(self, global_batch: int) -> hlo.Inspection:
+        return _inspection(self.compiled_gradients(global_batch), self.mesh)
+
+    def time_step(self, global_batch: int, *, repeats: int = 5, warmup: int = 2, start: TrainState | None = None):
+        """Median step time (`lab.bench.Timing`) of the compiled step; each call consumes the previous state.
+
+        `start` (any mesh, or numpy) saves compiling the initializer when several trainers time the same model.
+        """
+        from lab.bench import time_fn
+
+        executable, batch = self.compiled_step(global_batch), self.batch(global_batch)
+        state = [self.init() if start is None else self.place(start)]
+
+        def one_step():
+            state[0], loss = executable(state[0], batch)
+            return loss
+
+        return time_fn(one_step, warmup=warmup, repeats=repeats)
+
+    def _loss(self, params: nnx.State, tokens_BT: jax.Array) -> jax.Array:
+        model = nnx.merge(self.graphdef, params)
+        return next_token_loss(model(tokens_BT[:, :-1], self.layout), tokens_BT[:, 1:])
+
+    def _gradients(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, jax.Array]:
+        count = self.config.micro_batches
+        self.layout.check_batch(tokens_BT.shape[0], count)
+
+        def one(accumulated, micro_BT):
+            # each micro-batch's mean loss is divided by the count before autodiff: partial sums support
+            # addition but not division, so the gradients must arrive already scaled
+            loss, grads = jax.value_and_grad(lambda p: self._loss(p, micro_BT) / count)(params)
+            return self.layout.accumulate(accumulated, grads, self.grad_shardings), loss
+
+        if count == 1:
+            summed, loss = one(None, tokens_BT)
+        else:
+            micro_MBT = _split_micro_batches(tokens_BT, count)
+            start = self.layout.zeros(jax.eval_shape(lambda: one(None, micro_MBT[0])[0]))
+            summed, losses = jax.lax.scan(one, start, micro_MBT)
+            loss = losses.sum()
+        return self.layout.finish(summed, self.grad_shardings), loss
+
+    def _step(self, state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, jax.Array]:
+        grads, loss = self._gradients(state.params, tokens_BT)
+        master = state.master if self.separate_master else jax.reshard(state.params, self.optimizer_shardings)
+        grads = jax.reshard(jax.tree.map(lambda g: g.astype(jnp.float32), grads), self.optimizer_shardings)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
+        master = optax.apply_updates(master, updates)
+        return TrainState(self._working_copy(master), master if self.separate_master else None, opt_state), loss
+
+
+def _inspection(compiled: jax.stages.Compiled, mesh: jax.sharding.Mesh) -> hlo.Inspection:
+    """What `lab.hlo.inspect` reads, from an executable already compiled (one compile serves HLO, memory and timing)."""
+    collectives, skipped = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
+    stats, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    memory = {name.removesuffix("_in_bytes"): int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")} if stats else {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return hlo.Inspection(
+        optimized_hlo=compiled.as_text(),
+        unoptimized_hlo="",  # not kept: the lowering is gone once compiled
+        collectives=collectives,
+        skipped=skipped,
+        memory=memory,
+        cost={k: float(v) for k, v in (cost or {}).items() if "{" not in k},
+        mesh_shape=tuple(mesh.devices.shape),
+        axis_names=tuple(mesh.axis_names),
+    )
+
+
+def _split_micro_batches(tokens_BT: jax.Array, count: int) -> jax.Array:
+    """[B, T] -> [M, B/M, T], micro-batch m taking rows m, m+M, ...: each device keeps its own rows (no data moves)."""
+    batch, length = tokens_BT.shape
+    sharding = jax.typeof(tokens_BT).sharding
+    rows_stay = NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(sharding.spec[0], None, None))
+    interleaved = jnp.reshape(tokens_BT, (batch // count, count, length), out_sharding=rows_stay)
+    return jnp.moveaxis(interleaved, 1, 0)
