@@ -178,3 +178,62 @@ def describe_devices(devices: Sequence) -> str:
     """One line: how many devices of which kind."""
     kinds = sorted({getattr(d, "device_kind", "?") for d in devices})
     return f"{len(devices)} x {', '.join(kinds)}"
+
+
+# --- Several processes: jax.distributed -----------------------------------------------------------------------------
+
+
+def distributed_devices(target: Target | str, coordinator: str | None = None, num_processes: int | None = None,
+                        process_id: int | None = None, *, timeout_s: int = 60, heartbeat_s: int = 10) -> tuple:
+    """Join the other processes of a run through ``jax.distributed`` and return the devices of all of them.
+
+    With no coordinator, process count or id, JAX reads them from the environment a TPU VM slice, SLURM
+    (``SLURM_*``) or Open MPI provides. For ``cpu:N`` each process emulates N devices and the processes talk
+    over gloo (TCP). `timeout_s` bounds the wait for the others to join; a process that stops sending
+    heartbeats for `heartbeat_s` makes the coordination service stop every other process.
+    """
+    import jax
+
+    target = parse_target(target) if isinstance(target, str) else target
+    if target.compile_only:
+        raise LabError(f"target {target} is compile-only: nothing runs, so there are no processes to join; use cpu:N, gpu or tpu")
+    if (coordinator is None) != (num_processes is None) or (coordinator is None) != (process_id is None):
+        raise LabError("give --coordinator, --num-processes and --process-id together, or none of them to read them from the TPU/SLURM environment")
+    if process_id is not None and not 0 <= process_id < num_processes:
+        raise LabError(f"--process-id {process_id} must be in 0..{num_processes - 1} for --num-processes {num_processes}")
+    if coordinator is not None and process_id != 0:
+        _wait_for_coordinator(coordinator, timeout_s)
+    if target.platform == "cpu":
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", target.count or 1)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    try:
+        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
+                                   heartbeat_timeout_seconds=heartbeat_s)
+    except (RuntimeError, ValueError) as err:
+        detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        raise LabError(f"could not join the distributed run at {coordinator or 'the address the environment gives'} within {timeout_s} s ({detail}); start every process with the same --coordinator and --num-processes") from None
+    devices = tuple(jax.devices())
+    if not devices or devices[0].platform != target.platform:
+        raise LabError(f"target {target}: the distributed run found {describe_devices(devices)}; use the platform these hosts have")
+    return devices
+
+
+def _wait_for_coordinator(address: str, timeout_s: float) -> None:
+    """Wait until the coordinator's port accepts connections: past the deadline, JAX would abort the process from
+    C++ (DEADLINE_EXCEEDED on RegisterTask) instead of raising, so the unreachable case is caught here first."""
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise LabError(f"--coordinator {address!r}: give host:port, e.g. 10.0.0.1:1234 (the address of process 0)")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise LabError(f"the coordinator {address} did not answer within {timeout_s:g} s; start process 0 first, with the same --coordinator, and check that this host can reach it") from None
+            time.sleep(0.2)

@@ -1,0 +1,109 @@
+"""Orbax checkpoints: restore onto another mesh, survive a killed save, refuse foreign or corrupt folders."""
+
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from lab.checkpoint import CheckpointPolicy, Checkpoints, flat_names, unflatten_like
+from lab.errors import LabError
+from lab.mesh import MeshSpec
+from tests.conftest import run_python
+
+
+def _state(mesh, spec_w, spec_b, scale=1.0):
+    """A small training-state-like pytree: a matrix, a vector and a step counter."""
+    w = jax.device_put(np.arange(64 * 16, dtype=np.float32).reshape(64, 16) * scale, NamedSharding(mesh, spec_w))
+    b = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(mesh, spec_b))
+    return {"params": {"w": w, "b": b}, "count": jax.device_put(np.int32(7), NamedSharding(mesh, P()))}
+
+
+def _abstract(state, mesh, specs):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), state, specs)
+
+
+def test_names_round_trip(devices):
+    state = _state(MeshSpec.parse("fsdp=8").build(devices), P("fsdp"), P())
+    names = flat_names(state)
+    assert sorted(names) == ["count", "params.b", "params.w"]
+    assert unflatten_like(state, names) is not state and jax.tree.structure(unflatten_like(state, names)) == jax.tree.structure(state)
+
+
+def test_saved_with_fsdp8_restores_onto_data2_tensor4(devices, tmp_path):
+    saved_mesh = MeshSpec.parse("fsdp=8").build(devices)
+    state = _state(saved_mesh, P("fsdp", None), P("fsdp"))
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path, every=1))
+    assert checkpoints.save(1, state)
+    checkpoints.wait()
+
+    new_mesh = MeshSpec.parse("data=2,tensor=4").build(devices)
+    specs = {"params": {"w": P("data", "tensor"), "b": P("tensor")}, "count": P()}
+    step, restored = checkpoints.restore(_abstract(state, new_mesh, specs))
+    checkpoints.close()
+    assert step == 1
+    for name, array in flat_names(restored).items():
+        np.testing.assert_array_equal(np.asarray(array), np.asarray(flat_names(state)[name]))
+    assert restored["params"]["w"].sharding == NamedSharding(new_mesh, P("data", "tensor"))
+    assert restored["params"]["w"].addressable_shards[0].data.shape == (32, 4)  # each device read only its slice
+    assert restored["params"]["b"].sharding == NamedSharding(new_mesh, P("tensor"))
+
+
+def test_periodic_policy_saves_only_every_k_steps(devices, tmp_path):
+    state = _state(MeshSpec.parse("fsdp=8").build(devices), P("fsdp"), P())
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path, every=3, asynchronous=True))
+    started = [step for step in range(1, 8) if checkpoints.save(step, state)]
+    checkpoints.close()
+    assert started == [3, 6]
+    assert checkpoints.latest_step() == 6
+
+
+def test_killed_during_save_keeps_the_previous_checkpoint(devices, tmp_path):
+    """A process dies right after an asynchronous save starts; the earlier step stays the latest and restores."""
+    done = run_python(textwrap.dedent(f"""
+        import os
+        import jax, numpy as np
+        jax.config.update("jax_num_cpu_devices", 8)
+        from lab.checkpoint import CheckpointPolicy, Checkpoints
+        checkpoints = Checkpoints(CheckpointPolicy({str(tmp_path)!r}, every=1, asynchronous=True))
+        checkpoints.save(1, {{"w": jax.numpy.ones((64, 16))}})
+        checkpoints.wait()
+        checkpoints.save(2, {{"w": jax.numpy.zeros((64, 16))}})
+        os._exit(9)  # no finalize: the step-2 write is cut off
+    """), timeout=120)
+    assert done.returncode == 9, done.stderr[-2000:]
+    mesh = MeshSpec.parse("fsdp=8").build(devices)
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path))
+    assert checkpoints.latest_step() == 1
+    step, restored = checkpoints.restore({"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=NamedSharding(mesh, P("fsdp")))})
+    assert step == 1 and float(restored["w"].sum()) == 64 * 16
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(devices, tmp_path):
+    mesh = MeshSpec.parse("fsdp=8").build(devices)
+    state = _state(mesh, P("fsdp"), P())
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path))
+    checkpoints.save(1, state, force=True)
+    checkpoints.wait()
+    wider = {"params": {"w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(mesh, P("fsdp")))}}
+    with pytest.raises(LabError, match="another model: params.w has shape"):
+        checkpoints.restore(wider)
+    with pytest.raises(LabError, match="another model: it has no 'params.v'"):
+        checkpoints.restore({"params": {"v": wider["params"]["w"]}})
+
+
+def test_corrupt_or_foreign_folder_is_a_clear_error(devices, tmp_path):
+    mesh = MeshSpec.parse("fsdp=8").build(devices)
+    target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=NamedSharding(mesh, P("fsdp")))}
+    with pytest.raises(LabError, match="no checkpoint in"):
+        Checkpoints(CheckpointPolicy(tmp_path / "empty")).restore(target)
+    foreign = tmp_path / "foreign"
+    (foreign / "3").mkdir(parents=True)
+    (foreign / "3" / "weights.bin").write_bytes(b"\x00garbage")
+    with pytest.raises(LabError, match="corrupt|not a readable orbax checkpoint"):
+        Checkpoints(CheckpointPolicy(foreign)).restore(target, step=3)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(LabError, match="is a file"):
+        Checkpoints(CheckpointPolicy(tmp_path / "a_file"))

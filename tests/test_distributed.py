@@ -1,0 +1,112 @@
+"""Several processes through jax.distributed on loopback: 2 processes x 4 CPU devices behave as 1 x 8."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lab.devices import distributed_devices
+from lab.errors import LabError
+from lab.training_run import RunConfig, run
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = RunConfig(target="cpu:4", mesh="data=2,fsdp=2,tensor=2", steps=4, global_batch=8, page=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(code: str, process_id: int, port: int, tmp_path: Path) -> subprocess.Popen:
+    """One process of the run; its output goes to a file so that a full pipe never blocks it."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = open(tmp_path / f"process{process_id}.log", "w")
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(process_id), f"127.0.0.1:{port}", str(tmp_path)],
+                            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
+def _finish(processes, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout=max(deadline - time.monotonic(), 1)))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append(None)
+    return codes
+
+
+TRAIN = f"""
+    import json, sys
+    from dataclasses import replace
+    from pathlib import Path
+    from lab.training_run import RunConfig, run
+    process_id, coordinator, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    config = RunConfig(**{ {k: getattr(RUN, k) for k in ("target", "mesh", "steps", "global_batch", "page")}!r})
+    log = run(replace(config, coordinator=coordinator, num_processes=2, process_id=process_id, results=folder))
+    (folder / f"losses{{process_id}}.json").write_text(json.dumps(log.losses))
+"""
+
+
+def test_two_processes_of_four_devices_match_one_process_of_eight(devices, tmp_path):
+    port = _free_port()
+    processes = [_start(TRAIN, i, port, tmp_path) for i in (0, 1)]
+    single = run(RunConfig(mesh=RUN.mesh, steps=RUN.steps, global_batch=RUN.global_batch, results=tmp_path / "single"), devices)
+    codes = _finish(processes, timeout=240)
+    assert codes == [0, 0], (tmp_path / "process0.log").read_text()[-3000:]
+    for process_id in (0, 1):
+        losses = json.loads((tmp_path / f"losses{process_id}.json").read_text())
+        np.testing.assert_allclose(losses, single.losses, rtol=1e-5)
+    assert (tmp_path / "train" / "metrics.jsonl").read_text().count("\n") == RUN.steps  # process 0 alone wrote the log
+
+
+DIE = """
+    import os, sys, time
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from lab.devices import distributed_devices
+    process_id, coordinator = int(sys.argv[1]), sys.argv[2]
+    devices = distributed_devices("cpu:4", coordinator, 2, process_id, timeout_s=60, heartbeat_s=5)
+    mesh = jax.make_mesh((8,), ("x",), devices=devices)
+    ones = jax.make_array_from_callback((8,), NamedSharding(mesh, P("x")), lambda index: np.ones(8, np.float32)[index])
+    total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
+    for step in range(1000):
+        assert float(total(ones)) == 8.0
+        if process_id == 1 and step == 2:
+            os._exit(3)  # dies without a word to the others
+        time.sleep(0.2)
+"""
+
+
+def test_when_one_process_dies_the_other_stops_with_a_clear_error(tmp_path):
+    port = _free_port()
+    processes = [_start(DIE, i, port, tmp_path) for i in (0, 1)]
+    codes = _finish(processes, timeout=120)
+    assert codes[1] == 3
+    assert codes[0] not in (0, None)  # stopped by the coordination service's heartbeat check, not hung until killed
+    assert "stopped sending heartbeats" in (tmp_path / "process0.log").read_text()
+
+
+def test_unreachable_coordinator_is_a_clear_error_after_a_bounded_wait():
+    with pytest.raises(LabError, match=r"did not answer within 1 s"):
+        distributed_devices("cpu:4", f"127.0.0.1:{_free_port()}", 2, 1, timeout_s=1)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (("127.0.0.1:1", None, None), "together"),
+    (("127.0.0.1:1", 2, 2), "must be in 0..1"),
+    (("127.0.0.1", 2, 1), "give host:port"),
+])
+def test_bad_distributed_flags_are_clear_errors(arguments, message):
+    with pytest.raises(LabError, match=message):
+        distributed_devices("cpu:4", *arguments, timeout_s=1)

@@ -1,0 +1,88 @@
+"""`lab train`: every layout's loss curve matches the 1-device control; resume continues the same trajectory."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from lab.cli import main
+from lab.errors import LabError
+from lab.training_run import RunConfig, flops_per_token, result, run, synthetic_batch
+from lab.model import preset
+
+STEPS = 4
+PARITY_RTOL = 1e-5  # fp32: the layouts sum the same numbers in another order
+
+
+@pytest.fixture(scope="module")
+def control(devices, tmp_path_factory):
+    """The 1-device run of the same global batch: the reference every layout is held to."""
+    folder = tmp_path_factory.mktemp("control")
+    return run(RunConfig(mesh="data=1", steps=STEPS, global_batch=8, results=folder), devices[:1])
+
+
+@pytest.fixture(scope="module")
+def layout(devices, tmp_path_factory):
+    """data=2,fsdp=2,tensor=2 on 8 devices, saving asynchronously every 2 steps."""
+    folder = tmp_path_factory.mktemp("layout")
+    config = RunConfig(mesh="data=2,fsdp=2,tensor=2", steps=STEPS, global_batch=8, results=folder,
+                       checkpoint_dir=folder / "checkpoints", checkpoint_every=2, async_checkpoint=True)
+    return run(config, devices)
+
+
+def test_data_is_a_function_of_seed_and_step_only():
+    first = synthetic_batch(256, 4, 9, seed=1, step=3)
+    np.testing.assert_array_equal(first, synthetic_batch(256, 4, 9, seed=1, step=3))
+    assert not np.array_equal(first, synthetic_batch(256, 4, 9, seed=1, step=4))
+    stride = (first[:, 1] - first[:, 0]) % 256
+    np.testing.assert_array_equal((first[:, 1:] - first[:, :-1]) % 256, np.repeat(stride[:, None], 8, axis=1))
+
+
+def test_flops_per_token_is_six_psi_plus_attention():
+    model = preset("tiny")
+    assert flops_per_token(model) == 6 * model.parameters + 12 * 2 * 4 * 16 * 32
+
+
+def test_layout_matches_the_one_device_control(control, layout):
+    np.testing.assert_allclose(layout.losses, control.losses, rtol=PARITY_RTOL)
+    assert control.losses[-1] < control.losses[0]  # it learns, so the comparison covers real updates
+
+
+def test_log_has_one_line_per_step_with_metrics(layout):
+    lines = [json.loads(line) for line in (layout.config.results / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(STEPS))
+    assert [line["checkpoint"] for line in lines] == [False, True, False, True]
+    assert all(line["tokens_per_s"] > 0 and 0 < line["mfu"] for line in lines)
+    assert [line["loss"] for line in lines] == layout.losses
+
+
+def test_resume_on_another_mesh_continues_the_same_trajectory(devices, control, layout, tmp_path):
+    """Keep only the step-2 checkpoint of the 8-device run (as if it crashed after it) and resume on 1 device."""
+    saved = tmp_path / "checkpoints"
+    shutil.copytree(layout.config.checkpoint_dir / "2", saved / "2")
+    resumed = run(RunConfig(mesh="data=1", steps=STEPS, global_batch=8, results=tmp_path, checkpoint_dir=saved, resume=True), devices[:1])
+    assert resumed.start_step == 2 and [s.step for s in resumed.steps] == [2, 3]
+    np.testing.assert_allclose(resumed.losses, control.losses[2:], rtol=PARITY_RTOL)
+
+
+def test_page_has_loss_and_step_time_plots(layout):
+    page = result(layout)
+    assert set(page.plots) == {"loss", "step_time"}
+    assert len(page.tables[0].rows) == STEPS and page.data["steps"][0]["loss"] == layout.losses[0]
+
+
+@pytest.mark.parametrize("config, message", [
+    (RunConfig(steps=0), "at least 1"),
+    (RunConfig(resume=True), "--resume needs --checkpoint-dir"),
+    (RunConfig(mesh="data=2,fsdp=2,tensor=2", global_batch=6), "not divisible"),
+    (RunConfig(strategy="zero9"), "unknown strategy"),
+])
+def test_bad_input_is_one_clear_error(devices, config, message):
+    with pytest.raises(LabError, match=message):
+        run(config, devices)
+
+
+def test_cli_reports_a_mesh_that_does_not_fit_with_exit_code_2(capsys):
+    assert main(["train", "--mesh", "data=3"]) == 2
+    assert "mesh data=3 uses 3 devices" in capsys.readouterr().err
