@@ -122,7 +122,7 @@ def write_index(results: list[Result], results_dir: Path | str = "results", *, e
         "| experiment | question | verdicts |",
         "|---|---|---|",
     ]
-    for r in sorted(results, key=lambda r: r.name):
+    for r in sorted(results, key=_question_order):
         verdict = summarize(r.checks) if r.checks else "no checks"
         lines.append(f"| [{r.title}]({r.name}/README.md) | {r.question} | {verdict} |")
     if results:
@@ -134,6 +134,12 @@ def write_index(results: list[Result], results_dir: Path | str = "results", *, e
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _question_order(result: Result) -> tuple[int, str]:
+    """Index order: by quick-reference question number (#39 first), then name."""
+    digits = "".join(c for c in result.question.split(",")[0] if c.isdigit())
+    return (int(digits) if digits else 10**6, result.name)
 
 
 def _checks_table(checks: list[Check]) -> str:
