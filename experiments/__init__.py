@@ -12,6 +12,10 @@ Its docstring's first line is its title. `registry()` finds them all.
 from __future__ import annotations
 
 import importlib
+
+import matplotlib
+
+matplotlib.use("Agg")  # pages are files: no display, for every experiment, before any imports pyplot
 import pkgutil
 from dataclasses import dataclass
 from types import ModuleType

@@ -21,20 +21,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from lab import hardware, hlo, theory  # noqa: E402
-from lab.bench import format_bytes, measure_collective, size_sweep  # noqa: E402
-from lab.collectives import build_program  # noqa: E402
-from lab.devices import devices_for  # noqa: E402
-from lab.mesh import MeshSpec  # noqa: E402
-from lab.progress import track  # noqa: E402
-from lab.report import Result, Table, provenance  # noqa: E402
-from lab.verdict import check  # noqa: E402
+from lab import hardware, hlo, theory
+from lab.bench import format_bytes, measure_collective, size_sweep
+from lab.collectives import build_program
+from lab.devices import devices_for
+from lab.mesh import MeshSpec
+from lab.progress import track
+from lab.report import Result, Table, provenance
+from lab.verdict import check
 
 QUESTION = "#39"
 PRIMITIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

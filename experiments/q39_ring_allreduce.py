@@ -18,20 +18,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from lab import hlo, theory  # noqa: E402
-from lab.bench import crossover, format_bytes, parse_size, size_sweep, time_fn, time_interleaved  # noqa: E402
-from lab.collectives import build_program  # noqa: E402
-from lab.devices import devices_for  # noqa: E402
-from lab.mesh import AXES, MeshSpec  # noqa: E402
-from lab.progress import track  # noqa: E402
-from lab.report import Result, Table, provenance  # noqa: E402
-from lab.verdict import check  # noqa: E402
+from lab import hlo, theory
+from lab.bench import crossover, format_bytes, parse_size, size_sweep, time_fn, time_interleaved
+from lab.collectives import build_program
+from lab.devices import devices_for
+from lab.mesh import AXES, MeshSpec
+from lab.progress import track
+from lab.report import Result, Table, provenance
+from lab.verdict import check
 
 QUESTION = "#39"
 

@@ -25,22 +25,19 @@ from dataclasses import asdict, dataclass, replace
 
 import jax
 import jax.numpy as jnp
-import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from lab import hlo, theory  # noqa: E402
-from lab.bench import format_bytes, time_fn  # noqa: E402
-from lab.devices import devices_for, topology_devices  # noqa: E402
-from lab.errors import LabError  # noqa: E402
-from lab.mesh import MeshSpec  # noqa: E402
-from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_params, moe_local, moe_reference  # noqa: E402
-from lab.parallel.routing import RouterConfig  # noqa: E402
-from lab.progress import track  # noqa: E402
-from lab.report import Result, Table, provenance  # noqa: E402
-from lab.verdict import check  # noqa: E402
+from lab import hlo, theory
+from lab.bench import format_bytes, time_fn
+from lab.devices import devices_for, topology_devices
+from lab.errors import LabError
+from lab.mesh import MeshSpec
+from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_params, moe_local, moe_reference
+from lab.parallel.routing import RouterConfig
+from lab.progress import track
+from lab.report import Result, Table, provenance
+from lab.verdict import check
 
 QUESTION = "#41"
 

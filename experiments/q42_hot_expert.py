@@ -26,18 +26,18 @@ import matplotlib
 import numpy as np
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from lab import hlo, theory  # noqa: E402
-from lab.bench import format_bytes, time_fn  # noqa: E402
-from lab.devices import devices_for  # noqa: E402
-from lab.errors import LabError  # noqa: E402
-from lab.mesh import MeshSpec  # noqa: E402
-from lab.parallel.expert import MoEConfig, expert_parallel, init_params  # noqa: E402
-from lab.parallel.routing import RouterConfig, load_metrics  # noqa: E402
-from lab.progress import track  # noqa: E402
-from lab.report import Result, Table, provenance  # noqa: E402
-from lab.verdict import check  # noqa: E402
+from lab import hlo, theory
+from lab.bench import format_bytes, time_fn
+from lab.devices import devices_for
+from lab.errors import LabError
+from lab.mesh import MeshSpec
+from lab.parallel.expert import MoEConfig, expert_parallel, init_params
+from lab.parallel.routing import RouterConfig, load_metrics
+from lab.progress import track
+from lab.report import Result, Table, provenance
+from lab.verdict import check
 
 QUESTION = "#42"
 

@@ -32,17 +32,17 @@ import optax
 from flax import nnx
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from lab.devices import devices_for  # noqa: E402
-from lab.errors import LabError  # noqa: E402
-from lab.model import Attention, ModelConfig, RMSNorm, next_token_loss  # noqa: E402
-from lab.parallel.expert import ExpertParams, MoEConfig, moe_local  # noqa: E402
-from lab.parallel.routing import Balance, RouterConfig, load_metrics, update_bias  # noqa: E402
-from lab.progress import track  # noqa: E402
-from lab.report import Result, Table, provenance  # noqa: E402
-from lab.theory import switch_aux_loss_range  # noqa: E402
-from lab.verdict import check  # noqa: E402
+from lab.devices import devices_for
+from lab.errors import LabError
+from lab.model import Attention, ModelConfig, RMSNorm, next_token_loss
+from lab.parallel.expert import ExpertParams, MoEConfig, moe_local
+from lab.parallel.routing import Balance, RouterConfig, load_metrics, update_bias
+from lab.progress import track
+from lab.report import Result, Table, provenance
+from lab.theory import switch_aux_loss_range
+from lab.verdict import check
 
 QUESTION = "#42"
 

@@ -30,9 +30,6 @@ import re
 from dataclasses import dataclass
 
 import jax
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 

@@ -21,9 +21,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import matplotlib
-
-matplotlib.use("Agg")
 import numpy as np
 
 from lab import theory

@@ -25,9 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from lab import bucketing, hlo, overlap, theory

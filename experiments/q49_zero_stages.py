@@ -17,9 +17,6 @@ import re
 from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from lab import theory

@@ -19,25 +19,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import matplotlib
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-matplotlib.use("Agg")
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import matplotlib.pyplot as plt  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-from lab import hlo, theory  # noqa: E402
-from lab.bench import crossover, format_bytes  # noqa: E402
-from lab.devices import parse_target, topology_devices  # noqa: E402
-from lab.hardware import profile_for_device_kind  # noqa: E402
-from lab.mesh import MeshSpec  # noqa: E402
-from lab.progress import track  # noqa: E402
-from lab.report import Result, Table, provenance  # noqa: E402
-from lab.roofline import roofline  # noqa: E402
-from lab.topology import placement  # noqa: E402
-from lab.verdict import check  # noqa: E402
+from lab import hlo, theory
+from lab.bench import crossover, format_bytes
+from lab.devices import parse_target, topology_devices
+from lab.hardware import profile_for_device_kind
+from lab.mesh import MeshSpec
+from lab.progress import track
+from lab.report import Result, Table, provenance
+from lab.roofline import roofline
+from lab.topology import placement
+from lab.verdict import check
 
 QUESTION = "#50"
 COMPILE_ONLY = True  # runs on a TPU topology through libtpu, whatever target `lab report` uses
@@ -62,6 +59,9 @@ class Config:
     """tokens per chip, B/N"""
     tensor_ways: tuple[int, ...] = (4, 16, 64)
     """tensor-parallel degrees Y to check against Y < M_Y F / alpha"""
+    benchmark_preset: str = "1b"
+    """model preset whose ZeRO-3 training step is compiled and analysed for `benchmark_topology` (empty to skip)"""
+    benchmark_topology: str = "v5p:8x8x16"
     pod_topologies: tuple[str, ...] = ("v5p:8x8x4",)
     """larger slices for the FSDP step at a fixed B/N (compile time grows with chips: v5p:8x8x16, 1024 chips, takes about 10 s more)"""
 
@@ -75,6 +75,7 @@ def run(config: Config) -> Result:
     tensor = [_step(f"data=-1,tensor={y}", chips, config, config.batch_per_chip[-1]) for y in track(config.tensor_ways, "tensor parallel degrees")]
     pods = [_step("fsdp=-1", topology_devices(t), config, 2048) | {"topology": t} for t in track(config.pod_topologies, "pod sizes")]
     thresholds = _thresholds(sweep, chip, config)
+    benchmark = _compile_benchmark(config.benchmark_preset, config.benchmark_topology) if config.benchmark_preset else None
     checks = _checks(sweep, thresholds, tensor, chip, config)
     return Result(
         name="scaling_thresholds",
@@ -82,12 +83,12 @@ def run(config: Config) -> Result:
         question=QUESTION,
         summary=_summary(thresholds, topology, chip),
         theory=THEORY,
-        tables=[_sweep_table(sweep), _threshold_table(thresholds), _tensor_table(tensor, chip, config), _pod_table(pods, sweep["FSDP"], config), _collectives_table(sweep)],
+        tables=[_sweep_table(sweep), _threshold_table(thresholds), _tensor_table(tensor, chip, config), _pod_table(pods, sweep["FSDP"], config), _collectives_table(sweep), *([_benchmark_table(benchmark)] if benchmark else [])],
         checks=checks,
         plots={"ratio": _plot(sweep, thresholds, topology)},
         notes=_notes(sweep),
         provenance=provenance(target=f"tpu:{topology}", devices=chips, mesh=", ".join(f"{k}: {v}" for k, v in STRATEGIES.items())),
-        data={"sweep": {k: [_plain(r) for r in v] for k, v in sweep.items()}, "tensor": [_plain(r) for r in tensor], "pods": [_plain(r) for r in pods], "thresholds": thresholds},
+        data={"sweep": {k: [_plain(r) for r in v] for k, v in sweep.items()}, "tensor": [_plain(r) for r in tensor], "pods": [_plain(r) for r in pods], "thresholds": thresholds, "benchmark": benchmark},
     )
 
 
@@ -209,6 +210,32 @@ def _why_refined(name: str, rows) -> str | None:
         return ("the TPU compiler gathered the weights with all-reduces (each chip contributes its shard of a zero buffer) and reduced the gradients "
                 "with all-reduces too: 2(N-1)/N·S per collective instead of (N-1)/N·S, so communication doubles and the threshold moves up")
     return None
+
+
+def _compile_benchmark(preset_name: str, topology: str) -> dict:
+    """Seconds to compile a whole ZeRO-3 training step for a pod, and to analyse it (parse, map, predict)."""
+    from time import perf_counter
+
+    from lab.model import preset
+    from lab.train import TrainConfig, Trainer
+
+    model = preset(preset_name)
+    mesh = MeshSpec(fsdp=-1).build(topology_devices(topology))
+    trainer = Trainer(model, TrainConfig(strategy="zero3", param_dtype="bfloat16", compute_dtype="bfloat16"), mesh)
+    started = perf_counter()
+    compiled = trainer.compiled_step(mesh.devices.size)  # one sequence per chip
+    compiled_at = perf_counter()
+    inspection = hlo.inspect_compiled(compiled, mesh)
+    roof = roofline(inspection, mesh)
+    found = inspection.collectives
+    return {"preset": preset_name, "parameters": model.parameters, "topology": topology, "chips": mesh.devices.size,
+            "compile_s": compiled_at - started, "analysis_s": perf_counter() - compiled_at, "collectives": len(found), "bound": roof.bound}
+
+
+def _benchmark_table(b: dict) -> Table:
+    rows = [[f"compile one ZeRO-3 training step of the {b['preset']} preset ({b['parameters'] / 1e9:.2f} B parameters) for tpu:{b['topology']} ({b['chips']} chips)", f"{b['compile_s']:.1f} s", "under 60 s"],
+            [f"analyse it: parse {b['collectives']} collectives, map them to axes, predict the roofline ({b['bound']}-bound)", f"{b['analysis_s']:.2f} s", "under 2 s"]]
+    return Table("Performance: pod-scale compile on this machine", ["what", "measured", "goal"], rows)
 
 
 def _sweep_table(sweep) -> Table:

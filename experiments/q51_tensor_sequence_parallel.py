@@ -20,11 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import matplotlib
-
-matplotlib.use("Agg")
 import jax
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullFormatter
 import optax
 
 from lab import hlo
@@ -271,7 +269,7 @@ def _plot(memory, config: Config):
         ax.plot(ts, [r["measured"] / 2**10 for r in rows], "o-", color=color, label=f"{mode} compiled residuals")
     ax.set(xscale="log", yscale="log", xlabel="tensor-parallel ways t", ylabel="KiB per device per layer", title="Activations kept for the backward")
     ax.set_xticks(config.tensor_sweep, [str(t) for t in config.tensor_sweep])
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

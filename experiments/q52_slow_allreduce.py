@@ -25,9 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 

@@ -15,9 +15,6 @@ import itertools
 import math
 from dataclasses import dataclass
 
-import matplotlib
-
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from lab.bench import Timing, format_bytes

@@ -811,13 +811,18 @@ def inspect(fn, *args: Any, mesh=None, **kwargs: Any) -> Inspection:
     with _quiet_on_tpu(mesh):
         lowered = jitted.lower(*args, **kwargs)
         compiled = lowered.compile()
+    return inspect_compiled(compiled, mesh, unoptimized_hlo=lowered.as_text(dialect="hlo"))
+
+
+def inspect_compiled(compiled, mesh=None, *, unoptimized_hlo: str = "") -> Inspection:
+    """The same reading from an executable already compiled (one compile then serves HLO, memory and timing)."""
     optimized = compiled.as_text()
     shape = slice_local_shape(mesh) if mesh is not None else None
     names = tuple(mesh.axis_names) if mesh is not None else AXES
     collectives, skipped = parse_collectives(optimized, shape, names)
     return Inspection(
         optimized_hlo=optimized,
-        unoptimized_hlo=lowered.as_text(dialect="hlo"),
+        unoptimized_hlo=unoptimized_hlo,
         collectives=collectives,
         skipped=skipped,
         memory=_memory(compiled),

@@ -170,10 +170,10 @@ class Trainer:
 
     def inspect_step(self, global_batch: int, *, to_read: bool = False) -> hlo.Inspection:
         """The step's collectives, memory and cost (`lab.hlo.Inspection`); ``to_read``: see `compiled_step`."""
-        return _inspection(self.compiled_step(global_batch, to_read=to_read), self.mesh)
+        return hlo.inspect_compiled(self.compiled_step(global_batch, to_read=to_read), self.mesh)
 
     def inspect_gradients(self, global_batch: int) -> hlo.Inspection:
-        return _inspection(self.compiled_gradients(global_batch), self.mesh)
+        return hlo.inspect_compiled(self.compiled_gradients(global_batch), self.mesh)
 
     def time_step(self, global_batch: int, *, repeats: int = 5, warmup: int = 2, start: TrainState | None = None):
         """Median step time (`lab.bench.Timing`) of the compiled step; each call consumes the previous state.
@@ -221,24 +221,6 @@ class Trainer:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
         master = optax.apply_updates(master, updates)
         return TrainState(self._working_copy(master), master if self.separate_master else None, opt_state), loss
-
-
-def _inspection(compiled: jax.stages.Compiled, mesh: jax.sharding.Mesh) -> hlo.Inspection:
-    """What `lab.hlo.inspect` reads, from an executable already compiled (one compile serves HLO, memory and timing)."""
-    collectives, skipped = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
-    stats, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    memory = {name.removesuffix("_in_bytes"): int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")} if stats else {}
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return hlo.Inspection(
-        optimized_hlo=compiled.as_text(),
-        unoptimized_hlo="",  # not kept: the lowering is gone once compiled
-        collectives=collectives,
-        skipped=skipped,
-        memory=memory,
-        cost={k: float(v) for k, v in (cost or {}).items() if "{" not in k},
-        mesh_shape=tuple(mesh.devices.shape),
-        axis_names=tuple(mesh.axis_names),
-    )
 
 
 def _split_micro_batches(tokens_BT: jax.Array, count: int) -> jax.Array:
