@@ -121,7 +121,7 @@ def _hlo_checks(sweep: list[dict], n: int) -> list:
         kinds = [h[0] for h in row["hlo"]]
         checks.append(check(f"{op}: collectives in the HLO", f"1 {op}", ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none"))
         if kinds == [op]:
-            kind, axes, size, group, _ = row["hlo"][0]
+            _, axes, size, group, _ = row["hlo"][0]
             checks.append(check(f"{op}: mesh axes of its replica groups", "fsdp", ",".join(axes or ("?",))))
             checks.append(check(f"{op}: S per device at {format_bytes(row['size'])} (bytes)", row["size"], size))
             checks.append(check(f"{op}: group size N", n, group))

@@ -222,9 +222,9 @@ def _plot(sizes, sweep, predicted, crossover, n):
 
 
 def _summary(rings, crossover, alpha, beta) -> str:
-    parts = [f"For N = {', '.join(str(r['n']) for r in rings)} the hand-written ring gave psum's result exactly and compiled to "
-             f"{', '.join(str(r['permutes']) for r in rings)} collective-permutes, sending {', '.join(format_bytes(r['sent']) for r in rings)} per device "
-             f"for D = {format_bytes(rings[0]['size'])}: 2(N-1) steps and 2(N-1)/N·D, as the textbook says."]
+    parts = [(f"For N = {', '.join(str(r['n']) for r in rings)} the hand-written ring gave psum's result exactly and compiled to "
+              f"{', '.join(str(r['permutes']) for r in rings)} collective-permutes, sending {', '.join(format_bytes(r['sent']) for r in rings)} per device "
+              f"for D = {format_bytes(rings[0]['size'])}: 2(N-1) steps and 2(N-1)/N·D, as the textbook says.")]
     largest = rings[-1]
     parts.append(f"At N = {largest['n']} the ring took {largest['ring'].median / largest['psum'].median:.2f}x psum's time.")
     if crossover["measured"]:

@@ -153,7 +153,7 @@ def _inputs(config: Config, layer, hot_share: float, replicas: int):
     x_TD[:, : config.slots] = 8.0 * np.eye(config.slots)[target_T]  # softmax over 8·one-hot: the target wins with p > 0.99
     params = init_params(layer.config, jax.random.key(0))
     router_DE = jnp.eye(config.d_model, config.slots)
-    replicated = lambda w: w.at[1:replicas].set(w[0])  # noqa: E731  every replica is the hot expert
+    replicated = lambda w: w.at[1:replicas].set(w[0])
     params = params.replace(router_DE=router_DE, w_in_EDF=replicated(params.w_in_EDF), w_out_EFD=replicated(params.w_out_EFD))
     return layer.place(params, jnp.asarray(x_TD)), target_T
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from lab import hlo, overlap, theory
 from lab.bench import format_bytes, time_interleaved
-from lab.devices import devices_for, topology_devices
+from lab.devices import devices_for, topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import profile_for_device_kind
 from lab.mesh import MeshSpec
@@ -138,7 +138,7 @@ def _tpu(topology: str, shape) -> dict | None:
     except LabError as err:
         return {"skipped": str(err)}
     chip = profile_for_device_kind(chips[0].device_kind)
-    dims = tuple(int(d) for d in topology.split(":")[1].split("x"))
+    dims = topology_shape(topology)
     mesh = MeshSpec(tensor=len(chips)).build(chips)
     variants = {name: _tpu_variant(name, mesh, _shape_for(name, shape), chip, dims) for name in track(overlap.VARIANTS, f"tpu:{topology} schedules")}
     return {"topology": topology, "chip": chip, "chips": len(chips), "variants": variants}

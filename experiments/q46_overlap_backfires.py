@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 
 from lab import bucketing, hlo, overlap, theory
 from lab.bench import format_bytes, parse_size, time_interleaved
-from lab.devices import devices_for, topology_devices
+from lab.devices import devices_for, topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import profile_for_device_kind
 from lab.mesh import MeshSpec
@@ -156,7 +156,7 @@ def _tpu(config: Config) -> dict | None:
     except LabError as err:
         return {"skipped": str(err)}
     chip = profile_for_device_kind(chips[0].device_kind)
-    dims = tuple(int(d) for d in config.tpu_topology.split(":")[1].split("x"))
+    dims = topology_shape(config.tpu_topology)
     mesh = MeshSpec(tensor=len(chips)).build(chips)
     widths = [_tpu_width(mesh, f, chip, dims) for f in track(config.tpu_widths, "TPU collective matmul widths")]
     return {"topology": config.tpu_topology, "chip": chip.name, "chips": len(chips), "widths": widths, "theory_curve": _theory_curve(widths[0], len(chips)),

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from lab import hlo, theory
 from lab.bench import format_bytes
-from lab.devices import topology_devices
+from lab.devices import topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import profile
 from lab.mesh import MeshSpec
@@ -228,7 +228,7 @@ def compile_example(example: BookExample) -> Compiled:
     mesh = MeshSpec.parse(program.mesh).build(topology_devices(program.topology))
     sharded = jax.ShapeDtypeStruct(program.shape, jnp.bfloat16, sharding=NamedSharding(mesh, P(*program.sharded)))
     found = hlo.inspect(_move(mesh, program), sharded, mesh=mesh).collectives
-    return Compiled(found, placement(mesh, program.axes).torus_dims, _sizes(program.topology))
+    return Compiled(found, placement(mesh, program.axes).torus_dims, topology_shape(program.topology))
 
 
 def _move(mesh, program: Program):
@@ -242,10 +242,6 @@ def _move(mesh, program: Program):
         return jax.lax.psum(partial_sum_block, program.axes)
 
     return all_reduce
-
-
-def _sizes(topology: str) -> tuple[int, ...]:
-    return tuple(int(size) for size in topology.split(":")[1].split("x"))
 
 
 def _program_checks(example: BookExample, compiled: Compiled) -> list:

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import jax
 import matplotlib.pyplot as plt
-from matplotlib.ticker import NullFormatter
 import optax
+from matplotlib.ticker import NullFormatter
 
 from lab import hlo
 from lab.bench import format_bytes, time_fn

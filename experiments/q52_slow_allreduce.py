@@ -30,7 +30,7 @@ import numpy as np
 
 from lab import bucketing, hlo, overlap, theory
 from lab.bench import format_bytes, parse_size, time_interleaved
-from lab.devices import devices_for, quiet_native_stderr, topology_devices
+from lab.devices import devices_for, quiet_native_stderr, topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import profile, profile_for_device_kind
 from lab.mesh import MeshSpec
@@ -161,7 +161,7 @@ def _tpu(config: Config, model_config) -> dict | None:
     except LabError as err:
         return {"skipped": str(err)}
     chip = profile_for_device_kind(chips[0].device_kind)
-    dims = tuple(int(d) for d in config.tpu_topology.split(":")[1].split("x"))
+    dims = topology_shape(config.tpu_topology)
     mesh = MeshSpec(data=len(chips)).build(chips)
     problem = bucketing.gradient_problem(model_config, mesh, sequences_per_device=config.tpu_sequences_per_chip, placed=False)
     compiles = {"default compile": {}, "async collective fusion, one all-reduce per tensor": ASYNC_ALL_REDUCE}

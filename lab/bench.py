@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 

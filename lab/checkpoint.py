@@ -90,7 +90,7 @@ class Checkpoints:
         plain = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_without_reduced(a.sharding)) for name, a in expected.items()}
         try:
             restored = self.manager.restore(step, args=ocp.args.StandardRestore(plain))
-        except Exception as err:  # orbax/tensorstore raise many types for unreadable data
+        except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types for unreadable data
             raise LabError(f"checkpoint step {step} in {str(self.policy.directory)!r} cannot be read ({type(err).__name__}); it is corrupt: delete that step folder to fall back to an older one") from None
         return step, unflatten_like(abstract_state, {name: _relabel(restored[name], a.sharding) for name, a in expected.items()})
 
@@ -98,7 +98,7 @@ class Checkpoints:
         """A checkpoint of another model or optimizer fails here, with the first difference named."""
         try:
             saved = self.manager.item_metadata(step)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any failure to read metadata means "not a lab checkpoint"
             raise LabError(f"{str(self.policy.directory)!r} step {step} is not a readable orbax checkpoint ({type(err).__name__}); point --checkpoint-dir at a lab train checkpoint") from None
         saved = dict(saved or {})
         missing = sorted(set(expected) - set(saved))

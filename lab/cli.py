@@ -94,13 +94,13 @@ def _run_command():
     from experiments import registry
 
     choices = tuple(Annotated[e.config, tyro.conf.subcommand(e.name, description=e.title)] for e in registry().values())
-    return Union[choices] if len(choices) > 1 else choices[0]  # type: ignore[valid-type]
+    return Union[choices] if len(choices) > 1 else choices[0]  # noqa: UP007 - a Union over a computed tuple
 
 
 def _commands():
     from lab.training_run import RunConfig  # `lab train`'s options; importing jax starts no backend
 
-    return Union[
+    return Union[  # noqa: UP007 - tyro reads the subcommands from this Union
         Annotated[Report, tyro.conf.subcommand("report")],
         Annotated[_run_command(), tyro.conf.subcommand("run", description="Run one experiment and write its page.")],
         Annotated[List, tyro.conf.subcommand("list")],
@@ -165,29 +165,25 @@ def _dispatch(command) -> int:
 
 def inspect(command: Inspect) -> int:
     """Print the collectives table (kind, form, axes, bytes), memory and cost."""
+    import numpy as np
+
     from lab import hlo
+    from lab.bench import parse_size
+    from lab.collectives import build_program
     from lab.devices import devices_for
-    from lab.mesh import MeshSpec, describe
+    from lab.mesh import MeshSpec, describe, slice_local_shape
+    from lab.topology import describe_axes
 
     if command.hlo is not None:
         return _inspect_dump(command)
     devices = devices_for(command.target)
     mesh = MeshSpec.parse(command.mesh).build(devices)
-    from lab.bench import parse_size
-    from lab.collectives import build_program
-
-    import numpy as np
-
     program = build_program(command.program, mesh, command.axes)
     found = hlo.inspect(program.fn, program.abstract_input(parse_size(command.size), np.dtype(command.dtype)), mesh=mesh)
     _out.print(f"{command.program} over {','.join(command.axes)} on {command.target}\n{describe(mesh)}", highlight=False)
     predicted = None
     if devices[0].platform == "tpu":
-        from lab.topology import describe_axes
-
         _out.print("where each axis runs:\n" + describe_axes(mesh), highlight=False)
-        from lab.mesh import slice_local_shape
-
         if slice_local_shape(mesh) != tuple(mesh.devices.shape):
             _out.print("multi-slice: libtpu compiles the program of one slice, so its HLO numbers devices within a slice "
                        "and holds only the ICI part of a collective; the DCN part across slices is not in this module.", highlight=False)
@@ -206,7 +202,7 @@ def _inspect_dump(command: Inspect) -> int:
     from dataclasses import replace
 
     from lab import hlo
-    from lab.mesh import MeshSpec, axes_of_groups
+    from lab.mesh import AXES, MeshSpec, axes_of_groups
 
     try:
         text = command.hlo.read_text()
@@ -215,13 +211,15 @@ def _inspect_dump(command: Inspect) -> int:
     header = re.search(r"num_partitions=(\d+)", text)
     devices = int(header[1]) if header else MeshSpec.parse(command.mesh).size
     spec = MeshSpec.parse(command.mesh).resolve(devices)
-    found, skipped = hlo.parse_collectives(text, spec.shape)
-    if command.device_order:
+    if not command.device_order:
+        found, skipped = hlo.parse_collectives(text, spec.shape)
+    else:  # ids are devices, not mesh positions: map them through the order the user gave
         order = list(command.device_order)
         if sorted(order) != list(range(spec.size)):
             raise LabError(f"--device-order must list each of the {spec.size} device ids 0..{spec.size - 1} once, in mesh order")
         position = {device: index for index, device in enumerate(order)}
-        found = tuple(replace(c, axes=axes_of_groups(spec.shape, spec.sizes.keys() and list(spec.sizes), [[position[d] for d in g] for g in c.replica_groups])) if c.replica_groups else c for c in found)
+        found, skipped = hlo.parse_collectives(text)
+        found = tuple(replace(c, axes=axes_of_groups(spec.shape, AXES, [[position[d] for d in g] for g in c.replica_groups])) for c in found)
     _out.print(f"{command.hlo}: mesh {spec} ({spec.size} devices)", highlight=False)
     _print_inspection(found, skipped)
     return 0

@@ -23,8 +23,8 @@ import functools
 import os
 import re
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 from lab.errors import LabError
 
@@ -141,11 +141,16 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
     with quiet_native_stderr() as noise:
         try:
             description = topologies.get_topology_desc(topology, "tpu", **kwargs)
-        except Exception as err:  # libtpu raises JaxRuntimeError with a long message
+        except jax.errors.JaxRuntimeError as err:  # libtpu's message runs to many lines
             detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
             raise LabError(f"libtpu does not know topology {topology!r} ({detail}); use a form like v5e:4x4, v5p:4x4x4, v6e:16x16") from None
     del noise
     return tuple(description.devices)
+
+
+def topology_shape(topology: str) -> tuple[int, ...]:
+    """Chips along each torus dimension of a topology name: "v5e:4x4" -> (4, 4)."""
+    return tuple(int(size) for size in topology.split(":")[1].split("x"))
 
 
 def _libtpu_installed() -> bool:

@@ -26,8 +26,8 @@ import math
 import os
 import statistics
 import timeit
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

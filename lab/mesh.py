@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -54,7 +54,7 @@ class MeshSpec:
             raise LabError("mesh spec: at most one axis may be -1 (it takes the devices the others leave)")
 
     @classmethod
-    def parse(cls, spec: "str | Mapping[str, int] | MeshSpec") -> "MeshSpec":
+    def parse(cls, spec: str | Mapping[str, int] | MeshSpec) -> MeshSpec:
         """Read ``"data=2,fsdp=4"``, ``{"data": 2, "fsdp": 4}`` or a MeshSpec."""
         if isinstance(spec, MeshSpec):
             return spec
@@ -78,7 +78,7 @@ class MeshSpec:
         return cls._from_mapping(pairs, repr(spec))
 
     @classmethod
-    def _from_mapping(cls, pairs: dict, shown: str) -> "MeshSpec":
+    def _from_mapping(cls, pairs: dict, shown: str) -> MeshSpec:
         unknown = sorted(set(pairs) - set(AXES))
         if unknown:
             raise LabError(f"mesh spec {shown}: unknown axis {unknown[0]!r}; the axes are {', '.join(AXES)}")
@@ -96,7 +96,7 @@ class MeshSpec:
     def size(self) -> int:
         return math.prod(self.shape)
 
-    def resolve(self, device_count: int) -> "MeshSpec":
+    def resolve(self, device_count: int) -> MeshSpec:
         """Fill a ``-1`` axis and check that the sizes use exactly `device_count` devices."""
         sizes = self.sizes
         known = math.prod(s for s in sizes.values() if s != -1)

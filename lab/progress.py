@@ -8,7 +8,8 @@ tests, in a notebook) `track` still works and shows a bar only on a terminal.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

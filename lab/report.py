@@ -68,7 +68,7 @@ def provenance(*, target: str, devices=(), mesh: str = "") -> dict[str, Any]:
     """Where the numbers come from: versions, hardware, commit, command, date."""
     kinds = sorted({getattr(d, "device_kind", "?") for d in devices})
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["lab", *sys.argv[1:]]) if Path(sys.argv[0]).name == "lab" else shlex.join(sys.argv),
         "git_commit": _git_commit(),
         "target": target,
@@ -117,8 +117,8 @@ def write_index(results: list[Result], results_dir: Path | str = "results", *, e
     """results/README.md: one line per experiment with its verdicts."""
     lines = [
         "# Results\n",
-        "Written by `lab report`; every number comes from that run. Verdicts: *agrees* = theory within tolerance, "
-        "*refined* = XLA differs from the textbook for a reason the page explains, *differs* = unexplained.\n",
+        ("Written by `lab report`; every number comes from that run. Verdicts: *agrees* = theory within tolerance, "
+         "*refined* = XLA differs from the textbook for a reason the page explains, *differs* = unexplained.\n"),
         "| experiment | question | verdicts |",
         "|---|---|---|",
     ]
@@ -164,8 +164,8 @@ def _as_json(result: Result) -> dict[str, Any]:
 
 def _git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent)
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent, check=False)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent, check=False)
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

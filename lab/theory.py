@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from lab.errors import LabError
 from lab.hardware import ChipProfile
@@ -514,7 +514,7 @@ def zero_model_states(stage: int, parameters: float, devices: int, *, param_byte
     if stage not in ZERO_STAGES:
         raise LabError(f"ZeRO stage {stage!r}: use 0 (DDP), 1, 2 or 3")
     _check_count_and_size(devices, parameters)
-    share = lambda partitioned: 1 / devices if partitioned else 1.0  # noqa: E731
+    share = lambda partitioned: 1 / devices if partitioned else 1.0
     return ModelStateBytes(
         params=param_bytes * parameters * share(stage >= 3),
         grads=grad_bytes * parameters * share(stage >= 2),

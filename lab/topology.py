@@ -20,8 +20,8 @@ an axis, the groups of devices that differ only along it either
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -18,8 +18,9 @@ printed next to it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal
 
 Verdict = Literal["agrees", "refined", "differs"]
 

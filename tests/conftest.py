@@ -11,12 +11,12 @@ import textwrap
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")
@@ -37,4 +37,4 @@ def mesh222(devices):
 def run_python(code: str, *, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (its own JAX, its own device count)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env, check=False)

@@ -79,7 +79,7 @@ def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
 
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     for argv in (["inspect", "--axes", "fsdp", "--mesh", "fsdp=4", "--target", "tpu:v5e:2x2"], ["inspect", "--size", "1K"]):
-        done = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=300, env=env)
+        done = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=300, env=env, check=False)
         assert done.returncode == 0, done.stderr
         assert done.stderr == "", done.stderr
         assert "all-" in done.stdout

@@ -29,7 +29,7 @@ def _free_port() -> int:
 def _start(code: str, process_id: int, port: int, tmp_path: Path) -> subprocess.Popen:
     """One process of the run; its output goes to a file so that a full pipe never blocks it."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    out = open(tmp_path / f"process{process_id}.log", "w")
+    out = open(tmp_path / f"process{process_id}.log", "w")  # noqa: SIM115 - stays open for the child process
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(process_id), f"127.0.0.1:{port}", str(tmp_path)],
                             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 

@@ -5,10 +5,10 @@ import json
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from lab.report import Result, Table, provenance, render, write, write_index  # noqa: E402
-from lab.verdict import check  # noqa: E402
+from lab.report import Result, Table, provenance, render, write, write_index
+from lab.verdict import check
 
 
 def _result():

@@ -263,7 +263,7 @@ def test_v5p_thresholds_match_the_book():
 
 # --- ZeRO: model-state memory and data-parallel traffic -----------------------
 
-from lab.theory import ModelStateBytes, step_wire_bytes, zero_model_states, zero_step_collectives  # noqa: E402
+from lab.theory import ModelStateBytes, step_wire_bytes, zero_model_states, zero_step_collectives
 
 
 @pytest.mark.parametrize("stage, gigabytes", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -352,7 +352,13 @@ def test_optimal_bucket_beats_its_neighbours_when_communication_bound():
 
 # --- 5. Mixture of experts ------------------------------------------------------------
 
-from lab.theory import capacity_factor_to_drop_nothing, dropped_share, expert_capacity, moe_traffic, switch_aux_loss_range  # noqa: E402
+from lab.theory import (
+    capacity_factor_to_drop_nothing,
+    dropped_share,
+    expert_capacity,
+    moe_traffic,
+    switch_aux_loss_range,
+)
 
 
 def test_switch_capacity_example_4096_tokens_64_experts_factor_1_25_gives_80():
@@ -440,7 +446,7 @@ def test_activation_memory_without_dropout_drops_masks():
 
 # --- Pipeline parallelism: bubbles, step time, activations in flight ---------
 
-from lab import theory as pipeline_theory  # noqa: E402  (section-local import: the section was added last)
+from lab import theory as pipeline_theory
 
 
 def test_gpipe_bubble_is_small_once_m_is_four_times_k():

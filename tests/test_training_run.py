@@ -8,8 +8,8 @@ import pytest
 
 from lab.cli import main
 from lab.errors import LabError
-from lab.training_run import RunConfig, flops_per_token, result, run, synthetic_batch
 from lab.model import preset
+from lab.training_run import RunConfig, flops_per_token, result, run, synthetic_batch
 
 STEPS = 4
 PARITY_RTOL = 1e-5  # fp32: the layouts sum the same numbers in another order
