@@ -129,9 +129,10 @@ def run(config: Config) -> Result:
             "worked_example": {k: v for k, v in example.items() if k != "checks"},
             "executed": [{k: v for k, v in e.items() if k != "checks"} for e in executed],
             "interleaved": {k: v for k, v in interleaved.items() if k != "checks"},
-            "chrome_traces": {name: chrome_trace(simulate(make_schedule(name, 4, 8, config.chunks if name == "interleaved" else 1), Costs.uniform(4, 1.0, 2.0)))
-                              for name in SIMULATED_SCHEDULES},
         },
+        # Chrome trace-event files: open them in Perfetto (ui.perfetto.dev) or chrome://tracing
+        files={f"trace_{name}.json": chrome_trace(simulate(make_schedule(name, 4, 8, config.chunks if name == "interleaved" else 1), Costs.uniform(4, 1.0, 2.0)))
+               for name in SIMULATED_SCHEDULES},
     )
 
 

@@ -58,6 +58,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # raw numbers for result.json
+    files: dict[str, Any] = field(default_factory=dict)  # extra files beside the page: name -> text, or an object written as JSON
 
     @property
     def passed(self) -> bool:
@@ -89,6 +90,8 @@ def write(result: Result, results_dir: Path | str = "results") -> Path:
     for stem, figure in result.plots.items():
         figure.savefig(folder / f"{stem}.png", dpi=110, bbox_inches="tight")
         plt.close(figure)
+    for name, content in result.files.items():
+        (folder / name).write_text(content if isinstance(content, str) else json.dumps(content))
     (folder / "result.json").write_text(json.dumps(_as_json(result), indent=1, default=str) + "\n")
     page = folder / "README.md"
     page.write_text(render(result))
@@ -107,6 +110,8 @@ def render(result: Result) -> str:
     if result.tables:
         parts.append("## Measured\n\n" + "\n".join(t.markdown() for t in result.tables))
     parts.extend(f"![{stem}]({stem}.png)\n" for stem in result.plots)
+    if result.files:
+        parts.append("Files: " + ", ".join(f"[{name}]({name})" for name in result.files) + "\n")
     if result.notes:
         parts.append("## What we saw\n\n" + "".join(f"- {n}\n" for n in result.notes))
     parts.append("## Provenance\n\n" + "".join(f"- {k}: `{v}`\n" for k, v in result.provenance.items() if v))
@@ -159,6 +164,7 @@ def _as_json(result: Result) -> dict[str, Any]:
     out = asdict(result)
     out.pop("plots")
     out["plots"] = [f"{stem}.png" for stem in result.plots]
+    out["files"] = list(result.files)
     return out
 
 

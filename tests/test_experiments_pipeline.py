@@ -36,8 +36,11 @@ def test_pipeline_bubble_simulates_executes_and_corrects_the_worked_example(devi
     assert any("executed interleaved" in q and c.verdict == "agrees" for q, c in by_name.items())
     page = write(result, tmp_path)
     assert "B0 on stage 0 starts at 4" in page.read_text() and (tmp_path / "pipeline_bubble" / "timelines.png").exists()
-    traces = json.loads((tmp_path / "pipeline_bubble" / "result.json").read_text())["data"]["chrome_traces"]
+    folder = tmp_path / "pipeline_bubble"
+    traces = {path.stem.removeprefix("trace_"): json.loads(path.read_text()) for path in folder.glob("trace_*.json")}
     assert set(traces) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
+    assert all(any(event["ph"] == "X" for event in trace["traceEvents"]) for trace in traces.values())  # opens in Perfetto
+    assert "[trace_gpipe.json](trace_gpipe.json)" in page.read_text()
 
 
 def test_microbatches_reads_activation_memory_from_xla(devices):

@@ -47,3 +47,10 @@ def test_index_links_each_page_with_its_verdicts(tmp_path):
 def test_render_without_checks_has_no_verdict_line():
     result = Result("x", "X", "#40", "nothing checked")
     assert "Verdict" not in render(result)
+
+
+def test_extra_files_are_written_beside_the_page_and_linked(tmp_path):
+    result = Result("x", "X", "#43", "with a trace", files={"trace.json": {"traceEvents": []}, "note.txt": "hello"})
+    page = write(result, tmp_path).read_text()
+    assert json.loads((tmp_path / "x" / "trace.json").read_text()) == {"traceEvents": []}
+    assert (tmp_path / "x" / "note.txt").read_text() == "hello" and "[trace.json](trace.json)" in page
