@@ -171,7 +171,9 @@ def _as_json(result: Result) -> dict[str, Any]:
 def _git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent, check=False)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent, check=False)
+        # the pages a running report has already rewritten do not make the code dirty
+        code_only = ["--", ":/", ":(top,exclude)results"]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *code_only], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent, check=False)
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
