@@ -163,8 +163,10 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs)
 
     def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
-        x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD, layout), layout)
-        return x_BSD + self.mlp(self.mlp_norm(x_BSD, layout), layout)
+        with jax.named_scope("attention"):
+            x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD, layout), layout)
+        with jax.named_scope("mlp"):
+            return x_BSD + self.mlp(self.mlp_norm(x_BSD, layout), layout)
 
 
 _LAYERS = {nnx.PARTITION_NAME: "layers"}  # nnx.vmap/scan add and remove this logical axis on the stacked weights

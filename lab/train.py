@@ -139,7 +139,10 @@ class Trainer:
 
     @functools.cached_property
     def step(self):
-        """jit(state, tokens) -> (state, loss); the state is donated."""
+        """jit(state, tokens) -> (state, {"loss", "grad_norm"}); the state is donated.
+
+        The gradient's global L2 norm comes with the loss: the numerics a doctor reads (a spike, an Inf)
+        cost one reduction over gradients the step already holds."""
         return jax.jit(self._step, donate_argnums=0)
 
     @functools.cached_property
@@ -186,8 +189,8 @@ class Trainer:
         state = [self.init() if start is None else self.place(start)]
 
         def one_step():
-            state[0], loss = executable(state[0], batch)
-            return loss
+            state[0], metrics = executable(state[0], batch)
+            return metrics["loss"]
 
         return time_fn(one_step, warmup=warmup, repeats=repeats)
 
@@ -203,7 +206,8 @@ class Trainer:
             # each micro-batch's mean loss is divided by the count before autodiff: partial sums support
             # addition but not division, so the gradients must arrive already scaled
             loss, grads = jax.value_and_grad(lambda p: self._loss(p, micro_BT) / count)(params)
-            return self.layout.accumulate(accumulated, grads, self.grad_shardings), loss
+            with jax.named_scope("reduce_gradients"):
+                return self.layout.accumulate(accumulated, grads, self.grad_shardings), loss
 
         if count == 1:
             summed, loss = one(None, tokens_BT)
@@ -212,15 +216,22 @@ class Trainer:
             start = self.layout.zeros(jax.eval_shape(lambda: one(None, micro_MBT[0])[0]))
             summed, losses = jax.lax.scan(one, start, micro_MBT)
             loss = losses.sum()
-        return self.layout.finish(summed, self.grad_shardings), loss
+        with jax.named_scope("reduce_gradients"):
+            return self.layout.finish(summed, self.grad_shardings), loss
 
-    def _step(self, state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, jax.Array]:
-        grads, loss = self._gradients(state.params, tokens_BT)
-        master = state.master if self.separate_master else jax.reshard(state.params, self.optimizer_shardings)
-        grads = jax.reshard(jax.tree.map(lambda g: g.astype(jnp.float32), grads), self.optimizer_shardings)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
-        master = optax.apply_updates(master, updates)
-        return TrainState(self._working_copy(master), master if self.separate_master else None, opt_state), loss
+    def _step(self, state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        # named scopes label the HLO ops (op_name metadata) and so the rows of a jax.profiler trace
+        with jax.named_scope("forward_backward"):
+            grads, loss = self._gradients(state.params, tokens_BT)
+        with jax.named_scope("optimizer"):
+            master = state.master if self.separate_master else jax.reshard(state.params, self.optimizer_shardings)
+            grads = jax.reshard(jax.tree.map(lambda g: g.astype(jnp.float32), grads), self.optimizer_shardings)
+            grad_norm = optax.global_norm(grads)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
+            master = optax.apply_updates(master, updates)
+        with jax.named_scope("write_back"):
+            params = self._working_copy(master)
+        return TrainState(params, master if self.separate_master else None, opt_state), {"loss": loss, "grad_norm": grad_norm}
 
 
 def _split_micro_batches(tokens_BT: jax.Array, count: int) -> jax.Array:

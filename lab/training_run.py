@@ -154,8 +154,8 @@ def run(config: RunConfig, devices=None) -> RunLog:
         for step in progress.track(range(start_step, config.steps), f"train {config.mesh}"):
             tick = time.perf_counter()  # the whole iteration, as the wall clock sees it: data, step, a save's blocking part
             batch = _place(synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step), trainer.batch_sharding())
-            state, loss = step_fn(state, batch)
-            loss = float(loss)  # waits for the step to finish
+            state, outputs = step_fn(state, batch)
+            loss = float(outputs["loss"])  # waits for the step to finish
             saved = checkpoints is not None and checkpoints.save(step + 1, state, force=step + 1 == config.steps)
             seconds = time.perf_counter() - tick
             metrics = _metrics(step, loss, seconds, saved, config, model, log.peak_flops)

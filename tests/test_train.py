@@ -23,8 +23,8 @@ def _trajectory(mesh, start=None, **config):
     batch = trainer.batch(BATCH, seed=0)
     losses, params, first = [], [], jax.tree.map(np.asarray, state)
     for _ in range(STEPS):
-        state, loss = trainer.step(state, batch)
-        losses.append(float(loss))
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
         params.append([np.asarray(p) for p in jax.tree.leaves(state.params)])
     return first, losses, params
 
@@ -65,8 +65,8 @@ def test_mixed_precision_keeps_bf16_weights_and_sharded_fp32_master_weights(devi
     assert master_w_in.dtype == jnp.float32 and master_w_in.sharding.spec[1] == "fsdp"
     losses = []
     for _ in range(3):
-        state, loss = trainer.step(state, batch)
-        losses.append(float(loss))
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0]
 
 
