@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,14 @@ class RunConfig:
     """save every this many steps (0: only at the end)"""
     async_checkpoint: bool = False
     """write checkpoints in the background while training continues"""
+    input_ms: float = 0.0
+    """milliseconds the input pipeline takes to make each batch (simulates a slow loader; 0: instant)"""
+    input_jitter_ms: float = 0.0
+    """random extra milliseconds per batch, exponential with this mean (a loader's long tail)"""
+    prefetch: int = 0
+    """batches loaded ahead by background workers (0: the loop waits for each batch)"""
+    profile: Path | None = None
+    """write a jax.profiler trace of the run here (opens in XProf/TensorBoard, or Perfetto: perfetto_trace.json.gz)"""
     resume: bool = False
     """continue from the latest checkpoint in --checkpoint-dir (onto this mesh, whatever mesh saved it)"""
     coordinator: str | None = None
@@ -87,10 +96,14 @@ class StepMetrics:
 
     step: int
     loss: float
-    seconds: float
+    grad_norm: float
+    seconds: float  # the whole iteration: data + compute + save
+    data_s: float  # waiting for the batch (input pipeline and host-to-device)
+    save_s: float  # the blocking part of a checkpoint save
     tokens_per_s: float
     mfu: float
     checkpoint: bool = False  # a save started in this step
+    extra: dict[str, float] = field(default_factory=dict)  # further scalars the step returns (MoE load, ...)
 
 
 @dataclass(frozen=True)
@@ -105,10 +118,18 @@ class RunLog:
     compile_s: float
     peak_flops: float
     steps: list[StepMetrics] = field(default_factory=list)
+    profile: dict[str, float] = field(default_factory=dict)  # device seconds per part of the step, from --profile's trace
 
     @property
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]
+
+    def series(self):
+        """The step-time series analysis (`lab.step_series`), the first iteration left out as warm-up."""
+        from lab.step_series import analyze
+
+        timed = self.steps[1:] if len(self.steps) > 1 else self.steps
+        return analyze([s.seconds for s in timed], first_step=timed[0].step)
 
     @property
     def median_step_s(self) -> float:
@@ -134,7 +155,7 @@ def flops_per_token(model) -> float:
 
 def run(config: RunConfig, devices=None) -> RunLog:
     """Train as `config` says on `devices` (default: the target's, after jax.distributed when asked)."""
-    from lab import progress
+    from lab import input_pipeline, profiling, progress
     from lab.mesh import MeshSpec, describe
     from lab.train import TrainConfig
 
@@ -150,20 +171,22 @@ def run(config: RunConfig, devices=None) -> RunLog:
     step_fn = trainer.compiled_step(config.global_batch)
     log = RunLog(config, describe(mesh), _describe(devices), jax.process_count(), start_step, time.perf_counter() - started, _peak_flops(devices))
     writer = _log_writer(config)
+    loader = input_pipeline.Loader(lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
+                                   config.input_ms / 1e3, config.input_jitter_ms / 1e3, config.seed)
+    data = input_pipeline.batches(loader, start_step, config.steps, config.prefetch)
+    loop = _Loop(config, model, step_fn, trainer.batch_sharding(), checkpoints, log.peak_flops)
     try:
-        for step in progress.track(range(start_step, config.steps), f"train {config.mesh}"):
-            tick = time.perf_counter()  # the whole iteration, as the wall clock sees it: data, step, a save's blocking part
-            batch = _place(synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step), trainer.batch_sharding())
-            state, outputs = step_fn(state, batch)
-            loss = float(outputs["loss"])  # waits for the step to finish
-            saved = checkpoints is not None and checkpoints.save(step + 1, state, force=step + 1 == config.steps)
-            seconds = time.perf_counter() - tick
-            metrics = _metrics(step, loss, seconds, saved, config, model, log.peak_flops)
-            log.steps.append(metrics)
-            writer(metrics)
+        with profiling.trace(config.profile):
+            for step in progress.track(range(start_step, config.steps), f"train {config.mesh}"):
+                state, metrics = loop.iterate(step, state, data)
+                log.steps.append(metrics)
+                writer(metrics)
     finally:
+        data.close()
         if checkpoints is not None:
             checkpoints.close()
+    if config.profile is not None:
+        log.profile.update(profiling.scope_times(profiling.latest_session(config.profile), step_fn.as_text()))
     return log
 
 
@@ -221,9 +244,39 @@ def _place(tokens: np.ndarray, sharding) -> jax.Array:
     return jax.make_array_from_callback(tokens.shape, sharding, lambda index: tokens[index])
 
 
-def _metrics(step: int, loss: float, seconds: float, saved: bool, config: RunConfig, model, peak_flops: float) -> StepMetrics:
-    tokens_per_s = config.global_batch * model.seq / seconds
-    return StepMetrics(step, loss, seconds, tokens_per_s, flops_per_token(model) * tokens_per_s / peak_flops, bool(saved))
+@dataclass(frozen=True)
+class _Loop:
+    """What every iteration needs: the compiled step, where batches go, the checkpoints, the FLOP yardstick."""
+
+    config: RunConfig
+    model: object
+    step_fn: object
+    batch_sharding: object
+    checkpoints: object
+    peak_flops: float
+
+    def iterate(self, step: int, state, data: Iterator[np.ndarray]):
+        """One iteration as the wall clock sees it: wait for the batch, run the step, maybe save. The trace
+        annotations name the same three parts in a profile (StepTraceAnnotation marks the step for XProf)."""
+        from jax.profiler import StepTraceAnnotation, TraceAnnotation
+
+        tick = time.perf_counter()
+        with StepTraceAnnotation("train", step_num=step):
+            with TraceAnnotation("input"):
+                batch = _place(next(data), self.batch_sharding)
+            data_s = time.perf_counter() - tick
+            with TraceAnnotation("step"):
+                state, outputs = self.step_fn(state, batch)
+                outputs = {name: float(value) for name, value in outputs.items()}  # waits for the step to finish
+            save_tick = time.perf_counter()
+            with TraceAnnotation("checkpoint"):
+                saved = self.checkpoints is not None and self.checkpoints.save(step + 1, state, force=step + 1 == self.config.steps)
+            save_s = time.perf_counter() - save_tick
+        seconds = time.perf_counter() - tick
+        tokens_per_s = self.config.global_batch * self.model.seq / seconds
+        loss, grad_norm = outputs.pop("loss"), outputs.pop("grad_norm")
+        mfu = flops_per_token(self.model) * tokens_per_s / self.peak_flops
+        return state, StepMetrics(step, loss, grad_norm, seconds, data_s, save_s, tokens_per_s, mfu, bool(saved), outputs)
 
 
 def _peak_flops(devices) -> float:
@@ -274,37 +327,76 @@ def _notes(log: RunLog) -> list[str]:
     return notes
 
 
+def plot_step_times(axes, log: RunLog, label: str | None = None) -> None:
+    """Step time over steps: the whole iteration, the part spent waiting for data, and the saves marked."""
+    steps = [s.step for s in log.steps]
+    line, = axes.plot(steps, [s.seconds * 1e3 for s in log.steps], marker=".", markersize=3, linewidth=1, label=label or "step")
+    if any(s.data_s > 0.1 * s.seconds for s in log.steps):
+        axes.plot(steps, [s.data_s * 1e3 for s in log.steps], linestyle=":", color=line.get_color(), linewidth=1,
+                  label=f"{label + ': ' if label else ''}waiting for data")
+    saves = [s for s in log.steps if s.checkpoint]
+    if saves:
+        axes.scatter([s.step for s in saves], [s.seconds * 1e3 for s in saves], marker="v", color=line.get_color(), zorder=3,
+                     label=f"{label + ': ' if label else ''}checkpoint saved")
+    axes.set(xlabel="step", ylabel="step time (ms)")
+
+
 def result(log: RunLog):
-    """The run's page: loss and step time over steps, the metrics table and where the run happened."""
+    """The run's page: loss and step time over steps, the series analysis, the metrics, the profile."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from lab.report import Result, Table, provenance
+    from lab.report import Result, provenance
 
-    steps = [s.step for s in log.steps]
-    figures = {}
-    for stem, values, label in (("loss", log.losses, "loss"), ("step_time", [s.seconds * 1e3 for s in log.steps], "step time (ms)")):
-        figure, axes = plt.subplots(figsize=(6, 3))
-        axes.plot(steps, values, marker=".")
-        axes.set(xlabel="step", ylabel=label, title=f"{label}, mesh {log.config.mesh}")
-        figures[stem] = figure
-    rows = [[s.step, s.loss, s.seconds * 1e3, s.tokens_per_s, s.mfu, "yes" if s.checkpoint else ""] for s in log.steps]
+    loss_figure, axes = plt.subplots(figsize=(6, 3))
+    axes.plot([s.step for s in log.steps], log.losses, marker=".")
+    axes.set(xlabel="step", ylabel="loss", title=f"loss, mesh {log.config.mesh}")
+    time_figure, axes = plt.subplots(figsize=(6, 3))
+    plot_step_times(axes, log)
+    axes.set(title=f"step time, mesh {log.config.mesh}")
+    axes.legend(fontsize=7)
+    series = log.series()
     summary = (
         f"{len(log.steps)} steps of the {log.config.model} model with {log.config.strategy} on the mesh {log.config.mesh} "
         f"({log.devices}, {log.processes} process(es)): loss {log.losses[0]:.3f} -> {log.losses[-1]:.3f}; median step "
-        f"{log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s; compiling the step took {log.compile_s:.1f} s."
+        f"{log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s; compiling the step took {log.compile_s:.1f} s. "
+        f"Step times: {series.describe()}."
     )
     return Result(
         name=log.config.name,
         title=f"Training run: {log.config.model} on {log.config.mesh}",
         question="issue 9",
         summary=summary,
-        theory="MFU = (6Ψ + 12·L·H·K·S) × tokens/s ÷ peak FLOP/s (Chowdhery et al. 2022, PaLM, Appendix B); on emulated CPU devices the peak is the one measured machine's.",
-        tables=[Table("per step", ["step", "loss", "step (ms)", "tokens/s", "MFU", "checkpoint"], rows)],
-        plots=figures,
+        theory="MFU = (6Ψ + 12·L·H·K·S) × tokens/s ÷ peak FLOP/s (Chowdhery et al. 2022, PaLM, Appendix B); on emulated CPU devices the peak is the one measured machine's. "
+               "Step times are read with `lab.step_series`: median and spread, slow steps, and a period found from the series itself.",
+        tables=_tables(log),
+        plots={"loss": loss_figure, "step_time": time_figure},
         notes=_notes(log),
         provenance=provenance(target=log.config.target, devices=(), mesh=log.config.mesh) | {"devices": log.devices},
-        data={"config": {k: str(v) for k, v in asdict(log.config).items()}, "steps": [asdict(s) for s in log.steps], "compile_s": log.compile_s},
+        data={"config": {k: str(v) for k, v in asdict(log.config).items()}, "steps": [asdict(s) for s in log.steps],
+              "compile_s": log.compile_s, "profile_device_s": log.profile},
     )
+
+
+MAX_STEP_ROWS = 40  # beyond this the per-step table is unreadable: the plot and metrics.jsonl hold every step
+
+
+def _tables(log: RunLog) -> list:
+    from lab.report import Table
+
+    tables = []
+    if len(log.steps) <= MAX_STEP_ROWS:
+        rows = [[s.step, s.loss, s.grad_norm, s.seconds * 1e3, s.data_s * 1e3, s.save_s * 1e3, s.tokens_per_s, s.mfu, "yes" if s.checkpoint else ""]
+                for s in log.steps]
+        tables.append(Table("per step", ["step", "loss", "grad norm", "step (ms)", "data (ms)", "save (ms)", "tokens/s", "MFU", "checkpoint"], rows))
+    else:
+        seconds = np.array([[s.seconds, s.data_s, s.save_s] for s in log.steps[1:]]) * 1e3
+        rows = [[name, *np.percentile(seconds[:, i], [50, 10, 90]).tolist(), seconds[:, i].max()] for i, name in enumerate(("step", "waiting for data", "blocking save"))]
+        tables.append(Table(f"step time over steps {log.steps[1].step}-{log.steps[-1].step} (ms)", ["part", "median", "p10", "p90", "max"], rows))
+    if log.profile:
+        total = sum(log.profile.values())
+        rows = [[part, seconds * 1e3, seconds / total] for part, seconds in log.profile.items()]
+        tables.append(Table(f"device time by part of the step (from the trace in {log.config.profile}; summed over devices and steps)", ["part", "device ms", "share"], rows))
+    return tables
