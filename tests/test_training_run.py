@@ -53,7 +53,8 @@ def test_log_has_one_line_per_step_with_metrics(layout):
     lines = [json.loads(line) for line in (layout.config.results / "train" / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(STEPS))
     assert [line["checkpoint"] for line in lines] == [False, True, False, True]
-    assert all(line["tokens_per_s"] > 0 and 0 < line["mfu"] for line in lines)
+    assert all(line["tokens_per_s"] > 0 and 0 < line["mfu"] and line["grad_norm"] > 0 for line in lines)
+    assert all(0 <= line["data_s"] < line["seconds"] and 0 <= line["save_s"] < line["seconds"] for line in lines)
     assert [line["loss"] for line in lines] == layout.losses
 
 
@@ -64,6 +65,20 @@ def test_resume_on_another_mesh_continues_the_same_trajectory(devices, control, 
     resumed = run(RunConfig(mesh="data=1", steps=STEPS, global_batch=8, results=tmp_path, checkpoint_dir=saved, resume=True), devices[:1])
     assert resumed.start_step == 2 and [s.step for s in resumed.steps] == [2, 3]
     np.testing.assert_allclose(resumed.losses, control.losses[2:], rtol=PARITY_RTOL)
+
+
+def test_a_slow_loader_shows_as_waiting_for_data_and_the_profile_names_the_parts_of_the_step(devices, tmp_path):
+    """One run, two instruments: the loop's own clock (data_s) and the jax.profiler trace (device time by scope)."""
+    config = RunConfig(mesh="fsdp=4", steps=3, global_batch=8, results=tmp_path, input_ms=30, profile=tmp_path / "trace")
+    log = run(config, devices[:4])
+    assert all(s.data_s >= 0.03 for s in log.steps)  # the loader's sleep is inside the measured wait
+    assert all(s.data_s < s.seconds and s.grad_norm > 0 and s.save_s >= 0 for s in log.steps)
+    assert list((tmp_path / "trace").glob("plugins/profile/*/perfetto_trace.json.gz"))
+    parts = set(log.profile)
+    assert {"forward attention", "backward attention", "forward mlp", "backward mlp", "optimizer"} <= parts
+    assert any(part.startswith("communication: ") for part in parts)  # fsdp=4 gathers weights
+    table = result(log).tables[-1]
+    assert table.title.startswith("device time by part of the step") and sum(row[2] for row in table.rows) == pytest.approx(1.0)
 
 
 def test_page_has_loss_and_step_time_plots(layout):
