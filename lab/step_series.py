@@ -5,8 +5,9 @@ shape is the jumping" (quick-reference #53): the shape names the layer.
 
 * **periodic** dips, one every P steps at a fixed phase: something scheduled,
   a synchronous checkpoint every P steps, an evaluation, an epoch boundary;
-* **random** slow steps: a loader that cannot keep up, a straggler, routing
-  that is skewed on some batches;
+* **random** jitter: a loader that cannot keep up, a straggler, routing
+  that is skewed on some batches: slow steps off any lattice, or a series
+  whose typical step is far from its median;
 * a **trend**: steps getting slower over time (memory fragmentation, a growing
   cache, numerics changing the work);
 * **steady**: nothing to explain beyond noise.
@@ -20,7 +21,10 @@ comes from the series itself, not from a configuration: the most common gap
 between consecutive slow steps is the candidate P, and it is accepted when
 the slow steps sit on one lattice phase + kP (at least 80 % of them) and that
 lattice is mostly slow (at least 80 % of its points after the first dip).
-Spread is reported as the coefficient of variation std/mean (the number to
+Random jitter is either more than 5 % of the steps slow, off any lattice, or
+a robust spread σ_MAD / median above 0.2: a wide distribution (a loader's
+exponential tail) widens the MAD with it, so it has few "outliers" but a
+large spread, while one hiccup in a quiet series is neither. Spread is reported as the coefficient of variation std/mean (the number to
 compare before and after a fix) next to its robust twin MAD/median.
 """
 
@@ -38,6 +42,8 @@ SLOW_RATIO = 1.25  # ... and large enough to matter
 ON_LATTICE = 0.8  # fraction of slow steps that must sit at phase + kP, and of lattice points that must be slow
 MIN_DIPS = 3  # fewer than three dips cannot show a period
 TREND_RATIO = 1.2  # the last quarter's median over the first quarter's
+RANDOM_SLOW_FRACTION = 0.05  # more than this share of steps slow, with no period: random jitter
+RANDOM_SPREAD = 0.2  # σ_MAD / median above this: steps typically 20 % off the median (quiet CPU runs: about 0.1)
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class SeriesSummary:
         """periodic | random | trend | steady (a period wins: it is the most specific finding)."""
         if self.period is not None:
             return "periodic"
-        if self.slow_steps:
+        if len(self.slow_steps) > RANDOM_SLOW_FRACTION * self.steps or self.robust_cv > RANDOM_SPREAD:
             return "random"
         if self.trend_ratio > TREND_RATIO:
             return "trend"

@@ -90,6 +90,9 @@ class RunConfig:
     """write the results page (process 0)"""
 
 
+WARMUP_STEPS = 2  # left out of step-time statistics
+
+
 @dataclass(frozen=True)
 class StepMetrics:
     """One line of the JSONL log."""
@@ -124,11 +127,16 @@ class RunLog:
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]
 
+    @property
+    def timed_steps(self) -> list[StepMetrics]:
+        """The steps after warm-up (the first iterations run freshly loaded code and caches)."""
+        return self.steps[WARMUP_STEPS:] if len(self.steps) > WARMUP_STEPS else self.steps
+
     def series(self):
-        """The step-time series analysis (`lab.step_series`), the first iteration left out as warm-up."""
+        """The step-time series analysis (`lab.step_series`) of the steps after warm-up."""
         from lab.step_series import analyze
 
-        timed = self.steps[1:] if len(self.steps) > 1 else self.steps
+        timed = self.timed_steps
         return analyze([s.seconds for s in timed], first_step=timed[0].step)
 
     @property
@@ -328,10 +336,11 @@ def _notes(log: RunLog) -> list[str]:
 
 
 def plot_step_times(axes, log: RunLog, label: str | None = None) -> None:
-    """Step time over steps: the whole iteration, the part spent waiting for data, and the saves marked."""
+    """Step time over steps: the whole iteration, the saves marked, and the wait for data where it matters
+    (a median share of the step above 10 %)."""
     steps = [s.step for s in log.steps]
     line, = axes.plot(steps, [s.seconds * 1e3 for s in log.steps], marker=".", markersize=3, linewidth=1, label=label or "step")
-    if any(s.data_s > 0.1 * s.seconds for s in log.steps):
+    if np.median([s.data_s / s.seconds for s in log.steps]) > 0.1:
         axes.plot(steps, [s.data_s * 1e3 for s in log.steps], linestyle=":", color=line.get_color(), linewidth=1,
                   label=f"{label + ': ' if label else ''}waiting for data")
     saves = [s for s in log.steps if s.checkpoint]
@@ -392,9 +401,10 @@ def _tables(log: RunLog) -> list:
                 for s in log.steps]
         tables.append(Table("per step", ["step", "loss", "grad norm", "step (ms)", "data (ms)", "save (ms)", "tokens/s", "MFU", "checkpoint"], rows))
     else:
-        seconds = np.array([[s.seconds, s.data_s, s.save_s] for s in log.steps[1:]]) * 1e3
+        timed = log.timed_steps
+        seconds = np.array([[s.seconds, s.data_s, s.save_s] for s in timed]) * 1e3
         rows = [[name, *np.percentile(seconds[:, i], [50, 10, 90]).tolist(), seconds[:, i].max()] for i, name in enumerate(("step", "waiting for data", "blocking save"))]
-        tables.append(Table(f"step time over steps {log.steps[1].step}-{log.steps[-1].step} (ms)", ["part", "median", "p10", "p90", "max"], rows))
+        tables.append(Table(f"step time over steps {timed[0].step}-{timed[-1].step} (ms)", ["part", "median", "p10", "p90", "max"], rows))
     if log.profile:
         total = sum(log.profile.values())
         rows = [[part, seconds * 1e3, seconds / total] for part, seconds in log.profile.items()]
