@@ -213,6 +213,10 @@ def _check(config: RunConfig) -> None:
         raise LabError("--resume needs --checkpoint-dir: the folder an earlier lab train saved to")
     if config.checkpoint_every < 0:
         raise LabError(f"--checkpoint-every {config.checkpoint_every}: use 0 (only at the end) or a positive step count")
+    if min(config.input_ms, config.input_jitter_ms, config.prefetch) < 0:
+        raise LabError(f"--input-ms {config.input_ms:g}, --input-jitter-ms {config.input_jitter_ms:g} and --prefetch {config.prefetch} must not be negative")
+    if config.profile is not None and Path(config.profile).is_file():
+        raise LabError(f"--profile {str(config.profile)!r} is a file; give a folder for the trace")
 
 
 def _model(config: RunConfig):

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,6 +93,9 @@ def test_page_has_loss_and_step_time_plots(layout):
     (RunConfig(resume=True), "--resume needs --checkpoint-dir"),
     (RunConfig(mesh="data=2,fsdp=2,tensor=2", global_batch=6), "not divisible"),
     (RunConfig(strategy="zero9"), "unknown strategy"),
+    (RunConfig(prefetch=-1), "must not be negative"),
+    (RunConfig(input_ms=-5), "must not be negative"),
+    (RunConfig(profile=Path(__file__)), "is a file"),
 ])
 def test_bad_input_is_one_clear_error(devices, config, message):
     with pytest.raises(LabError, match=message):
