@@ -164,14 +164,12 @@ def flops_per_token(model) -> float:
 def run(config: RunConfig, devices=None) -> RunLog:
     """Train as `config` says on `devices` (default: the target's, after jax.distributed when asked)."""
     from lab import input_pipeline, profiling, progress
-    from lab.mesh import MeshSpec, describe
-    from lab.train import TrainConfig
+    from lab.mesh import describe
 
     _check(config)
     devices = _devices(config) if devices is None else devices
-    mesh = MeshSpec.parse(config.mesh).build(devices)
-    model = _model(config)
-    trainer = _trainer(model, TrainConfig(strategy=config.strategy, micro_batches=config.micro_batches, learning_rate=config.learning_rate), mesh)
+    model, trainer = _model(config), trainer_for(config, devices)
+    mesh = trainer.mesh
     trainer.layout.check_batch(config.global_batch, config.micro_batches)  # before any compile: a bad batch fails at once
     checkpoints = _checkpoints(config)
     start_step, state = _initial_state(config, trainer, checkpoints)
@@ -196,6 +194,15 @@ def run(config: RunConfig, devices=None) -> RunLog:
     if config.profile is not None:
         log.profile.update(profiling.scope_times(profiling.latest_session(config.profile), step_fn.as_text()))
     return log
+
+
+def trainer_for(config: RunConfig, devices):
+    """The Trainer a run of `config` on `devices` uses (cached: a second call, or a second run, reuses its compiled step)."""
+    from lab.mesh import MeshSpec
+    from lab.train import TrainConfig
+
+    mesh = MeshSpec.parse(config.mesh).build(devices)
+    return _trainer(_model(config), TrainConfig(strategy=config.strategy, micro_batches=config.micro_batches, learning_rate=config.learning_rate), mesh)
 
 
 @functools.lru_cache(maxsize=4)

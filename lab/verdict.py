@@ -58,6 +58,13 @@ def check(quantity: str, theory, observed, *, rtol: float = 0.0, explained: str 
     return Check(quantity, theory, observed, "differs", rtol)
 
 
+def at_most(quantity: str, observed: float, limit: float, *, explained: str | None = None) -> Check:
+    """Theory as an upper bound ("most of the dip is gone": a ratio at most 0.5): agrees when observed <= limit."""
+    if observed <= limit:
+        return Check(quantity, f"<= {limit:g}", observed, "agrees")
+    return Check(quantity, f"<= {limit:g}", observed, "refined" if explained else "differs", note=explained or "")
+
+
 @dataclass(frozen=True)
 class Expectation:
     """What theory predicts for one program: quantity name -> value."""

@@ -24,3 +24,12 @@ def test_compare_reports_missing_quantities_as_differs():
     assert [r.verdict for r in rows] == ["agrees", "differs"]
     assert rows[1].observed == "not found"
     assert summarize(rows) == "1 agree, 0 refined, 1 differ"
+
+
+def test_at_most_agrees_up_to_the_limit_and_says_what_it_saw_beyond():
+    from lab.verdict import at_most
+
+    assert at_most("ratio", 0.5, 0.5).verdict == "agrees"
+    beyond = at_most("ratio", 0.7, 0.5)
+    assert (beyond.verdict, beyond.theory, beyond.observed) == ("differs", "<= 0.5", 0.7)
+    assert at_most("ratio", 0.7, 0.5, explained="a fixed cost").verdict == "refined"
