@@ -19,24 +19,42 @@ model, and per-layer collectives appear once in a while loop. Parameter count,
 with V vocab, D embed, H heads of K dims, F mlp, L layers (no biases, untied
 embeddings, RMSNorm scales, rotary positions):
     Ψ = 2VD + L (4DHK + 2DF + 2D) + D.
+
+Tensor parallelism needs one thing from the model: a matmul that contracts a
+dimension the layout may split (``heads`` in the attention's output
+projection, ``mlp`` in W_out: Megatron's row-parallel matmuls) says where its
+result goes, ``out_sharding=layout.activation_sharding(logical axes)``; on an
+Explicit mesh that is the all-reduce over ``tensor``.
+
+An MoE model (``experts > 0``) replaces every MLP by E expert MLPs of width F
+and a top-k router (GShard, Lepikhin et al. 2020; the routing, balancing loss
+and load counts of `lab.parallel.routing`, the buffers of
+`lab.parallel.expert`): Ψ = 2VD + L (4DHK + DE + 2EDF + 2D) + D, of which a
+token uses the k experts it is routed to.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from lab.errors import LabError
+from lab.parallel.expert import combine, dispatch
+from lab.parallel.routing import Balance, LoadCounts, RouterConfig, balance_loss, load_counts, route
+from lab.rules import logical_axes  # noqa: F401 - declared here, read by the Layout there; lab.model.logical_axes stays importable
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Sizes of the transformer; the default is small enough for 8 emulated CPU devices."""
+    """Sizes of the transformer; the default is small enough for 8 emulated CPU devices.
+
+    ``experts > 0`` makes every block's MLP a mixture of that many experts, each ``mlp`` wide.
+    """
 
     vocab: int = 256
     embed: int = 64
@@ -45,21 +63,48 @@ class ModelConfig:
     mlp: int = 256
     layers: int = 2
     seq: int = 32
+    experts: int = 0  # 0: dense MLP blocks
+    top_k: int = 2
+    capacity_factor: float | None = 1.25  # slots per expert per sequence: ceil(S·k/E · factor); None drops nothing
+    aux_loss: float = 0.01  # α of the Switch load-balancing loss added to the training loss
+
+    def __post_init__(self) -> None:
+        if self.experts < 0:
+            raise LabError(f"experts={self.experts}: use 0 for a dense model or a positive number of experts")
+        if self.experts:
+            self.router  # noqa: B018 - RouterConfig refuses a bad top-k or capacity factor
+
+    @property
+    def router(self) -> RouterConfig:
+        """How tokens choose experts (MoE models only)."""
+        return RouterConfig(experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor)
 
     @property
     def parameters(self) -> int:
-        """Ψ = 2VD + L(4DHK + 2DF + 2D) + D (see the module docstring)."""
+        """Ψ = 2VD + L(4DHK + 2DF + 2D) + D, or with DE + 2EDF for the MLP in an MoE model (see the module docstring)."""
         return 2 * self.vocab * self.embed + self.block_parameters + self.embed
 
     @property
     def block_parameters(self) -> int:
-        """L(4DHK + 2DF + 2D): the weights inside the layer scan (attention, MLP, their two norms)."""
-        d = self.embed
-        return self.layers * (4 * d * self.heads * self.head_dim + 2 * d * self.mlp + 2 * d)
+        """The weights inside the layer scan (attention, MLP or experts and router, the two norms)."""
+        return self.layers * (4 * self.embed * self.heads * self.head_dim + self._feed_forward_parameters + 2 * self.embed)
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters one token goes through: Ψ with k experts in place of E (Ψ itself for a dense model)."""
+        if not self.experts:
+            return self.parameters
+        return self.parameters - self.layers * 2 * (self.experts - self.top_k) * self.embed * self.mlp
+
+    @property
+    def _feed_forward_parameters(self) -> int:
+        """2DF for the MLP; DE + 2EDF for the router and the experts."""
+        return 2 * self.embed * self.mlp if not self.experts else self.experts * (self.embed + 2 * self.embed * self.mlp)
 
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),  # 0.13 M: tests and cpu:8 pages
+    "tiny-moe": ModelConfig(mlp=64, experts=8, top_k=2),  # 0.20 M, 8 experts of width 64, top-2: tests and cpu:8 pages
     "small": ModelConfig(vocab=1024, embed=256, heads=8, head_dim=32, mlp=1024, layers=4, seq=128),  # 3.7 M: cpu timings
     "125m": ModelConfig(vocab=32768, embed=768, heads=12, head_dim=64, mlp=3072, layers=12, seq=1024),
     "350m": ModelConfig(vocab=32768, embed=1024, heads=16, head_dim=64, mlp=4096, layers=24, seq=1024),
@@ -74,7 +119,11 @@ def preset(name: str) -> ModelConfig:
 
 
 class Layout(Protocol):
-    """What the model needs from a parallelism strategy (implemented by `lab.parallel.fsdp.Layout`)."""
+    """What the model needs from a parallelism strategy (implemented by `lab.parallel.fsdp.Layout`).
+
+    A layout may also have ``activation_sharding(axes) -> NamedSharding``, where activations with these logical axes go
+    (see `activation_sharding`); one without it (one device, a shard_map body) leaves them where the matmuls put them.
+    """
 
     compute_dtype: jnp.dtype
 
@@ -86,6 +135,19 @@ class Layout(Protocol):
     def remat_policy(self) -> Callable | None:
         """The checkpoint policy for one block (None: save every residual)."""
         ...
+
+
+
+def activation_sharding(layout: Layout, axes: tuple[str, ...]) -> jax.sharding.NamedSharding | None:
+    """Where `layout` puts an activation with these logical axes; None for a layout that does not say."""
+    where = getattr(layout, "activation_sharding", None)
+    return None if where is None else where(axes)
+
+
+def _move(x: jax.Array, layout: Layout, axes: tuple[str, ...]) -> jax.Array:
+    """`x` resharded to where `layout` puts an activation with logical `axes` (the collective is whatever that takes)."""
+    sharding = activation_sharding(layout, axes)
+    return x if sharding is None else jax.reshard(x, sharding)
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
@@ -138,7 +200,8 @@ class Attention(nnx.Module):
         causal_ST = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         weights_BHST = jax.nn.softmax(jnp.where(causal_ST, scores_BHST, -1e30), axis=-1).astype(x_BSD.dtype)
         mixed_BSHK = jnp.einsum("bhst,bthk->bshk", weights_BHST, v_BSHK)
-        return jnp.einsum("bshk,hkd->bsd", mixed_BSHK, layout.use(self.out))
+        # row-parallel: heads may be split, so each device may hold a partial sum; out_sharding completes it
+        return jnp.einsum("bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), out_sharding=activation_sharding(layout, _BSD))
 
 
 class MLP(nnx.Module):
@@ -149,27 +212,83 @@ class MLP(nnx.Module):
         self.w_out = _param(rngs, _fan_in(0, 1), (config.mlp, config.embed), ("mlp", "embed"))
 
     def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
-        hidden_BSF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in)))
-        return jnp.einsum("bsf,fd->bsd", hidden_BSF, layout.use(self.w_out))
+        hidden_BSF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in)))  # column-parallel
+        return jnp.einsum("bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BSD))  # row-parallel
+
+
+class MoEStats(NamedTuple):
+    """One MoE layer's balancing loss (mean over sequences) and load counts (summed over sequences)."""
+
+    balance_loss: jax.Array
+    counts: LoadCounts
+
+
+class MoE(nnx.Module):
+    """A mixture of E expert MLPs in place of the MLP; each token goes to its router's top k.
+
+    Routing groups are sequences: each sequence fills its own C slots per expert (`RouterConfig.capacity`),
+    so what is dropped does not depend on the mesh. (It does depend on the sequence's later tokens, which
+    may take a slot first: with a capacity, an MoE decoder is not strictly causal.)
+
+    Expert parallelism is two moves of the token buffers [B, E, C, D]: from split by sequence (``routing``:
+    every device holds its sequences' slots for every expert) to split by expert (``experts``), the dispatch
+    all-to-all, and back, the combine all-to-all.
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        e, d, f = config.experts, config.embed, config.mlp
+        self.router = _param(rngs, nnx.initializers.normal(0.02), (d, e), ("embed", "routing"))  # small: routing starts near uniform
+        self.w_in = _param(rngs, _fan_in(1, 2), (e, d, f), ("experts", "embed", "mlp"))
+        self.w_out = _param(rngs, _fan_in(1, 2), (e, f, d), ("experts", "mlp", "embed"))
+        self.config = config
+
+    def __call__(self, x_BSD: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats]:
+        router, experts = self.config.router, self.config.experts
+        logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, layout.use(self.router))
+        # (XLA's CPU partitioner gathers the logits over the batch axes for top_k; the TPU compiler keeps them split)
+        routing = jax.vmap(lambda logits_SE: route(logits_SE, router))(logits_BSE)
+        home_BECD = jax.vmap(lambda x_SD, one: dispatch(x_SD, one, experts))(x_BSD, routing)
+        x_BECD = _move(home_BECD, layout, _BECD_AT_EXPERTS)  # dispatch: the all-to-all over expert
+        hidden_BECF = jax.nn.gelu(jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_in)))
+        y_BECD = jnp.einsum("becf,efd->becd", hidden_BECF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BECD_AT_EXPERTS))
+        y_BECD = _move(y_BECD, layout, _BECD_AT_HOME)  # combine: the all-to-all back
+        y_BSD = jax.vmap(combine)(y_BECD, routing)
+        balance = jax.vmap(balance_loss, in_axes=(0, None))(routing, Balance(aux_loss=self.config.aux_loss))
+        return y_BSD, MoEStats(balance.mean(), jax.tree.map(lambda c: c.sum(0), jax.vmap(load_counts)(routing)))
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)) (or x + moe(norm(x)))."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.attention_norm = RMSNorm(config, rngs)
         self.attention = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config, rngs)
-        self.mlp = MLP(config, rngs)
+        if config.experts:
+            self.moe = MoE(config, rngs)
+        else:
+            self.mlp = MLP(config, rngs)
+        self.experts = config.experts
 
     def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
+        return self.forward(x_BSD, layout)[0]
+
+    def forward(self, x_BSD: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats | None]:
+        """The block's output and, for an MoE block, its `MoEStats`."""
         with jax.named_scope("attention"):
             x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD, layout), layout)
+        if self.experts:
+            with jax.named_scope("moe"):
+                y_BSD, stats = self.moe(self.mlp_norm(x_BSD, layout), layout)
+                return x_BSD + y_BSD, stats
         with jax.named_scope("mlp"):
-            return x_BSD + self.mlp(self.mlp_norm(x_BSD, layout), layout)
+            return x_BSD + self.mlp(self.mlp_norm(x_BSD, layout), layout), None
 
 
 _LAYERS = {nnx.PARTITION_NAME: "layers"}  # nnx.vmap/scan add and remove this logical axis on the stacked weights
+_BSD = ("batch", "sequence", "embed")
+_BECD_AT_HOME = ("batch", "routing", "capacity", "embed")  # each device: its sequences' slots for every expert
+_BECD_AT_EXPERTS = ("batch", "experts", "capacity", "embed")  # each device: its experts' slots from a share of the sequences
 
 
 class Transformer(nnx.Module):
@@ -189,19 +308,24 @@ class Transformer(nnx.Module):
         self.unembed = _param(rngs, _fan_in(0, 1), (config.embed, config.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, layout: Layout) -> jax.Array:
+        return self.forward(tokens_BS, layout)[0]
+
+    def forward(self, tokens_BS: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats | None]:
+        """Logits and, for an MoE model, each layer's `MoEStats` stacked on a leading layers axis."""
         # a one-hot matmul, not a gather: JAX 0.10 has no sharding rule for gathering from a reduced array,
         # and as a matmul the table's gradient comes out unreduced like every other weight's
         one_hot_BSV = jax.nn.one_hot(tokens_BS, self.config.vocab, dtype=layout.compute_dtype)
         x_BSD = jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding))
 
-        def block(x_BSD: jax.Array, one_block: Block) -> jax.Array:
-            return one_block(x_BSD, layout)
+        def block(x_BSD: jax.Array, one_block: Block) -> tuple[jax.Array, MoEStats | None]:
+            return one_block.forward(x_BSD, layout)
 
         if layout.remat_policy is not None:
             block = nnx.remat(block, policy=layout.remat_policy, prevent_cse=False)  # scan already keeps XLA from CSE-ing the recompute
-        x_BSD = nnx.scan(block, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS)(x_BSD, self.blocks)
+        scan = nnx.scan(block, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS)
+        x_BSD, stats = scan(x_BSD, self.blocks)
         x_BSD = self.final_norm(x_BSD, layout)
-        return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)
+        return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32), stats
 
 
 def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
@@ -209,11 +333,6 @@ def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     with nnx.use_eager_sharding(False):  # the lab's rules, not flax's, turn logical axes into shardings
         model = nnx.eval_shape(lambda: Transformer(config, nnx.Rngs(0)))
     return nnx.split(model)
-
-
-def logical_axes(variable: nnx.Variable) -> tuple[str, ...]:
-    """The logical axes a parameter was declared with (``layers`` first for stacked block weights)."""
-    return tuple(variable.get_metadata("out_sharding"))
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:

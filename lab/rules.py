@@ -9,9 +9,9 @@ A `Strategy` is a few such tables, one per moment of a training step:
 * ``grads``: where gradients end up once reduced (replicated: an all-reduce;
   sharded over ``fsdp``: a reduce-scatter);
 * ``optimizer``: where the fp32 master weights and Adam's moments live;
-* ``compute``: the weights as a matmul uses them (for data parallelism:
-  whole; a later tensor-parallel table keeps ``heads``/``mlp`` split);
-* ``activations``: the batch is split over every data-parallel axis.
+* ``compute``: the weights as a matmul uses them (whole over the data axes);
+* ``activations``: the batch is split over every batch axis (``data``,
+  ``fsdp``, and ``expert``, which splits tokens like data outside the experts).
 
 The data-parallel family (Rajbhandari et al. 2020, ZeRO, arXiv:1910.02054) is
 then four tables: DDP replicates everything; ZeRO-1 shards the optimizer state;
@@ -20,6 +20,15 @@ layer's weights just before use. ZeRO-3 comes twice: resharding after the
 forward pass (gather again in the backward: ZeRO-3 memory) or keeping the
 gathered weights until the backward (PyTorch FSDP's
 ``reshard_after_forward=False``: ZeRO-2 memory in the backward pass).
+
+Model parallelism is one more table, `MODEL_PARALLEL`, that every strategy
+adds to each of its tables: attention heads and the MLP's hidden dimension
+over ``tensor`` (Megatron, Shoeybi et al. 2019, arXiv:1909.08053, Section 3:
+column-parallel Q/K/V and W_in, row-parallel output projections), experts over
+``expert`` (GShard, Lepikhin et al. 2020, arXiv:2006.16668). Parameters, their
+gradients, optimizer state and the matmuls all keep that split; the data
+tables only add ``fsdp`` on ``embed``. A ZeRO-3 weight is thus stored split
+over ``fsdp`` and ``tensor`` and gathered over ``fsdp`` alone.
 
 Two mistakes are caught here rather than deep inside XLA: a table that maps
 two dimensions of one array onto the same mesh axis (a collision), and a
@@ -38,8 +47,10 @@ from jax.sharding import PartitionSpec as P
 from lab.errors import LabError
 from lab.mesh import AXES
 
-LOGICAL_AXES = ("batch", "sequence", "embed", "heads", "head_dim", "mlp", "vocab", "layers", "experts")
-DATA_AXES = ("data", "fsdp")  # the mesh axes a data-parallel step splits the batch over
+LOGICAL_AXES = ("batch", "sequence", "embed", "heads", "head_dim", "mlp", "vocab", "layers", "experts", "routing", "capacity")
+# the mesh axes the batch is split over: the data-parallel ones, and `expert`, which splits tokens like a data
+# axis everywhere but inside the experts (lab.parallel.expert.TOKEN_AXES)
+DATA_AXES = ("data", "fsdp", "expert")
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,10 @@ class Rules:
     def of(cls, mapping: Mapping[str, str | Sequence[str]]) -> Rules:
         """``Rules.of({"embed": "fsdp", "batch": ("data", "fsdp")})``."""
         return cls(tuple((k, (v,) if isinstance(v, str) else tuple(v)) for k, v in mapping.items()))
+
+    def __or__(self, other: Rules) -> Rules:
+        """Both tables; a logical axis listed in both takes `other`'s mesh axes."""
+        return Rules(tuple((dict(self.table) | dict(other.table)).items()))
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         return dict(self.table).get(logical, ()) if logical is not None else ()
@@ -84,6 +99,11 @@ class Rules:
         return P(*entries)
 
 
+def logical_axes(variable) -> tuple[str, ...]:
+    """The logical axes an ``nnx.Variable`` was declared with (``layers`` first for stacked block weights)."""
+    return tuple(variable.get_metadata("out_sharding"))
+
+
 def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_sizes: Mapping[str, int]) -> None:
     """Every split dimension must divide evenly over its mesh axes (XLA would pad silently)."""
     for dim, (size, entry) in enumerate(zip(shape, spec.partitions)):
@@ -95,11 +115,18 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_sizes: Mappin
 
 
 BATCH_OVER_DATA_AXES = Rules.of({"batch": DATA_AXES})  # activations of every data-parallel strategy
+# Megatron's split over `tensor` and GShard's over `expert`. An expert index as the router sees it (logical axis
+# `routing`: every token is scored against every expert) stays whole on every device.
+MODEL_PARALLEL = Rules.of({"heads": "tensor", "mlp": "tensor", "experts": "expert"})
+TABLES = ("params", "grads", "optimizer", "compute")
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A data-parallel strategy: where params, grads and optimizer state live, as rules tables."""
+    """A data-parallel strategy: where params, grads and optimizer state live, as rules tables.
+
+    The tables hold the data-parallel splits only; `rules` adds the model-parallel table shared by every strategy.
+    """
 
     name: str
     description: str
@@ -108,6 +135,7 @@ class Strategy:
     optimizer: Rules
     compute: Rules = Rules()
     activations: Rules = BATCH_OVER_DATA_AXES
+    model_parallel: Rules = MODEL_PARALLEL
     reshard_after_forward: bool = True  # ZeRO-3: drop gathered weights after the forward, gather again in the backward
     persist_below: int = 0  # parameters with fewer elements stay replicated (DeepSpeed's stage3_param_persistence_threshold)
     max_unsharded_fraction: float = 0.05  # the sufficiently-sharded guard, for strategies that shard parameters
@@ -121,11 +149,27 @@ class Strategy:
         return bool(self.grads.table)
 
     def param_rules(self, size: int) -> Rules:
-        """The storage table for a parameter of `size` elements (small ones may persist replicated)."""
-        return Rules() if size < self.persist_below else self.params
+        """The storage table for a parameter of `size` elements (small ones may persist replicated over the data axes)."""
+        return (Rules() if size < self.persist_below else self.params) | self.model_parallel
 
     def grad_rules(self, size: int) -> Rules:
-        return Rules() if size < self.persist_below and self.shards_params else self.grads
+        return (Rules() if size < self.persist_below and self.shards_params else self.grads) | self.model_parallel
+
+    def rules(self, table: str, size: int) -> Rules:
+        """One of `TABLES` for a parameter of `size` elements: the strategy's data-parallel table and the model-parallel one."""
+        if table not in TABLES:
+            raise LabError(f"unknown rules table {table!r}; use one of {', '.join(TABLES)}")
+        if table == "params":
+            return self.param_rules(size)
+        if table == "grads":
+            return self.grad_rules(size)
+        return getattr(self, table) | self.model_parallel
+
+    @property
+    def used_axes(self) -> frozenset[str]:
+        """Every mesh axis some table of the strategy splits an array over."""
+        tables = (self.params, self.grads, self.optimizer, self.compute, self.activations, self.model_parallel)
+        return frozenset(axis for rules in tables for _, axes in rules.table for axis in axes)
 
 
 _SHARDED = Rules.of({"embed": "fsdp"})  # ZeRO shards every weight along its model dimension, like MaxText's fsdp rule

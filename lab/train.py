@@ -30,8 +30,9 @@ from jax.sharding import NamedSharding
 
 from lab import hlo
 from lab.errors import LabError
-from lab.model import ModelConfig, abstract_model, init_params, next_token_loss
+from lab.model import ModelConfig, MoEStats, abstract_model, init_params, next_token_loss
 from lab.parallel.fsdp import Layout
+from lab.parallel.routing import load_metrics
 from lab.rules import get_strategy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -139,7 +140,8 @@ class Trainer:
 
     @functools.cached_property
     def step(self):
-        """jit(state, tokens) -> (state, {"loss", "grad_norm"}); the state is donated.
+        """jit(state, tokens) -> (state, {"loss", "grad_norm"}), plus for an MoE model {"balance_loss",
+        "expert_load_max_over_mean", "dropped_fraction"}; every entry a scalar; the state is donated.
 
         The gradient's global L2 norm comes with the loss: the numerics a doctor reads (a spike, an Inf)
         cost one reduction over gradients the step already holds."""
@@ -148,7 +150,7 @@ class Trainer:
     @functools.cached_property
     def gradients(self):
         """jit(params, tokens) -> (reduced gradients in the strategy's layout, loss)."""
-        return jax.jit(self._gradients)
+        return jax.jit(lambda params, tokens_BT: self._gradients(params, tokens_BT)[:2])
 
     def compiled_step(self, global_batch: int, *, to_read: bool = False) -> jax.stages.Compiled:
         """The step compiled ahead of time for abstract inputs: no device memory needed, so it works on
@@ -194,35 +196,39 @@ class Trainer:
 
         return time_fn(one_step, warmup=warmup, repeats=repeats)
 
-    def _loss(self, params: nnx.State, tokens_BT: jax.Array) -> jax.Array:
-        model = nnx.merge(self.graphdef, params)
-        return next_token_loss(model(tokens_BT[:, :-1], self.layout), tokens_BT[:, 1:])
+    def _loss(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, tuple[jax.Array, MoEStats | None]]:
+        """The training loss (language model + MoE balancing) and, as aux, the language-model loss and MoE stats."""
+        logits_BSV, stats = nnx.merge(self.graphdef, params).forward(tokens_BT[:, :-1], self.layout)
+        language_loss = next_token_loss(logits_BSV, tokens_BT[:, 1:])
+        balance = 0.0 if stats is None else stats.balance_loss.sum()  # summed over layers, each its own α·aux
+        return language_loss + balance, (language_loss, stats)
 
-    def _gradients(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, jax.Array]:
+    def _gradients(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, jax.Array, MoEStats | None]:
+        """Reduced gradients, the language-model loss and the MoE stats (balancing loss averaged, counts summed over micro-batches)."""
         count = self.config.micro_batches
         self.layout.check_batch(tokens_BT.shape[0], count)
 
         def one(accumulated, micro_BT):
             # each micro-batch's mean loss is divided by the count before autodiff: partial sums support
             # addition but not division, so the gradients must arrive already scaled
-            loss, grads = jax.value_and_grad(lambda p: self._loss(p, micro_BT) / count)(params)
+            (_, (loss, stats)), grads = jax.value_and_grad(lambda p: _scaled(self._loss(p, micro_BT), count), has_aux=True)(params)
             with jax.named_scope("reduce_gradients"):
-                return self.layout.accumulate(accumulated, grads, self.grad_shardings), loss
+                return self.layout.accumulate(accumulated, grads, self.grad_shardings), (loss, stats)
 
         if count == 1:
-            summed, loss = one(None, tokens_BT)
+            summed, (loss, stats) = one(None, tokens_BT)
         else:
             micro_MBT = _split_micro_batches(tokens_BT, count)
             start = self.layout.zeros(jax.eval_shape(lambda: one(None, micro_MBT[0])[0]))
-            summed, losses = jax.lax.scan(one, start, micro_MBT)
-            loss = losses.sum()
+            summed, (losses, stats) = jax.lax.scan(one, start, micro_MBT)
+            loss, stats = losses.sum(), jax.tree.map(lambda s: s.sum(0), stats)
         with jax.named_scope("reduce_gradients"):
-            return self.layout.finish(summed, self.grad_shardings), loss
+            return self.layout.finish(summed, self.grad_shardings), loss, stats
 
     def _step(self, state: TrainState, tokens_BT: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
         # named scopes label the HLO ops (op_name metadata) and so the rows of a jax.profiler trace
         with jax.named_scope("forward_backward"):
-            grads, loss = self._gradients(state.params, tokens_BT)
+            grads, loss, stats = self._gradients(state.params, tokens_BT)
         with jax.named_scope("optimizer"):
             master = state.master if self.separate_master else jax.reshard(state.params, self.optimizer_shardings)
             grads = jax.reshard(jax.tree.map(lambda g: g.astype(jnp.float32), grads), self.optimizer_shardings)
@@ -231,7 +237,25 @@ class Trainer:
             master = optax.apply_updates(master, updates)
         with jax.named_scope("write_back"):
             params = self._working_copy(master)
-        return TrainState(params, master if self.separate_master else None, opt_state), {"loss": loss, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "grad_norm": grad_norm} | ({} if stats is None else _moe_metrics(stats))
+        return TrainState(params, master if self.separate_master else None, opt_state), metrics
+
+
+def _scaled(loss_and_aux: tuple[jax.Array, tuple], count: int) -> tuple[jax.Array, tuple]:
+    """Divide the training loss, the language-model loss and the balancing loss by the micro-batch count (counts stay sums)."""
+    loss, (language_loss, stats) = loss_and_aux
+    stats = None if stats is None else stats._replace(balance_loss=stats.balance_loss / count)
+    return loss / count, (language_loss / count, stats)
+
+
+def _moe_metrics(stats: MoEStats) -> dict[str, jax.Array]:
+    """Scalars a doctor reads from an MoE step: the balancing loss, the worst layer's load skew, the dropped share."""
+    per_layer = jax.vmap(load_metrics)(stats.counts)
+    return {
+        "balance_loss": stats.balance_loss.sum(),
+        "expert_load_max_over_mean": per_layer.max_over_mean.max(),
+        "dropped_fraction": stats.counts.dropped.sum() / jnp.maximum(stats.counts.chosen.sum(), 1.0),
+    }
 
 
 def _split_micro_batches(tokens_BT: jax.Array, count: int) -> jax.Array:

@@ -41,11 +41,12 @@ class RunConfig:
     target: str = "cpu:8"
     """cpu:N, gpu or tpu (with several processes: the devices of this process, e.g. cpu:4)"""
     mesh: str = "data=2,fsdp=2,tensor=2"
-    """axis sizes over data, stage, fsdp, expert, tensor (axes the strategy does not split repeat the same work)"""
+    """axis sizes over data, stage, fsdp, expert, tensor: data/fsdp/expert split the batch, fsdp the weights (ZeRO), tensor
+    the heads and MLP (Megatron), expert the experts of an MoE model; stage is not pipelined by lab train"""
     model: str = "tiny"
-    """model preset from lab.model.PRESETS"""
+    """model preset from lab.model.PRESETS (tiny, tiny-moe, small, 125m, ...)"""
     strategy: str = "zero3"
-    """data-parallel strategy from lab.rules.STRATEGIES"""
+    """data-parallel strategy from lab.rules.STRATEGIES (ddp, zero1, zero2, zero3, zero3-keep); tensor and expert splits come with every one"""
     steps: int = 20
     """train until this step (a resumed run continues from its checkpoint's step)"""
     global_batch: int = 16
@@ -120,6 +121,7 @@ class RunLog:
     start_step: int
     compile_s: float
     peak_flops: float
+    idle_axes: tuple[str, ...] = ()  # mesh axes > 1 that nothing splits: their devices repeat the same work
     steps: list[StepMetrics] = field(default_factory=list)
     profile: dict[str, float] = field(default_factory=dict)  # device seconds per part of the step, from --profile's trace
 
@@ -157,8 +159,9 @@ def synthetic_batch(vocab: int, global_batch: int, length: int, seed: int, step:
 
 
 def flops_per_token(model) -> float:
-    """6Ψ + 12·L·H·K·S: training FLOPs per token, weights and attention (PaLM, Appendix B)."""
-    return 6 * model.parameters + 12 * model.layers * model.heads * model.head_dim * model.seq
+    """6Ψ + 12·L·H·K·S: training FLOPs per token, weights and attention (PaLM, Appendix B); for MoE, Ψ counts
+    the parameters a token goes through (k experts of E), not all of them."""
+    return 6 * model.active_parameters + 12 * model.layers * model.heads * model.head_dim * model.seq
 
 
 def run(config: RunConfig, devices=None) -> RunLog:
@@ -175,7 +178,8 @@ def run(config: RunConfig, devices=None) -> RunLog:
     start_step, state = _initial_state(config, trainer, checkpoints)
     started = time.perf_counter()
     step_fn = trainer.compiled_step(config.global_batch)
-    log = RunLog(config, describe(mesh), _describe(devices), jax.process_count(), start_step, time.perf_counter() - started, _peak_flops(devices))
+    log = RunLog(config, describe(mesh), _describe(devices), jax.process_count(), start_step, time.perf_counter() - started,
+                 _peak_flops(devices), trainer.layout.idle_axes)
     writer = _log_writer(config)
     loader = input_pipeline.Loader(lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
                                    config.input_ms / 1e3, config.input_jitter_ms / 1e3, config.seed)
@@ -332,14 +336,13 @@ def _log_writer(config: RunConfig):
 def _notes(log: RunLog) -> list[str]:
     """What a reader of the page should not miss: a resumed start, axes that only repeat work."""
     from lab.mesh import MeshSpec
-    from lab.rules import DATA_AXES
 
     sizes = MeshSpec.parse(log.config.mesh).sizes
-    idle = [f"{axis}={size}" for axis, size in sizes.items() if size > 1 and axis not in DATA_AXES]
     notes = [f"started at step {log.start_step} (resumed from a checkpoint)"] if log.start_step else []
-    if idle:
-        notes.append(f"{', '.join(idle)}: the {log.config.strategy} strategy splits only the data axes ({', '.join(DATA_AXES)}), "
-                     "so the devices along these axes hold the same shards and repeat the same work")
+    if log.idle_axes:
+        idle = ", ".join(f"{axis}={sizes[axis]}" for axis in log.idle_axes)
+        notes.append(f"{idle}: neither the batch nor any weight of {log.config.model} with {log.config.strategy} is split over "
+                     "these axes (lab train does not pipeline over stage), so their devices hold the same shards and repeat the same work")
     if any(s.mfu > 1 for s in log.steps):
         notes.append("MFU above 1: on cpu the peak is lab.hardware's measured numpy matmul rate, which undershoots what XLA's "
                      "multi-threaded kernels reach on a shared machine; read MFU there as a ratio between layouts, not as utilisation")

@@ -1,5 +1,7 @@
 """The transformer: declared abstractly with logical axes, created sharded, causal."""
 
+from dataclasses import replace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.mesh import MeshSpec
-from lab.model import PRESETS, abstract_model, create_params, logical_axes, preset
+from lab.model import PRESETS, ModelConfig, abstract_model, create_params, logical_axes, preset
 from lab.parallel import Layout
 from lab.rules import LOGICAL_AXES, get_strategy
 
@@ -17,11 +19,19 @@ def _variables(state):
     return jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-@pytest.mark.parametrize("name", ["tiny", "1b"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe", "1b"])
 def test_the_parameter_formula_counts_the_declared_parameters(name):
     config = preset(name)
     _, state = abstract_model(config)  # eval_shape: a 1B model costs nothing here
     assert sum(v.size for v in _variables(state)) == config.parameters
+
+
+def test_an_moe_token_uses_k_of_the_experts_and_bad_routers_are_refused():
+    moe = preset("tiny-moe")
+    assert moe.parameters - moe.active_parameters == moe.layers * (moe.experts - moe.top_k) * 2 * moe.embed * moe.mlp
+    assert preset("tiny").active_parameters == preset("tiny").parameters
+    with pytest.raises(LabError, match="top-k 3 is larger than the 2 experts"):
+        ModelConfig(experts=2, top_k=3)
 
 
 def test_presets_range_from_tiny_to_about_a_billion():
@@ -39,26 +49,32 @@ def test_every_parameter_names_only_logical_axes_and_blocks_are_stacked_on_layer
     assert all(logical_axes(v)[0] == "layers" for v in _variables(state["blocks"]))
 
 
-@pytest.fixture(scope="module")
-def single_device_model():
-    config = preset("tiny")
+def _single_device_forward(config):
     mesh = MeshSpec().build(jax.devices()[:1])
     layout = Layout(mesh, get_strategy("ddp"))
     graphdef, abstract = abstract_model(config)
     params = create_params(config, layout.shardings(abstract, "params"))
-    forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens, layout))
-    return config, params, forward
+    return params, jax.jit(lambda params, tokens: nnx.merge(graphdef, params).forward(tokens, layout))
 
 
-def test_logits_have_the_vocabulary_and_only_look_backwards(single_device_model):
-    config, params, forward = single_device_model
+# with a capacity, whether a token keeps its expert slot depends on the sequence's other tokens, later ones
+# included; with no dropping (capacity_factor=None) an MoE model is causal too
+@pytest.mark.parametrize("config", [preset("tiny"), ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None)], ids=["dense", "moe"])
+def test_logits_have_the_vocabulary_and_only_look_backwards(config):
+    params, forward = _single_device_forward(config)
     tokens = np.random.default_rng(0).integers(0, config.vocab, (2, config.seq), dtype=np.int32)
     changed = tokens.copy()
     changed[:, -1] = (changed[:, -1] + 1) % config.vocab
-    logits, logits_changed = forward(params, tokens), forward(params, changed)
+    (logits, stats), (logits_changed, _) = forward(params, tokens), forward(params, changed)
     assert logits.shape == (2, config.seq, config.vocab) and logits.dtype == jnp.float32
     np.testing.assert_array_equal(logits[:, :-1], logits_changed[:, :-1])
     assert not np.allclose(logits[:, -1], logits_changed[:, -1])
+    if config.experts:  # per layer: every token routed to k experts, nothing dropped
+        assert stats.counts.tokens_per_expert.shape == (config.layers, config.experts)
+        np.testing.assert_array_equal(stats.counts.tokens_per_expert.sum(-1), 2 * config.seq * config.top_k)
+        np.testing.assert_array_equal(stats.counts.dropped, 0)
+    else:
+        assert stats is None
 
 
 def test_params_are_created_already_sharded(devices):
@@ -69,3 +85,12 @@ def test_params_are_created_already_sharded(devices):
     w_in = params["blocks"]["mlp"]["w_in"][...]
     assert w_in.shape == (config.layers, config.embed, config.mlp)
     assert {s.data.shape for s in w_in.addressable_shards} == {(config.layers, config.embed // 8, config.mlp)}
+
+
+def test_a_tight_capacity_drops_assignments_and_the_counts_say_how_many():
+    config = replace(preset("tiny-moe"), capacity_factor=0.5)  # half the mean load fits
+    params, forward = _single_device_forward(config)
+    tokens = np.random.default_rng(0).integers(0, config.vocab, (2, config.seq), dtype=np.int32)
+    _, stats = forward(params, tokens)
+    dropped_share = stats.counts.dropped / stats.counts.chosen
+    assert np.all(dropped_share >= 0.5) and np.all(dropped_share < 1)  # at least the half that cannot fit

@@ -4,8 +4,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
+from lab.parallel.expert import TOKEN_AXES
 from lab.rules import (
+    DATA_AXES,
+    MODEL_PARALLEL,
     STRATEGIES,
+    TABLES,
     Rules,
     check_divisible,
     check_sufficiently_sharded,
@@ -63,7 +67,26 @@ def test_small_parameters_persist_replicated_below_the_threshold():
 
     strategy = replace(get_strategy("zero3"), persist_below=100)
     assert strategy.param_rules(64).spec(("embed",)) == P(None)
-    assert strategy.param_rules(4096).spec(("embed", "mlp")) == P("fsdp", None)
+    assert strategy.param_rules(64).spec(("mlp",)) == P("tensor")  # replicated over the data axes only
+    assert strategy.param_rules(4096).spec(("embed", "mlp")) == P("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_table_of_every_strategy_keeps_the_tensor_and_expert_splits(name):
+    strategy = STRATEGIES[name]
+    for table in TABLES:
+        rules = strategy.rules(table, size=10**6)
+        assert rules.spec(("layers", "experts", "embed", "mlp"))[1::2] == ("expert", "tensor")
+        assert rules.spec(("embed", "heads", "head_dim"))[1:] == ("tensor", None)
+        assert rules.spec(("embed", "routing"))[1] is None  # every device scores every expert
+    assert strategy.used_axes == {"data", "fsdp", "expert", "tensor"}  # never stage: pipelines live elsewhere
+    with pytest.raises(LabError, match="unknown rules table 'weights'"):
+        strategy.rules("weights", 1)
+
+
+def test_merging_tables_lets_the_right_one_win_and_the_batch_axes_are_the_token_axes_of_expert_parallelism():
+    assert (Rules.of({"embed": "fsdp", "mlp": "fsdp"}) | MODEL_PARALLEL).spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert DATA_AXES == TOKEN_AXES
 
 
 def test_the_guard_fails_loudly_when_too_much_stays_whole():

@@ -29,8 +29,17 @@ whole spec an all-reduce, to a spec split over ``fsdp`` a reduce-scatter. So:
   ``reshard_after_forward=False``) saves one all-gather per weight and holds
   every layer's whole weights from forward to backward.
 
+Tensor and expert parallelism ride along (`lab.rules.MODEL_PARALLEL`): a
+weight's ``heads``/``mlp`` dimension stays split over ``tensor`` in every
+table, so `use` gathers over ``fsdp`` only and a matmul sees its 1/t slice.
+A contraction over a ``tensor``-split dimension (Megatron's row-parallel
+matmuls) cannot guess where its result goes on an Explicit mesh: the model
+asks `activation_sharding` for its logical axes and passes it as the
+einsum's ``out_sharding``, which is the all-reduce over ``tensor``. Expert
+weights are split over ``expert`` and reduced over the other batch axes only.
+
 Meshes use Explicit axis types, so every collective here is a `jax.reshard`
-someone wrote; nothing is left to sharding propagation.
+or an ``out_sharding`` someone wrote; nothing is left to sharding propagation.
 """
 
 from __future__ import annotations
@@ -46,8 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
-from lab.model import logical_axes
-from lab.rules import DATA_AXES, Strategy, check_divisible, check_sufficiently_sharded, sharding_report
+from lab.rules import DATA_AXES, Strategy, check_divisible, check_sufficiently_sharded, logical_axes, sharding_report
 
 _REMAT: dict[str, Callable | None] = {
     "none": None,
@@ -56,7 +64,14 @@ _REMAT: dict[str, Callable | None] = {
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),  # weight-matmul outputs to host memory
 }
 REMAT_POLICIES = tuple(_REMAT)
-_GATHERED = ("reshard", "convert_element_type")  # the primitives whose outputs are a gathered weight
+
+
+def _gathered(prim, params) -> bool:
+    """Whether a primitive's output may be a gathered weight: a ``reshard`` to a spec reduced over batch axes (what
+    `Layout.use` writes; activations, e.g. tokens dispatched to experts, are never reduced) or the cast after it."""
+    if prim.name == "reshard":
+        return bool(getattr(getattr(params["dst_sharding"], "spec", None), "reduced", None))
+    return prim.name == "convert_element_type"
 
 
 @dataclass(frozen=True)
@@ -79,14 +94,29 @@ class Layout:
 
     @property
     def data_axes(self) -> frozenset[str]:
-        """The data-parallel mesh axes with more than one device: the batch is split over them."""
+        """The batch axes with more than one device (data, fsdp, expert): the batch is split over them."""
         return frozenset(a for a in DATA_AXES if self.sizes.get(a, 1) > 1)
 
+    @property
+    def idle_axes(self) -> tuple[str, ...]:
+        """Mesh axes of size > 1 that nothing splits (neither the batch, nor a weight): their devices repeat the same work."""
+        return tuple(a for a, n in self.sizes.items() if n > 1 and a not in self.strategy.used_axes)
+
+    def activation_sharding(self, axes: tuple[str, ...]) -> NamedSharding:
+        """Where an activation with these logical axes lives; the model passes it as a matmul's ``out_sharding``.
+
+        The batch dimension takes the batch axes no other dimension of the array splits: tokens dispatched to
+        their experts (``experts`` over ``expert``) stay split over data and fsdp only.
+        """
+        rules = self.strategy.activations | self.strategy.model_parallel
+        others = self._live(rules.spec([None if a == "batch" else a for a in axes], "an activation"))
+        batch = _entry([a for a in rules.mesh_axes("batch") if a in self.data_axes and a not in _mesh_axes(others)])
+        return NamedSharding(self.mesh, P(*(batch if logical == "batch" else entry for logical, entry in zip(axes, others))))
+
     def batch_spec(self) -> P:
-        """The tokens' spec: the batch split over the live data axes (a size-1 axis in a contracting
+        """The tokens' spec: the batch split over the live batch axes (a size-1 axis in a contracting
         dimension would have to appear in every unreduced set, so it is left out)."""
-        spec = self.strategy.activations.spec(("batch", "sequence"), "the batch")
-        return P(*(_entry([a for a in _axes(entry) if a in self.data_axes]) for entry in spec))
+        return self.activation_sharding(("batch", "sequence")).spec
 
     def check_batch(self, global_batch: int, micro_batches: int = 1) -> None:
         ways = micro_batches * math.prod(self.sizes[a] for a in self.data_axes)
@@ -100,13 +130,15 @@ class Layout:
 
     def spec(self, name: str, variable: nnx.Variable, table: str) -> P:
         """One parameter's spec under a table; working weights are reduced over the data axes they are whole on."""
-        size = math.prod(variable.shape)
-        rules = {"params": self.strategy.param_rules, "grads": self.strategy.grad_rules, "optimizer": lambda _: self.strategy.optimizer}[table](size)
-        spec = rules.spec(logical_axes(variable), name)
+        spec = self.strategy.rules(table, math.prod(variable.shape)).spec(logical_axes(variable), name)
         check_divisible(name, variable.shape, spec, self.sizes)
-        spec = P(*(_entry([a for a in _axes(entry) if self.sizes[a] > 1]) for entry in spec))  # a size-1 axis splits nothing
+        spec = self._live(spec)
         whole_on = self.data_axes - _mesh_axes(spec)
         return P(*spec, reduced=whole_on) if table == "params" and whole_on else spec
+
+    def _live(self, spec: P) -> P:
+        """The spec without size-1 axes: they split nothing, and would only make types differ."""
+        return P(*(_entry([a for a in _axes(entry) if self.sizes[a] > 1]) for entry in spec))
 
     def check_sufficiently_sharded(self, params: nnx.State) -> None:
         rows = []
@@ -117,10 +149,12 @@ class Layout:
     # --- the forward pass: a weight as a matmul uses it --------------------------------
 
     def use(self, param: nnx.Param) -> jax.Array:
-        """The weight whole and reduced over every data axis (ZeRO-3: the all-gather), in the compute dtype."""
+        """The weight whole over every data axis it is split on (ZeRO-3: the all-gather over fsdp), still split
+        over the model-parallel axes, reduced over the batch axes it is whole on, in the compute dtype."""
         w = param[...]
         if self.data_axes:  # a no-op unless the weight is split over a data axis
-            w = jax.reshard(w, NamedSharding(self.mesh, P(*self.strategy.compute.spec(logical_axes(param)), reduced=self.data_axes)))
+            spec = self._live(self.strategy.rules("compute", w.size).spec(logical_axes(param)))
+            w = jax.reshard(w, NamedSharding(self.mesh, P(*spec, reduced=self.data_axes - _mesh_axes(spec))))
         return w.astype(self.compute_dtype)
 
     @property
@@ -128,15 +162,15 @@ class Layout:
         """The block's checkpoint policy: the chosen remat, without (or with) the gathered weights.
 
         The test is on primitives, not on a `checkpoint_name`: a policy that refuses a named value still saves
-        the unnamed value the name was applied to. A gathered weight is the output of ``reshard`` and, when the
-        compute dtype differs, of the ``convert_element_type`` after it; refusing both makes the backward pass
-        gather again (casts of activations are recomputed too, which costs one elementwise pass).
+        the unnamed value the name was applied to. A gathered weight is the output of a ``reshard`` to a reduced
+        spec and, when the compute dtype differs, of the ``convert_element_type`` after it; refusing both makes the
+        backward pass gather again (casts of activations are recomputed too, which costs one elementwise pass).
         """
         base = _REMAT[self.remat]
         if not self.strategy.shards_params:
             return base
         if self.strategy.reshard_after_forward:
-            return lambda prim, *args, **params: prim.name not in _GATHERED and (base is None or base(prim, *args, **params))
+            return lambda prim, *args, **params: not _gathered(prim, params) and (base is None or base(prim, *args, **params))
         if base is None:
             return None
         return lambda prim, *args, **params: prim.name == "reshard" or base(prim, *args, **params)

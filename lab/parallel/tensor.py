@@ -26,9 +26,10 @@ Each is written twice, on the same parameters as `lab.model.Transformer`:
   row-parallel einsums) and XLA's partitioner inserts the collectives.
 
 Where weights live is a rules table over the model's own logical axes
-(`TP_RULES`: heads, mlp and vocab over ``tensor``). The model itself cannot yet
-run TP through its rules: its einsums contract ``heads``/``mlp`` without an
-``out_sharding``, which an Explicit mesh refuses when both sides are split.
+(`TP_RULES`: heads, mlp and vocab over ``tensor``). The lab's transformer
+takes the same split from the rules tables when it trains (`lab.rules.MODEL_PARALLEL`,
+its row-parallel einsums given an ``out_sharding``); this module keeps the two
+hand-built versions to compare them, sequence parallelism included.
 """
 
 from __future__ import annotations
