@@ -18,6 +18,9 @@ from lab.devices import DEFAULT_TARGET as DEFAULT_TARGET
 from lab.devices import Target as Target
 from lab.devices import devices_for as devices_for
 from lab.devices import parse_target as parse_target
+from lab.doctor import Diagnosis as Diagnosis
+from lab.doctor import diagnose as diagnose
+from lab.doctor_checks import Finding as Finding
 from lab.errors import LabError as LabError
 from lab.hardware import ChipProfile as ChipProfile
 from lab.hardware import profile as profile
@@ -35,11 +38,15 @@ from lab.roofline import Roofline as Roofline
 from lab.roofline import roofline as roofline
 from lab.rules import STRATEGIES as STRATEGIES
 from lab.rules import get_strategy as get_strategy
+from lab.step_series import SeriesSummary as SeriesSummary
 from lab.theory import CollectiveCost as CollectiveCost
 from lab.theory import collective_cost as collective_cost
 from lab.topology import placement as placement
 from lab.train import TrainConfig as TrainConfig
 from lab.train import Trainer as Trainer
+from lab.training_run import RunConfig as RunConfig
+from lab.training_run import RunLog as RunLog
 from lab.verdict import Check as Check
 from lab.verdict import Expectation as Expectation
+from lab.verdict import at_most as at_most
 from lab.verdict import compare as compare
