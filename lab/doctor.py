@@ -106,13 +106,10 @@ def _observed(layer: str, names: tuple[str, ...], not_run: str, observe) -> tupl
 
 
 def _compile(config: RunConfig, devices) -> _Compiled:
-    """Build the trainer as `lab train` does and compile its step; a compiler out of memory is evidence, not an error."""
-    from lab.mesh import MeshSpec
-    from lab.model import preset
-    from lab.train import TrainConfig, Trainer
+    """The trainer `lab train` uses (the same cached one) and its step compiled; a compiler out of memory is evidence, not an error."""
+    from lab.training_run import trainer_for
 
-    mesh = MeshSpec.parse(config.mesh).build(devices)
-    trainer = Trainer(preset(config.model), TrainConfig(strategy=config.strategy, micro_batches=config.micro_batches, learning_rate=config.learning_rate), mesh)
+    trainer = trainer_for(config, devices)
     trainer.layout.check_batch(config.global_batch, config.micro_batches)
     state = trainer.abstract_state()
     try:
