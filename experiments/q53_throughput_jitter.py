@@ -34,6 +34,7 @@ import numpy as np
 from lab import training_run
 from lab.bench import format_bytes
 from lab.devices import devices_for
+from lab.hardware import profile
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.training_run import WARMUP_STEPS, RunConfig, RunLog, plot_step_times
@@ -61,8 +62,8 @@ class Config:
     """the slow loader's fixed cost per batch, as a fraction of the steady median step"""
     loader_jitter: float = 2.0
     """the mean of its exponential tail, as a fraction of the steady median step"""
-    prefetch: int = 4
-    """workers loading ahead in the fixed case"""
+    prefetch: int = 8
+    """workers loading ahead in the fixed case (supply k / (L + J) batches per step time: 3.2x the demand at the defaults)"""
 
 
 def run(config: Config = Config()) -> Result:
@@ -119,11 +120,35 @@ def _checks(config: Config, logs: dict[str, RunLog]) -> list:
         check("sync checkpoints: every slow step is a save step", "yes", "yes" if set(sync_series.slow_steps) <= saves else f"no: {sorted(set(sync_series.slow_steps) - saves)}"),
         check("sync checkpoints: mean step time added (ms) = mean blocking save time / K", _mean(sync, "save_s") * 1e3,
               (_mean(sync) - _mean(steady)) * 1e3, rtol=0.5),
-        at_most("async checkpoints: median blocking save / a sync one's", float(np.median(_saves(asyn)) / np.median(_saves(sync))), 0.5),
-        at_most("async checkpoints: mean step time added / sync's", (_mean(asyn) - _mean(steady)) / (_mean(sync) - _mean(steady)), 0.5),
+        *_async_checks(config, steady, sync, asyn),
         check("slow loader: the shape found from the series alone", "random", slow_series.pattern),
         check("slow loader: median wait for data (ms) = latency + ln2 x jitter + placement", (loader + placing) * 1e3, slow_wait * 1e3, rtol=0.25),
         at_most(f"slow loader + prefetch {config.prefetch}: median wait for data / the unfed loader's", fed_wait / slow_wait, 0.2),
+    ]
+
+
+def _async_checks(config: Config, steady: RunLog, sync: RunLog, asyn: RunLog) -> list:
+    """The textbook: an async save blocks only for the device-to-host copy, so most of the dip goes. Where it does not,
+    the numbers say why: a blocking time far above the copy is a fixed cost per save; steps between saves slower than
+    the steady run's are the background writer taking cores."""
+    state, bandwidth = _state_bytes(asyn), profile("cpu").hbm_bandwidth
+    copy_s, blocking = state / bandwidth, float(np.median(_saves(asyn)))
+    fixed = None
+    if blocking > 10 * copy_s:
+        fixed = (f"the async save blocks for {blocking * 1e3:.0f} ms while copying its {format_bytes(state)} to host memory takes "
+                 f"{copy_s * 1e3:.2f} ms at {bandwidth / 1e9:.0f} GB/s: the rest is orbax's fixed work per save (a temporary folder, "
+                 "metadata, handing the arrays to the writer thread), which only a state large enough for the write to dominate hides")
+    between = [s.seconds for s in asyn.timed_steps if not s.checkpoint]
+    spill = float(np.mean(between)) - _mean(steady)
+    sync_added = _mean(sync) - _mean(steady)
+    moved = None
+    if _mean(asyn, "save_s") <= 0.5 * sync_added < _mean(asyn) - _mean(steady) and spill > 0:
+        moved = (f"the blocking part alone adds {_mean(asyn, 'save_s') * 1e3:.1f} ms per step (within the bound), but the steps between "
+                 f"saves are {spill * 1e3:.1f} ms slower than the steady run's: the background writer shares the host's cores with the step, "
+                 "so part of the cost moves instead of vanishing")
+    return [
+        at_most("async checkpoints: median blocking save / a sync one's", blocking / float(np.median(_saves(sync))), 0.5, explained=fixed),
+        at_most("async checkpoints: mean step time added / sync's", (_mean(asyn) - _mean(steady)) / sync_added, 0.5, explained=moved),
     ]
 
 
@@ -187,7 +212,7 @@ def _result(config: Config, logs: dict[str, RunLog], base: RunConfig) -> Result:
             "period of K. An asynchronous save blocks only for the device-to-host copy (state bytes / copy bandwidth) plus fixed bookkeeping. "
             "A loader with latency L and an exponential tail of mean J makes each step wait L + Exp(J) when nothing is prefetched: a median wait "
             "of L + ln2·J (the exponential's median is ln2 times its mean), at random. With k workers loading ahead, the supply rate is "
-            "k / (L + J) batches per second; when that exceeds 1 / step time the queue stays full and the wait goes to zero. "
+            "k / (L + J) batches per second; when that exceeds 1 / step time the queue keeps up on average, and its depth k absorbs a run of long loads, so the wait goes to zero (with a margin: at 1.6x the demand, clusters of the exponential's tail still drain a queue of 4). "
             "Slow steps, periods and trends are found by `lab.step_series` (median, MAD, the most common gap between slow steps)."
         ),
         tables=[Table("each case, read from its step times (ms; warm-up steps left out)",
