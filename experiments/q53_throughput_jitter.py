@@ -193,8 +193,8 @@ def _result(config: Config, logs: dict[str, RunLog], base: RunConfig) -> Result:
          f"{first_save * 1e3:.0f} ms against a median of {np.median(_saves(logs['sync checkpoints'])) * 1e3:.0f} ms for the later ones: it also "
          "creates the folder and starts orbax's machinery, so the first dip is the deepest."),
         (f"The state saved is {format_bytes(_state_bytes(logs['sync checkpoints']))} per checkpoint; at this size a save costs orbax's fixed work "
-        "(metadata, a temporary folder renamed when complete), not bandwidth, which is why the asynchronous save still blocks for a few "
-        "milliseconds: the device-to-host copy plus that bookkeeping."),
+        "(metadata, a temporary folder renamed when complete), not bandwidth, which is why the asynchronous save still blocks for "
+        f"{np.median(_saves(logs['async checkpoints'])) * 1e3:.0f} ms (median): the device-to-host copy plus that bookkeeping."),
         ("On a 2-core machine the asynchronous writer shares cores with the step, so the steps after an async save can be a little slower: "
          "the cost moves rather than vanishes, and on a busy host it can show up as random jitter."),
         ("The loader's cost is a sleep (an I/O-bound loader releases the GIL). A CPU-bound loader would also take cores from the step, "
