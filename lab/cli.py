@@ -383,7 +383,7 @@ def report(command: Report) -> int:
             _print_result(result, command.results / experiment.name / "README.md")
     if command.only:
         results = _merge_existing(results, command.results)
-    index = pages.write_index(results, command.results, elapsed_s=None if command.only else time.perf_counter() - started)
+    index = pages.write_index(results, command.results, elapsed_s=time.perf_counter() - started, only=tuple(command.only))
     _out.print(f"index: {index}  ({time.perf_counter() - started:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command
 

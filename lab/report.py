@@ -118,8 +118,9 @@ def render(result: Result) -> str:
     return "\n".join(parts)
 
 
-def write_index(results: list[Result], results_dir: Path | str = "results", *, elapsed_s: float | None = None) -> Path:
-    """results/README.md: one line per experiment with its verdicts."""
+def write_index(results: list[Result], results_dir: Path | str = "results", *, elapsed_s: float | None = None,
+                only: tuple[str, ...] = ()) -> Path:
+    """results/README.md: one line per experiment with its verdicts; with `only`, the pages that run regenerated."""
     lines = [
         "# Results\n",
         ("Written by `lab report`; every number comes from that run. Verdicts: *agrees* = theory within tolerance, "
@@ -131,9 +132,12 @@ def write_index(results: list[Result], results_dir: Path | str = "results", *, e
         verdict = summarize(r.checks) if r.checks else "no checks"
         lines.append(f"| [{r.title}]({r.name}/README.md) | {r.question} | {verdict} |")
     if results:
-        prov = results[0].provenance
-        lines.append(f"\nTarget `{prov.get('target')}`, {prov.get('devices')}, jax {prov.get('jax')}, commit `{prov.get('git_commit')}`, {prov.get('date')}.")
-    if elapsed_s is not None:
+        prov = results[0].provenance  # the run that wrote this index (with --only, its first fresh page)
+        devices = next((r.provenance["devices"] for r in results if r.provenance.get("devices")), "devices on each page")
+        lines.append(f"\nTarget `{prov.get('target')}`, {devices}, jax {prov.get('jax')}, commit `{prov.get('git_commit')}`, {prov.get('date')}.")
+    if elapsed_s is not None and only:
+        lines.append(f"`lab report --only {' '.join(only)}` took {elapsed_s:.0f} s; the other pages are from earlier runs (each page's provenance says which).")
+    elif elapsed_s is not None:
         lines.append(f"`lab report` took {elapsed_s:.0f} s.")
     path = Path(results_dir) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -54,3 +54,8 @@ def test_extra_files_are_written_beside_the_page_and_linked(tmp_path):
     page = write(result, tmp_path).read_text()
     assert json.loads((tmp_path / "x" / "trace.json").read_text()) == {"traceEvents": []}
     assert (tmp_path / "x" / "note.txt").read_text() == "hello" and "[trace.json](trace.json)" in page
+
+
+def test_an_index_of_some_pages_says_which_run_wrote_it(tmp_path):
+    text = write_index([_result()], tmp_path, elapsed_s=4.2, only=("demo",)).read_text()
+    assert "`lab report --only demo` took 4 s; the other pages are from earlier runs" in text
