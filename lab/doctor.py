@@ -272,8 +272,7 @@ def _compute_time(compiled: _Compiled, log: RunLog | None, chip) -> tuple[float,
     import numpy as np
 
     if log is not None:
-        kept = log.steps[checks.WARMUP_STEPS:] or log.steps
-        return float(np.median([s.seconds - s.data_s - s.save_s for s in kept])), "the measured step, less its data wait"
+        return float(np.median([s.seconds - s.data_s - s.save_s for s in log.timed_steps])), "the measured step, less its data wait"
     cost = compiled.inspection.cost
     seconds = max(cost.get("flops", 0.0) / chip.peak_bf16_flops, cost.get("bytes accessed", 0.0) / chip.hbm_bandwidth)
     return seconds, f"roofline compute and HBM time on {chip.name}"

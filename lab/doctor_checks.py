@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lab.bench import format_bytes
+from lab.training_run import WARMUP_STEPS  # the first steps pay allocation and cache warm-up; medians start after them
 
 LAYERS = ("memory", "input", "layout", "communication", "numerics")  # the careful engineer's order
 SEVERITIES = ("problem", "warning", "ok", "not applicable")
@@ -28,7 +29,6 @@ MEMORY_HEADROOM = 0.90
 # (the quick-reference's "is the loader keeping up"); 5 % is measurable and prefetching usually removes it.
 INPUT_PROBLEM = 0.20
 INPUT_WARNING = 0.05
-WARMUP_STEPS = 2  # the first steps pay allocation and cache warm-up; medians start after them
 # Layout: the expert holding the most tokens sets the pace of an expert-parallel layer. Above Switch
 # Transformer's default capacity factor 1.25 (Fedus et al. 2021, Section 2.2) tokens start to be dropped; at
 # twice the mean the layer runs at half speed.
