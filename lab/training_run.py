@@ -410,15 +410,20 @@ def _tables(log: RunLog) -> list:
     from lab.report import Table
 
     tables = []
+    extra = sorted({name for s in log.steps for name in s.extra})  # what the model adds (MoE: load skew, drops)
     if len(log.steps) <= MAX_STEP_ROWS:
-        rows = [[s.step, s.loss, s.grad_norm, s.seconds * 1e3, s.data_s * 1e3, s.save_s * 1e3, s.tokens_per_s, s.mfu, "yes" if s.checkpoint else ""]
-                for s in log.steps]
-        tables.append(Table("per step", ["step", "loss", "grad norm", "step (ms)", "data (ms)", "save (ms)", "tokens/s", "MFU", "checkpoint"], rows))
+        rows = [[s.step, s.loss, s.grad_norm, s.seconds * 1e3, s.data_s * 1e3, s.save_s * 1e3, s.tokens_per_s, s.mfu, "yes" if s.checkpoint else "",
+                 *(s.extra.get(name, "") for name in extra)] for s in log.steps]
+        tables.append(Table("per step", ["step", "loss", "grad norm", "step (ms)", "data (ms)", "save (ms)", "tokens/s", "MFU", "checkpoint", *extra], rows))
     else:
         timed = log.timed_steps
         seconds = np.array([[s.seconds, s.data_s, s.save_s] for s in timed]) * 1e3
         rows = [[name, *np.percentile(seconds[:, i], [50, 10, 90]).tolist(), seconds[:, i].max()] for i, name in enumerate(("step", "waiting for data", "blocking save"))]
         tables.append(Table(f"step time over steps {timed[0].step}-{timed[-1].step} (ms)", ["part", "median", "p10", "p90", "max"], rows))
+        if extra:
+            values = np.array([[s.extra.get(name, np.nan) for name in extra] for s in timed])
+            rows = [[name, *np.nanpercentile(values[:, i], [50, 10, 90]).tolist(), np.nanmax(values[:, i])] for i, name in enumerate(extra)]
+            tables.append(Table(f"what the model reports, over steps {timed[0].step}-{timed[-1].step}", ["metric", "median", "p10", "p90", "max"], rows))
     if log.profile:
         total = sum(log.profile.values())
         rows = [[part, seconds * 1e3, seconds / total] for part, seconds in log.profile.items()]

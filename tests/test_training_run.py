@@ -105,3 +105,11 @@ def test_bad_input_is_one_clear_error(devices, config, message):
 def test_cli_reports_a_mesh_that_does_not_fit_with_exit_code_2(capsys):
     assert main(["train", "--mesh", "data=3"]) == 2
     assert "mesh data=3 uses 3 devices" in capsys.readouterr().err
+
+
+def test_an_moe_run_logs_and_shows_its_expert_load(devices, tmp_path):
+    log = run(RunConfig(model="tiny-moe", mesh="expert=2", steps=2, global_batch=4, results=tmp_path), devices[:2])
+    assert all({"expert_load_max_over_mean", "dropped_fraction"} <= set(s.extra) for s in log.steps)
+    assert all(s.extra["expert_load_max_over_mean"] >= 1.0 for s in log.steps)  # the busiest expert is at least the mean
+    table = result(log).tables[0]
+    assert "expert_load_max_over_mean" in table.columns
