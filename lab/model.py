@@ -15,7 +15,9 @@ of a 1B-parameter model.
 
 The blocks are stacked on a leading ``layers`` axis (``nnx.vmap`` at creation,
 ``nnx.scan`` in the forward pass): XLA compiles one block however deep the
-model, and per-layer collectives appear once in a while loop. Parameter count,
+model, and per-layer collectives appear once in a while loop. `run_blocks`
+runs any such stack, so a pipeline stage runs its L/P layers with the same code
+(`lab.parallel.pipeline_spmd`). Parameter count,
 with V vocab, D embed, H heads of K dims, F mlp, L layers (no biases, untied
 embeddings, RMSNorm scales, rotary positions):
     Ψ = 2VD + L (4DHK + 2DF + 2D) + D.
@@ -312,20 +314,32 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens_BS: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats | None]:
         """Logits and, for an MoE model, each layer's `MoEStats` stacked on a leading layers axis."""
+        x_BSD, stats = run_blocks(self.blocks, self.embed(tokens_BS, layout), layout)
+        return self.head(x_BSD, layout), stats
+
+    def embed(self, tokens_BS: jax.Array, layout: Layout) -> jax.Array:
+        """tokens [B, S] -> embeddings [B, S, D]."""
         # a one-hot matmul, not a gather: JAX 0.10 has no sharding rule for gathering from a reduced array,
         # and as a matmul the table's gradient comes out unreduced like every other weight's
         one_hot_BSV = jax.nn.one_hot(tokens_BS, self.config.vocab, dtype=layout.compute_dtype)
-        x_BSD = jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding))
+        return jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding))
 
-        def block(x_BSD: jax.Array, one_block: Block) -> tuple[jax.Array, MoEStats | None]:
-            return one_block.forward(x_BSD, layout)
-
-        if layout.remat_policy is not None:
-            block = nnx.remat(block, policy=layout.remat_policy, prevent_cse=False)  # scan already keeps XLA from CSE-ing the recompute
-        scan = nnx.scan(block, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS)
-        x_BSD, stats = scan(x_BSD, self.blocks)
+    def head(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
+        """The last block's output -> logits [B, S, V] (fp32): final norm and unembedding."""
         x_BSD = self.final_norm(x_BSD, layout)
-        return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32), stats
+        return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)
+
+
+def run_blocks(blocks: Block, x_BSD: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats | None]:
+    """Apply stacked blocks (weights [n, ...]: all L layers, or one pipeline stage's L/P) in order, as one scan."""
+
+    def block(x_BSD: jax.Array, one_block: Block) -> tuple[jax.Array, MoEStats | None]:
+        return one_block.forward(x_BSD, layout)
+
+    if layout.remat_policy is not None:
+        block = nnx.remat(block, policy=layout.remat_policy, prevent_cse=False)  # scan already keeps XLA from CSE-ing the recompute
+    scan = nnx.scan(block, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS)
+    return scan(x_BSD, blocks)
 
 
 def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

@@ -25,7 +25,9 @@ Model parallelism is one more table, `MODEL_PARALLEL`, that every strategy
 adds to each of its tables: attention heads and the MLP's hidden dimension
 over ``tensor`` (Megatron, Shoeybi et al. 2019, arXiv:1909.08053, Section 3:
 column-parallel Q/K/V and W_in, row-parallel output projections), experts over
-``expert`` (GShard, Lepikhin et al. 2020, arXiv:2006.16668). Parameters, their
+``expert`` (GShard, Lepikhin et al. 2020, arXiv:2006.16668), and the stacked
+blocks' ``layers`` over ``stage`` in contiguous runs, one per pipeline stage
+(GPipe, `lab.parallel.pipeline_spmd`). Parameters, their
 gradients, optimizer state and the matmuls all keep that split; the data
 tables only add ``fsdp`` on ``embed``. A ZeRO-3 weight is thus stored split
 over ``fsdp`` and ``tensor`` and gathered over ``fsdp`` alone.
@@ -115,9 +117,9 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_sizes: Mappin
 
 
 BATCH_OVER_DATA_AXES = Rules.of({"batch": DATA_AXES})  # activations of every data-parallel strategy
-# Megatron's split over `tensor` and GShard's over `expert`. An expert index as the router sees it (logical axis
-# `routing`: every token is scored against every expert) stays whole on every device.
-MODEL_PARALLEL = Rules.of({"heads": "tensor", "mlp": "tensor", "experts": "expert"})
+# Megatron's split over `tensor`, GShard's over `expert` and GPipe's over `stage`. An expert index as the router sees
+# it (logical axis `routing`: every token is scored against every expert) stays whole on every device.
+MODEL_PARALLEL = Rules.of({"heads": "tensor", "mlp": "tensor", "experts": "expert", "layers": "stage"})
 TABLES = ("params", "grads", "optimizer", "compute")
 
 

@@ -7,6 +7,11 @@ reduce-scatters there when the strategy shards gradients); reduce what is left
 optimizer's shard, and the new weights written back in the parameters' layout
 (for ZeRO-1 and ZeRO-2 that is the all-gather of the updated weights).
 
+On a mesh with a ``stage`` axis the blocks' layers are split over it and the
+micro-batches go through one GPipe forward and backward together
+(`lab.parallel.pipeline_spmd`); the embedding and the loss run replicated over
+``stage``, and the gradients are reduced once the pipeline has drained.
+
 Mixed precision follows the ZeRO paper's accounting (Rajbhandari et al. 2020,
 Section 3.1): the working weights and gradients are kept in ``param_dtype``
 (bf16: 2Ψ + 2Ψ bytes) while the optimizer keeps fp32 master weights and two
@@ -30,8 +35,9 @@ from jax.sharding import NamedSharding
 
 from lab import hlo
 from lab.errors import LabError
-from lab.model import ModelConfig, MoEStats, abstract_model, init_params, next_token_loss
+from lab.model import ModelConfig, MoEStats, abstract_model, init_params, next_token_loss, run_blocks
 from lab.parallel.fsdp import Layout
+from lab.parallel.pipeline_spmd import pipeline, split_stages
 from lab.parallel.routing import load_metrics
 from lab.rules import get_strategy
 
@@ -43,7 +49,7 @@ class TrainConfig:
     """How to train: strategy, micro-batching, optimizer and precision."""
 
     strategy: str = "zero3"
-    micro_batches: int = 1
+    micro_batches: int = 1  # gradient accumulation; with a stage axis, the pipeline's micro-batches
     learning_rate: float = 1e-3
     weight_decay: float = 0.01
     adam_eps: float = 1e-8
@@ -75,6 +81,8 @@ class Trainer:
         strategy = replace(get_strategy(config.strategy), persist_below=config.persist_below)
         self.model, self.config, self.mesh = model, config, mesh
         self.layout = Layout(mesh, strategy, config.dtype(config.param_dtype), config.dtype(config.compute_dtype), config.remat)
+        if model.layers % self.layout.stages:
+            raise LabError(f"{model.layers} layers cannot be cut into stage={self.layout.stages} pipeline stages; use a stage axis that divides {model.layers}")
         self.graphdef, self.abstract_params = abstract_model(model)
         self.param_shardings = self.layout.shardings(self.abstract_params, "params")
         self.grad_shardings = self.layout.shardings(self.abstract_params, "grads")
@@ -203,10 +211,34 @@ class Trainer:
         balance = 0.0 if stats is None else stats.balance_loss.sum()  # summed over layers, each its own α·aux
         return language_loss + balance, (language_loss, stats)
 
+    def _pipelined_loss(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, tuple[jax.Array, MoEStats | None]]:
+        """`_loss` over all micro-batches at once, the blocks pipelined over ``stage``; embedding and head replicated over it."""
+        model = nnx.merge(self.graphdef, params)
+        micro_MbT = _split_micro_batches(tokens_BT, self.config.micro_batches)
+        x_MbSD = jax.vmap(lambda micro_bT: model.embed(micro_bT[:, :-1], self.layout))(micro_MbT)
+        blocks_graphdef, blocks = nnx.split(model.blocks)
+
+        def stage(blocks_of_stage: nnx.State, x_bSD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+            return run_blocks(nnx.merge(blocks_graphdef, blocks_of_stage), x_bSD, self.layout)
+
+        y_MbSD, stats_P = pipeline(stage, split_stages(blocks, self.layout.stages), x_MbSD)
+        logits_MbSV = jax.vmap(lambda y_bSD: model.head(y_bSD, self.layout))(y_MbSD)
+        language_loss = next_token_loss(logits_MbSV, micro_MbT[..., 1:])
+        if stats_P is None:
+            return language_loss, (language_loss, None)
+        # [P, L/P] -> [L]: stage p ran layers p·L/P ...; the balancing loss averaged over micro-batches, counts summed
+        stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats_P)
+        stats = stats._replace(balance_loss=stats.balance_loss / self.config.micro_batches)
+        return language_loss + stats.balance_loss.sum(), (language_loss, stats)
+
     def _gradients(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, jax.Array, MoEStats | None]:
         """Reduced gradients, the language-model loss and the MoE stats (balancing loss averaged, counts summed over micro-batches)."""
         count = self.config.micro_batches
         self.layout.check_batch(tokens_BT.shape[0], count)
+        if self.layout.stages > 1:
+            (_, (loss, stats)), grads = jax.value_and_grad(self._pipelined_loss, has_aux=True)(params, tokens_BT)
+            with jax.named_scope("reduce_gradients"):
+                return self.layout.finish(self.layout.accumulate(None, grads, self.grad_shardings), self.grad_shardings), loss, stats
 
         def one(accumulated, micro_BT):
             # each micro-batch's mean loss is divided by the count before autodiff: partial sums support

@@ -72,14 +72,15 @@ def test_small_parameters_persist_replicated_below_the_threshold():
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_every_table_of_every_strategy_keeps_the_tensor_and_expert_splits(name):
+def test_every_table_of_every_strategy_keeps_the_tensor_expert_and_stage_splits(name):
     strategy = STRATEGIES[name]
     for table in TABLES:
         rules = strategy.rules(table, size=10**6)
-        assert rules.spec(("layers", "experts", "embed", "mlp"))[1::2] == ("expert", "tensor")
+        assert rules.spec(("layers", "experts", "embed", "mlp"))[:2] == ("stage", "expert")
+        assert rules.spec(("layers", "experts", "embed", "mlp"))[3] == "tensor"
         assert rules.spec(("embed", "heads", "head_dim"))[1:] == ("tensor", None)
         assert rules.spec(("embed", "routing"))[1] is None  # every device scores every expert
-    assert strategy.used_axes == {"data", "fsdp", "expert", "tensor"}  # never stage: pipelines live elsewhere
+    assert strategy.used_axes == {"data", "fsdp", "expert", "tensor", "stage"}  # stage: the blocks' layers, one run per pipeline stage
     with pytest.raises(LabError, match="unknown rules table 'weights'"):
         strategy.rules("weights", 1)
 

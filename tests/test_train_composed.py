@@ -1,4 +1,4 @@
-"""Training on meshes that compose the axes: tensor parallelism and an MoE model with expert parallelism.
+"""Training on meshes that compose the axes: tensor parallelism, an MoE model with expert parallelism, and GPipe over stage.
 
 One control, many layouts (torchtitan's parity test): each mesh trains from the
 1-device run's initial weights on the same global batch and must follow its
@@ -130,7 +130,7 @@ def test_idle_axes_are_those_nothing_splits(devices):
     def idle(mesh):
         return Trainer(preset("tiny"), TrainConfig(strategy="zero3"), MeshSpec.parse(mesh).build(devices)).layout.idle_axes
 
-    assert idle("stage=2,fsdp=2,tensor=2") == ("stage",)  # pipelines live in lab.parallel.pipeline*, not in lab train
+    assert idle("stage=2,fsdp=2,tensor=2") == ()  # stage pipelines the blocks' layers
     assert idle("data=2,fsdp=2,tensor=2") == ()
     assert idle("expert=2,fsdp=4") == ()  # a dense model: expert splits the batch like a data axis
 
@@ -145,5 +145,80 @@ def test_axes_that_do_not_divide_the_model_are_one_clear_error(devices):
         trainer(replace(preset("tiny"), mlp=250), "fsdp=2,tensor=4")
     with pytest.raises(LabError, match=r"parameter blocks/moe/w_\w+ dimension 1 \(size 6\) is not divisible by mesh axis expert=4"):
         trainer(replace(preset("tiny-moe"), experts=6), "expert=4,fsdp=2")
+    with pytest.raises(LabError, match=r"^2 layers cannot be cut into stage=4 pipeline stages; use a stage axis that divides 2$"):
+        trainer(preset("tiny"), "stage=4,fsdp=2")
     with pytest.raises(LabError, match=r"global batch 12 is not divisible by the data axes \(fsdp=2,expert=4\)"):
         trainer(preset("tiny-moe"), "expert=4,fsdp=2").batch(12)
+
+
+# --- GPipe over stage (lab.parallel.pipeline_spmd) ---------------------------------------------------------------------
+
+DEEP = replace(preset("tiny"), layers=4)  # four stages need four layers
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(dense_control, devices):
+    return _run(preset("tiny"), MeshSpec.parse("stage=2,fsdp=2,tensor=2").build(devices), dense_control[1], strategy="zero3", micro_batches=4)
+
+
+@pytest.mark.parametrize(
+    "model, mesh, strategy, micro_batches",
+    [
+        ("tiny", "stage=2,data=2,fsdp=2", "zero3", 4),  # HSDP: block weights reduced over data
+        ("tiny", "stage=2,data=4", "ddp", 2),  # every weight whole on each stage's data replicas
+        ("deep", "stage=4,fsdp=2", "zero3", 1),  # one micro-batch: a pipeline that is all bubble
+    ],
+)
+def test_pipelines_over_stage_match_one_device(dense_control, devices, model, mesh, strategy, micro_batches):
+    if model == "deep":
+        control = _run(DEEP, MeshSpec().build(devices[:1]), strategy="ddp")
+        model_config = DEEP
+    else:
+        control, model_config = dense_control, preset("tiny")
+    _, _, history, _ = _run(model_config, MeshSpec.parse(mesh).build(devices), control[1], strategy=strategy, micro_batches=micro_batches)
+    np.testing.assert_allclose(_losses(history), _losses(control[2]), rtol=1e-5)
+    np.testing.assert_allclose([h["grad_norm"] for h in history], [h["grad_norm"] for h in control[2]], rtol=1e-5)
+
+
+def test_pipeline_with_tensor_parallelism_matches_one_device_and_stores_layers_split_over_stage(dense_control, pipeline_run):
+    np.testing.assert_allclose(_losses(pipeline_run[2]), _losses(dense_control[2]), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(pipeline_run[3].params), jax.tree.leaves(dense_control[3].params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    w_in = pipeline_run[3].params["blocks"]["mlp"]["w_in"][...]
+    assert w_in.shape == (2, 64, 256) and w_in.sharding.spec.partitions == ("stage", "fsdp", "tensor")  # [layers, embed, mlp]
+    assert pipeline_run[3].params["embedding"][...].sharding.spec.partitions == (None, "fsdp")  # outside the blocks: whole on each stage
+
+
+def test_moe_pipelines_over_stage_with_expert_parallelism(moe_control, devices):
+    _, _, history, _ = _run(MOE, MeshSpec.parse("stage=2,expert=2,fsdp=2").build(devices), moe_control[1], strategy="zero3", micro_batches=2)
+    np.testing.assert_allclose(_losses(history), _losses(moe_control[2]), rtol=1e-5)
+    for got, want in zip(history, moe_control[2]):  # bubble ticks route zeros: their counts and balancing loss must not count
+        assert [got[m] for m in MOE_METRICS] == pytest.approx([want[m] for m in MOE_METRICS], rel=1e-5)
+
+
+def test_pipeline_shifts_one_activation_per_tick_with_collective_permutes_over_stage(pipeline_run):
+    trainer = pipeline_run[0]
+    program = trainer.inspect_step(BATCH, to_read=True)
+    permutes = [c for c in program.collectives if c.kind == "collective-permute"]
+    assert {c.axes for c in permutes} == {("stage",)}
+    stages, micro_batches = 2, trainer.config.micro_batches
+    ticks = micro_batches + stages - 1
+    assert sorted(c.repeats for c in permutes) == [ticks, ticks]  # one in the forward loop, its transpose in the backward
+    micro_batch_per_device = BATCH // micro_batches // 2  # the micro-batch is split over fsdp=2
+    activation_bytes = micro_batch_per_device * trainer.model.seq * trainer.model.embed * 4
+    assert all(c.operand_bytes == activation_bytes for c in permutes)
+    in_the_loop = {c.kind for c in program.collectives if c.axes == ("stage",) and c.repeats == ticks}
+    assert in_the_loop == {"collective-permute"}  # the stages talk to each other only by passing activations
+
+
+def test_a_pipelined_checkpoint_restores_onto_a_mesh_without_stages(pipeline_run, devices, tmp_path):
+    from lab.checkpoint import CheckpointPolicy, Checkpoints
+
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path))
+    assert checkpoints.save(3, pipeline_run[3], force=True)
+    checkpoints.wait()
+    flat = Trainer(preset("tiny"), TrainConfig(**OPTIMIZER, strategy="zero3"), MeshSpec.parse("fsdp=8").build(devices))
+    _, restored = checkpoints.restore(flat.abstract_state())
+    checkpoints.close()
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(pipeline_run[3])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # stored [L, ...]: the same shapes on any stage count

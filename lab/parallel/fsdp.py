@@ -37,6 +37,9 @@ matmuls) cannot guess where its result goes on an Explicit mesh: the model
 asks `activation_sharding` for its logical axes and passes it as the
 einsum's ``out_sharding``, which is the all-reduce over ``tensor``. Expert
 weights are split over ``expert`` and reduced over the other batch axes only.
+The stacked blocks' ``layers`` dimension is split over ``stage`` in every
+table too (pipeline stages, `lab.parallel.pipeline_spmd`); a block uses one
+layer's weights, so `use` never gathers over ``stage``.
 
 Meshes use Explicit axis types, so every collective here is a `jax.reshard`
 or an ``out_sharding`` someone wrote; nothing is left to sharding propagation.
@@ -96,6 +99,11 @@ class Layout:
     def data_axes(self) -> frozenset[str]:
         """The batch axes with more than one device (data, fsdp, expert): the batch is split over them."""
         return frozenset(a for a in DATA_AXES if self.sizes.get(a, 1) > 1)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the ``stage`` axis splits the stacked blocks' layers (GPipe, `lab.parallel.pipeline_spmd`)."""
+        return self.sizes.get("stage", 1)
 
     @property
     def idle_axes(self) -> tuple[str, ...]:
