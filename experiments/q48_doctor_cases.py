@@ -66,8 +66,8 @@ def cases(config: Config, devices: int) -> list[Case]:
              replace(control, target=config.tpu_target, model="1b", strategy="ddp", mesh="data=-1", global_batch=8)),
         Case("slow_loader", "input", f"a loader taking {config.input_ms:g} ms per batch, no prefetching",
              replace(control, input_ms=config.input_ms)),
-        Case("idle_axis", "layout", f"mesh stage=2,fsdp={devices // 2}: lab train does not pipeline, so the stage axis splits nothing",
-             replace(control, mesh=f"stage=2,fsdp={devices // 2}")),
+        Case("bubble", "layout", f"a 2-stage pipeline (stage=2,fsdp={devices // 2}) fed one micro-batch per step: GPipe's bubble is half the step",
+             replace(control, mesh=f"stage=2,fsdp={devices // 2}", micro_batches=1)),
         Case("collapsed_router", "layout", f"the tiny-moe model on expert={devices} at a learning rate of {config.diverging_learning_rate:g}: "
              "the router collapses onto a few experts (and the loss diverges)",
              replace(control, model="tiny-moe", mesh=f"expert={devices}", learning_rate=config.diverging_learning_rate)),
@@ -203,7 +203,7 @@ problem is where to start.
 | memory | peak per device | XLA's memory analysis of the compiled step (or the TPU compiler's refusal) against the device's capacity | peak > capacity (warning above 90 %) |
 | input | time waiting for data | median wait for the batch / median step, after 2 warm-up steps | ≥ 20 % (warning ≥ 5 %) |
 | layout | axes repeating work | mesh axes of size > 1 that split neither the batch nor a weight (`Layout.idle_axes`) | any |
-| layout | parameters left unsharded, expert load skew, stage imbalance | `lab.rules.sharding_report`; the busiest expert / mean; layers per stage | over the strategy's limit; skew ≥ 2 (warning ≥ 1.25, Switch's capacity factor) |
+| layout | parameters left unsharded, expert load skew, pipeline bubble | `lab.rules.sharding_report`; the busiest expert / mean; (P-1)/(M+P-1) | over the strategy's limit; skew ≥ 2 (warning ≥ 1.25, Switch's capacity factor); bubble ≥ 50 % (warning ≥ 20 %: Megatron's M ≥ 4P) |
 | communication | largest collectives per axis | bytes per step from the optimized HLO, time predicted by `lab.theory` on the links each axis uses, against the compute | predicted communication ≥ compute (warning ≥ half) |
 | communication | volume per step | bytes over the data axes in model copies (all-reduce counted twice) against the ZeRO paper: 2Ψ for DDP, ZeRO-1, ZeRO-2; 3Ψ for ZeRO-3 (Rajbhandari et al. 2020, Section 7) | ≥ 4x (warning ≥ 2x) |
 | communication | exposed communication | `lab.overlap`: communication not covered by compute in the schedule (TPU HLO only) | ≥ 50 % of the step (warning ≥ 25 %) |

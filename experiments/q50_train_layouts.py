@@ -13,7 +13,9 @@ with experts over the ``expert`` axis), then reads three things per layout:
    mesh axis. ZeRO-3 gathers weights and reduce-scatters gradients over
    ``fsdp``; DDP-style data axes all-reduce gradients; Megatron TP adds
    all-reduces of activations over ``tensor`` (two per layer forward, two
-   backward); expert parallelism adds all-to-alls over ``expert``;
+   backward); expert parallelism adds all-to-alls over ``expert``; a GPipe
+   pipeline over ``stage`` adds a collective-permute of one micro-batch's
+   activation per tick, M + P - 1 ticks forward and as many backward;
 3. **tokens/s**: the median over the timed steps with its p10–p90 spread,
    as a ratio to the 1-device run of the same model in the same session.
 
@@ -52,9 +54,11 @@ PARITY_RTOL = 1e-4  # fp32 losses of a tiny model: only the order of the sums di
 class Config:
     target: str = "cpu:8"
     """where to train (cpu:N, gpu, tpu)"""
-    dense_layouts: tuple[str, ...] = ("data=8", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4", "data=2,tensor=4")
+    dense_layouts: tuple[str, ...] = ("data=8", "fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "data=2,fsdp=2,tensor=2", "fsdp=2,tensor=4", "data=2,tensor=4",
+                                       "stage=2,fsdp=4", "stage=2,fsdp=2,tensor=2")
     """meshes for the dense model"""
-    moe_layouts: tuple[str, ...] = ("expert=8", "fsdp=2,expert=4", "data=2,fsdp=2,expert=2", "fsdp=2,expert=2,tensor=2")
+    moe_layouts: tuple[str, ...] = ("expert=8", "fsdp=2,expert=4", "data=2,fsdp=2,expert=2", "fsdp=2,expert=2,tensor=2",
+                                     "stage=2,fsdp=2,expert=2")
     """meshes for the MoE model (experts over `expert`)"""
     dense_model: str = "tiny"
     """lab.model preset of the dense runs"""
@@ -64,6 +68,8 @@ class Config:
     """the data-parallel strategy every layout uses"""
     steps: int = 12
     """steps per run (the first two are warm-up for tokens/s)"""
+    pipeline_micro_batches: int = 4
+    """M: micro-batches of the layouts with a stage axis (GPipe bubble (P-1)/(M+P-1)); the others take one"""
     global_batch: int = 16
     """sequences per step, the same for every layout"""
 
@@ -93,11 +99,15 @@ def run(config: Config = Config()) -> Result:
 
 def _train(config: Config, model: str, mesh: str, devices, scratch: Path) -> Measured:
     run_config = RunConfig(target=config.target, mesh=mesh, model=model, strategy=config.strategy, steps=config.steps,
-                           global_batch=config.global_batch, results=scratch, page=False)
+                           global_batch=config.global_batch, micro_batches=_micro_batches(config, mesh), results=scratch, page=False)
     chosen = devices[:1] if mesh == "data=1" else devices
     log = training_run.run(run_config, chosen)
     collectives = training_run.trainer_for(run_config, chosen).inspect_step(config.global_batch).collectives
     return Measured(model, mesh, log, hlo.summarize(collectives), _tp_all_reduces(collectives))
+
+
+def _micro_batches(config: Config, mesh: str) -> int:
+    return config.pipeline_micro_batches if MeshSpec.parse(mesh).sizes.get("stage", 1) > 1 else 1
 
 
 def _tp_all_reduces(collectives) -> tuple[int, int, int]:
@@ -140,21 +150,42 @@ def _checks(config: Config, measured: list[Measured]) -> list:
             checks.append(check(f"{label}: Megatron TP all-reduces activations over tensor", "yes", _has(m, "all-reduce", "tensor")))
         if sizes.get("expert", 1) > 1:
             checks.append(check(f"{label}: expert parallelism dispatches with all-to-all over expert", "yes", _has(m, "all-to-all", "expert")))
+        if sizes.get("stage", 1) > 1:
+            checks.extend(_pipeline_checks(config, m, sizes))
     return checks
 
 
+def _activation_bytes(config: Config, m: Measured, sizes: dict[str, int]) -> int:
+    """One [b, S, D] fp32 activation per device: b = the global batch over the batch axes and the micro-batches."""
+    model = preset(m.model)
+    local_batch = config.global_batch // (math.prod(sizes.get(a, 1) for a in DATA_AXES) * _micro_batches(config, m.mesh))
+    return local_batch * model.seq * model.embed * 4
+
+
+def _pipeline_checks(config: Config, m: Measured, sizes: dict[str, int]) -> list:
+    """GPipe as one SPMD loop: M + P - 1 ticks, each shifting one activation down the pipe, and its transpose back."""
+    stages, micro_batches = sizes["stage"], _micro_batches(config, m.mesh)
+    permutes = next((t for t in m.totals if t.kind == "collective-permute" and t.axes == ("stage",)), None)
+    ticks = micro_batches + stages - 1
+    label = f"{m.model} on {m.mesh}, M={micro_batches}"
+    return [
+        check(f"{label}: collective-permutes over stage per step = 2(M+P-1)", 2 * ticks, permutes.count if permutes else 0),
+        check(f"{label}: bytes they carry = 2(M+P-1) x b·S·D", 2 * ticks * _activation_bytes(config, m, sizes), permutes.total_bytes if permutes else 0),
+    ]
+
+
 def _megatron_checks(config: Config, m: Measured, sizes: dict[str, int]) -> list:
-    """Megatron TP: per layer, an all-reduce of the [b, s, d] activations after each row-parallel matmul, forward (2)
-    and for the input gradients of the column-parallel ones, backward (2)."""
-    model = preset(config.dense_model)
-    local_batch = config.global_batch // math.prod(sizes.get(a, 1) for a in DATA_AXES)
-    activation = local_batch * model.seq * model.embed * 4  # fp32
+    """Megatron TP: per layer applied, an all-reduce of the [b, s, d] activations after each row-parallel matmul,
+    forward (2) and for the input gradients of the column-parallel ones, backward (2). A pipeline applies its L/P
+    layers on every one of its M+P-1 ticks, bubble ticks included (they compute on zeros)."""
+    layers, stages = preset(m.model).layers, sizes.get("stage", 1)
+    applied = layers // stages * (_micro_batches(config, m.mesh) + stages - 1)
     instructions, arrays, nbytes = m.tp_all_reduces
     label = f"{m.model} on {m.mesh}"
     return [
-        check(f"{label}: activation all-reduces over tensor per step (4 per layer)", 4 * model.layers, instructions),
-        check(f"{label}: bytes they carry per step (4 activations of b·s·d per layer)", 4 * model.layers * activation, nbytes,
-              explained=QKV_SEPARATE if arrays == 6 * model.layers else None),
+        check(f"{label}: activation all-reduces over tensor per step (4 per layer applied)", 4 * applied, instructions),
+        check(f"{label}: bytes they carry per step (4 activations of b·s·d per layer applied)", 4 * applied * _activation_bytes(config, m, sizes), nbytes,
+              explained=QKV_SEPARATE if arrays == 6 * applied else None),
     ]
 
 
@@ -214,7 +245,10 @@ def _result(config: Config, measured: list[Measured]) -> Result:
             "the 1-device run's up to the order of floating-point sums. Per layout, ZeRO-3 all-gathers each weight over fsdp and "
             "reduce-scatters its gradient (Rajbhandari et al. 2020); the data axis all-reduces the gradient shards; Megatron TP "
             "(Shoeybi et al. 2019) adds an all-reduce of the activations after each row-parallel matmul (2 per layer forward, 2 backward); "
-            "expert parallelism (Lepikhin et al. 2020, GShard) adds two all-to-alls per MoE layer forward and two backward."
+            "expert parallelism (Lepikhin et al. 2020, GShard) adds two all-to-alls per MoE layer forward and two backward; "
+            "a GPipe pipeline (Huang et al. 2019) written as one SPMD loop runs M + P - 1 ticks, each shifting one [b, S, D] activation "
+            "to the next stage (a collective-permute over stage) and, in the backward, its gradient back: 2(M+P-1) per step. Every stage "
+            "computes on every tick, bubble ticks included (on zeros): that is the bubble (P-1)/(M+P-1), visible in the HLO as work."
         ),
         tables=[Table(f"each layout: parity, tokens/s over steps {WARMUP_STEPS}-{config.steps - 1}, and the collectives of one compiled step",
                       ["model", "mesh", "max rel. loss diff", "tokens/s (median)", "p10-p90", "/ 1 device", "collectives (count per step, bytes S)"], rows)],

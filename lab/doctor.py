@@ -5,7 +5,7 @@ fit in memory tells you nothing else, so **memory** comes first: the compiled
 step's peak per device against the device's capacity. Then the **input**
 pipeline (does the step wait for its batch?), the parallel **layout** (mesh
 axes that repeat work, parameters left whole, skewed experts, pipeline
-stages), **communication** (the largest collectives per axis against the
+bubble), **communication** (the largest collectives per axis against the
 compute, the bytes moved against the strategy's textbook volume, what the
 schedule leaves exposed), and only then **numerics** (NaN/Inf, gradient-norm
 spikes, divergence): a loss that misbehaves on a layout that is already
@@ -212,7 +212,7 @@ def _layout(compiled: _Compiled, log: RunLog | None) -> tuple[Finding, ...]:
     extra = [s.extra for s in log.steps] if log else []
     return (
         checks.check_idle_axes(layout.sizes, layout.idle_axes),
-        checks.check_stage_balance(layout.sizes.get("stage", 1), compiled.trainer.model.layers, pipelined="stage" not in layout.idle_axes),
+        checks.check_pipeline_bubble(layout.sizes.get("stage", 1), compiled.trainer.config.micro_batches, compiled.trainer.model.layers),
         checks.check_expert_skew([e["expert_load_max_over_mean"] for e in extra if "expert_load_max_over_mean" in e],
                                  [e["dropped_fraction"] for e in extra if "dropped_fraction" in e]),
         checks.check_unsharded(layout.strategy, sharding_report(rows), layout.sizes.get("fsdp", 1)),

@@ -34,6 +34,10 @@ INPUT_WARNING = 0.05
 # twice the mean the layer runs at half speed.
 EXPERT_SKEW_WARNING = 1.25
 EXPERT_SKEW_PROBLEM = 2.0
+# Layout: GPipe's bubble (P-1)/(M+P-1) (Huang et al. 2019). Megatron's rule of thumb M >= 4P keeps it under
+# about a fifth; at one half every stage idles as long as it works.
+BUBBLE_WARNING = 0.2
+BUBBLE_PROBLEM = 0.5
 # Communication: predicted collective time against the step's compute (the roofline's communication term,
 # scaling book Part 1). Above the compute time no overlap can hide it; above half, only near-perfect overlap can.
 COMM_BOUND_PROBLEM = 1.0
@@ -159,25 +163,20 @@ def check_idle_axes(sizes: Mapping[str, int], idle: Sequence[str]) -> Finding:
                    {"repeats": repeats})
 
 
-def check_stage_balance(stage: int, layers: int, pipelined: bool) -> Finding:
-    """Stage imbalance of the model's layers over the stage axis; lab train does not pipeline."""
-    from lab.parallel.pipeline_stages import balanced_split
+def check_pipeline_bubble(stage: int, micro_batches: int, layers: int) -> Finding:
+    """The GPipe bubble of the stage axis, (P-1)/(M+P-1): the share of every stage's time spent idle."""
+    from lab.theory import pipeline_bubble_fraction
 
     if stage == 1:
-        return Finding("layout", "pipeline stage imbalance", "not applicable", "the mesh has no stage axis")
-    if layers < stage:
-        return Finding("layout", "pipeline stage imbalance", "problem", f"{layers} layers cannot fill {stage} stages",
-                       (f"{layers} layers, stage={stage}",), "use at most as many stages as layers", {"imbalance": math.inf})
-    split = balanced_split(layers, stage).layers
-    imbalance = max(split) / (layers / stage)
-    evidence = (f"{layers} layers over stage={stage}: {','.join(map(str, split))} layers per stage, slowest/mean {imbalance:.2f}",)
-    if not pipelined:
-        return Finding("layout", "pipeline stage imbalance", "not applicable",
-                       "lab train does not pipeline: the stage axis holds the whole model and repeats work (see axes repeating work)",
-                       evidence, numbers={"imbalance": imbalance})
-    severity = "ok" if imbalance == 1 else "warning"
-    return Finding("layout", "pipeline stage imbalance", severity, "stages carry equal work" if severity == "ok" else "stages carry unequal work",
-                   evidence, "" if severity == "ok" else "choose a layer count divisible by the stages", {"imbalance": imbalance})
+        return Finding("layout", "pipeline bubble", "not applicable", "the mesh has no stage axis")
+    bubble = pipeline_bubble_fraction(stage, micro_batches)
+    evidence = (f"stage={stage}, {micro_batches} micro-batch(es): bubble (P-1)/(M+P-1) = {bubble:.0%} of each stage's time",
+                f"{layers // stage} of {layers} layers per stage: equal work, no stage imbalance")
+    severity = _severity(bubble, BUBBLE_WARNING, BUBBLE_PROBLEM)
+    verdict = {"ok": "the bubble is small", "warning": "the pipeline idles a noticeable share of the step",
+               "problem": "the pipeline idles as much as it works"}[severity]
+    fix = "" if severity == "ok" else f"raise --micro-batches to {4 * stage} or more (M >= 4P: bubble {pipeline_bubble_fraction(stage, 4 * stage):.0%})"
+    return Finding("layout", "pipeline bubble", severity, verdict, evidence, fix, {"bubble": bubble})
 
 
 def check_expert_skew(max_over_mean: Sequence[float], dropped: Sequence[float] = ()) -> Finding:

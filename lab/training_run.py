@@ -42,7 +42,7 @@ class RunConfig:
     """cpu:N, gpu or tpu (with several processes: the devices of this process, e.g. cpu:4)"""
     mesh: str = "data=2,fsdp=2,tensor=2"
     """axis sizes over data, stage, fsdp, expert, tensor: data/fsdp/expert split the batch, fsdp the weights (ZeRO), tensor
-    the heads and MLP (Megatron), expert the experts of an MoE model; stage is not pipelined by lab train"""
+    the heads and MLP (Megatron), expert the experts of an MoE model, stage the layers (a GPipe pipeline)"""
     model: str = "tiny"
     """model preset from lab.model.PRESETS (tiny, tiny-moe, small, 125m, ...)"""
     strategy: str = "zero3"
@@ -52,7 +52,7 @@ class RunConfig:
     global_batch: int = 16
     """sequences per step, split over the data axes"""
     micro_batches: int = 1
-    """gradient accumulation: micro-batches per step"""
+    """micro-batches per step: gradient accumulation, or with stage > 1 the pipeline's micro-batches (bubble (P-1)/(M+P-1))"""
     learning_rate: float = 3e-3
     """AdamW's learning rate"""
     seed: int = 0
@@ -342,7 +342,7 @@ def _notes(log: RunLog) -> list[str]:
     if log.idle_axes:
         idle = ", ".join(f"{axis}={sizes[axis]}" for axis in log.idle_axes)
         notes.append(f"{idle}: neither the batch nor any weight of {log.config.model} with {log.config.strategy} is split over "
-                     "these axes (lab train does not pipeline over stage), so their devices hold the same shards and repeat the same work")
+                     "these axes, so their devices hold the same shards and repeat the same work")
     if any(s.mfu > 1 for s in log.steps):
         notes.append("MFU above 1: on cpu the peak is lab.hardware's measured numpy matmul rate, which undershoots what XLA's "
                      "multi-threaded kernels reach on a shared machine; read MFU there as a ratio between layouts, not as utilisation")

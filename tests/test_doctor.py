@@ -48,15 +48,17 @@ def test_input_edges_after_warmup():
     assert checks.check_input([], []).severity == "not applicable"
 
 
-def test_idle_axes_and_stage_balance():
+def test_idle_axes_and_the_pipeline_bubble():
     sizes = {"data": 1, "stage": 2, "fsdp": 4, "expert": 1, "tensor": 1}
     idle = checks.check_idle_axes(sizes, ("stage",))
     assert idle.severity == "problem" and idle.numbers["repeats"] == 2 and "do the work of 4" in idle.evidence[0]
     assert checks.check_idle_axes(sizes, ()).severity == "ok"
-    assert checks.check_stage_balance(1, 4, pipelined=False).severity == "not applicable"
-    assert checks.check_stage_balance(4, 6, pipelined=True).numbers["imbalance"] == pytest.approx(2 / 1.5)  # 2,2,1,1 layers
-    assert checks.check_stage_balance(4, 8, pipelined=True).severity == "ok"
-    assert checks.check_stage_balance(4, 3, pipelined=True).severity == "problem"
+    assert checks.check_pipeline_bubble(1, 4, 4).severity == "not applicable"
+    assert checks.check_pipeline_bubble(2, 1, 4).numbers["bubble"] == pytest.approx(0.5)  # (P-1)/(M+P-1) = 1/2: a problem
+    assert checks.check_pipeline_bubble(2, 1, 4).severity == "problem"
+    assert checks.check_pipeline_bubble(4, 4, 8).severity == "warning"  # 3/7
+    assert checks.check_pipeline_bubble(4, 16, 8).severity == "ok"  # 3/19
+    assert "--micro-batches to 16" in checks.check_pipeline_bubble(4, 4, 8).fix
 
 
 def test_expert_skew_edges():

@@ -14,7 +14,7 @@ def result(devices):
 def test_every_broken_case_is_named_by_its_layer_and_the_control_is_clean(result):
     assert result.passed, [c for c in result.checks if not c.passed]
     firsts = {c.quantity.split(":")[0]: c.observed for c in result.checks if "layer of the first problem" in c.quantity}
-    assert firsts == {"too_big": "memory", "slow_loader": "input", "idle_axis": "layout", "collapsed_router": "layout", "regather": "communication",
+    assert firsts == {"too_big": "memory", "slow_loader": "input", "bubble": "layout", "collapsed_router": "layout", "regather": "communication",
                       "tiny_on_tpu": "communication", "diverging": "numerics"}
     control = next(c for c in result.checks if c.quantity == "control: problems found")
     assert control.observed == 0

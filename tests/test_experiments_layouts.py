@@ -21,7 +21,7 @@ def test_the_collectives_of_each_axis_are_found_and_megatron_is_counted(page):
     verdicts = {c.quantity.split(": ", 1)[1]: c for c in page.checks}
     assert verdicts["ZeRO-3 gathers weights over fsdp"].verdict == "agrees"
     assert verdicts["expert parallelism dispatches with all-to-all over expert"].verdict == "agrees"
-    count = verdicts["activation all-reduces over tensor per step (4 per layer)"]
+    count = verdicts["activation all-reduces over tensor per step (4 per layer applied)"]
     assert (count.theory, count.observed) == (8, 8)
-    assert verdicts["bytes they carry per step (4 activations of b·s·d per layer)"].verdict in ("agrees", "refined")
+    assert verdicts["bytes they carry per step (4 activations of b·s·d per layer applied)"].verdict in ("agrees", "refined")
     assert set(page.plots) == {"tokens_per_s"}
