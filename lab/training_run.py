@@ -2,7 +2,7 @@
 
 The run is the loop users write around a train step: build the mesh, create
 (or restore) the sharded state, feed batches, measure each step, save now and
-then. Three things make it a lab rather than a demo:
+then. Four things make it a lab rather than a demo:
 
 * **Deterministic data.** Batch ``k`` depends only on the seed and ``k``, so a
   resumed run sees the batches the uninterrupted one saw, and any mesh sees
@@ -10,10 +10,16 @@ then. Three things make it a lab rather than a demo:
   one control, many layouts). The synthetic language is arithmetic sequences
   ``t_{i+1} = t_i + stride (mod V)``: learnable, so the loss visibly falls.
 * **Per-step metrics.** Step time is one iteration of the loop on the wall
-  clock (placing the batch, the step until its loss is ready, the blocking
-  part of a checkpoint save); tokens/s = B·S / step time; model FLOPs utilisation
-  (Chowdhery et al. 2022, PaLM, Appendix B) = (6Ψ + 12·L·H·K·S) FLOPs per
-  token × tokens/s ÷ peak FLOP/s of the chips (`lab.hardware`).
+  clock, split into its parts: waiting for the batch (`lab.input_pipeline`,
+  which can be made slow and can prefetch), the step until its loss is ready,
+  the blocking part of a checkpoint save; tokens/s = B·S / step time; model
+  FLOPs utilisation (Chowdhery et al. 2022, PaLM, Appendix B) = (6Ψ_active +
+  12·L·H·K·S) FLOPs per token × tokens/s ÷ peak FLOP/s of the chips
+  (`lab.hardware`); the gradient norm and what the model reports (MoE load).
+* **A readable timeline.** The page reads the step-time series with
+  `lab.step_series` (periodic, random, trend or steady), and ``--profile``
+  records a `jax.profiler` trace whose device time `lab.profiling` splits by
+  the step's named scopes.
 * **Several processes.** With ``jax.distributed`` the same loop runs once per
   host; every process builds the same global batch (each device loads only
   its slice) and only process 0 writes the log and the page.
