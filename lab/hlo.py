@@ -316,14 +316,16 @@ def _nbytes(arrays: Iterable[tuple[str, Shape]]) -> int:
 _KEYWORDS = re.compile(
     r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast|AsyncCollective"
 )
-_INSTRUCTION = re.compile(
+# one HLO instruction line (``%name = shape opcode(operands), attributes``) and a computation's header line:
+# shared by every reader of HLO text in the lab (collectives here, the schedule in lab.overlap, lab.profiling)
+INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$"
 )
 _SIMPLE_OPERANDS = re.compile(r"^([^()]*)\)")
-_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[^\s(){]+)")
+HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[^\s(){]+)")
 _CALLEE = re.compile(r"\b(?:calls|body|to_apply)=%?([\w.\-]+)")  # fusion/async/while/call -> callee
 _ASYNC_SUFFIX = re.compile(r"-(start|update|done)$")
-_OP_NAME = r'op_name="([^"]*)"'
+OP_NAME = r'op_name="([^"]*)"'
 _UNMODELLED = {
     "ragged-all-to-all": "ragged-all-to-all: its sizes depend on offsets known only at run time",
     "collective-broadcast": "collective-broadcast is not one of the modelled kinds",
@@ -347,7 +349,7 @@ class _Instruction:
 
 
 def _instruction(line: str, computation: str, line_number: int) -> _Instruction | None:
-    match = _INSTRUCTION.match(line)
+    match = INSTRUCTION.match(line)
     if not match:
         return None
     rest = match["rest"]
@@ -395,7 +397,7 @@ def _scan(hlo_text: str) -> _Scan:
             if line.startswith("HloModule"):
                 scan.num_devices = _module_devices(line)
             elif line.rstrip().endswith("{"):
-                header = _HEADER.match(line)
+                header = HEADER.match(line)
                 computation = header["name"] if header else computation
                 scan.entry = computation if header and header["entry"] else scan.entry
             continue
@@ -452,6 +454,18 @@ class _Context:
     fusion_callee: str = ""
     async_wrapper: _Instruction | None = None
     repeats: int | None = 1
+
+
+def op_names(hlo_text: str) -> dict[str, tuple[str, str]]:
+    """Instruction name -> (opcode, op_name metadata) for every instruction that carries an op_name: the link from
+    an op in a profile back to the JAX code (its named scopes, its autodiff transforms) that made it."""
+    found = {}
+    for line in hlo_text.splitlines():
+        match = INSTRUCTION.match(line)
+        op_name = re.search(OP_NAME, line) if match else None
+        if op_name:
+            found[match["name"]] = (match["opcode"], op_name[1])
+    return found
 
 
 def parse_collectives(
@@ -592,7 +606,7 @@ def _build(
         replica_groups=groups,
         source_target_pairs=pairs,
         axes=_axes(kind, groups, pairs, mesh),
-        op_name=instruction.attr(_OP_NAME) or (context.fusion.attr(_OP_NAME) if context.fusion else None),
+        op_name=instruction.attr(OP_NAME) or (context.fusion.attr(OP_NAME) if context.fusion else None),
         repeats=context.repeats,
     )
 

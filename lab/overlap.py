@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from lab.collectives import ring_pairs, send
 from lab.errors import LabError
+from lab.hlo import HEADER, INSTRUCTION
 
 # ------------------------------------------------------------------ collective matmul
 # Inside shard_map, on one device. x_MK is this device's rows (all-gather) or
@@ -203,8 +204,6 @@ def _check_divides(variant: MatmulVariant, n: int, axis: str, shape_MKF: tuple[i
 # A scheduled module (``is_scheduled=true``) lists each computation's
 # instructions in the order they run; that order is all the analysis needs.
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(){]+)")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _CALLEES = re.compile(r"\b(?:calls|body)=%?([\w.\-]+)")
 _COLLECTIVE_OPCODES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast", "ragged-all-to-all")
@@ -251,12 +250,12 @@ def parse_schedule(hlo_text: str) -> Schedule:
     entry, current = "", None
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "\t")):
-            header = _HEADER.match(line) if line.rstrip().endswith("{") else None
+            header = HEADER.match(line) if line.rstrip().endswith("{") else None
             if header:
                 current = computations.setdefault(header["name"], [])
                 entry = header["name"] if line.startswith("ENTRY") else entry
             continue
-        match = _INSTRUCTION.match(line) if current is not None else None
+        match = INSTRUCTION.match(line) if current is not None else None
         if match:
             current.append(_instruction(match))
     if not entry:

@@ -23,7 +23,6 @@ so each microsecond is counted once.
 from __future__ import annotations
 
 import contextlib
-import re
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,9 +31,6 @@ LAYER_SCOPES = ("attention", "mlp", "moe")
 STEP_SCOPES = ("reduce_gradients", "optimizer", "write_back")  # checked before forward/backward: they nest inside forward_backward
 CONTAINERS = ("while", "call", "conditional")  # their time is their children's
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\S.*?\s([a-z][\w\-]*)\(.*?op_name=\"([^\"]+)\"", re.MULTILINE)
-
 
 @contextlib.contextmanager
 def trace(folder: Path | None) -> Iterator[Path | None]:
@@ -85,7 +81,9 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
     Collectives get their own rows (``communication: all-gather``): XLA moves and combines them, so the
     scope in their metadata (often the backward matmul a gradient reduce-scatter was split off) says less
     than their kind does."""
-    return {name: _part(opcode, op_name) for name, opcode, op_name in _INSTRUCTION.findall(hlo_text) if opcode not in CONTAINERS}
+    from lab.hlo import op_names
+
+    return {name: _part(opcode, op_name) for name, (opcode, op_name) in op_names(hlo_text).items() if opcode not in CONTAINERS}
 
 
 def _part(opcode: str, op_name: str) -> str:

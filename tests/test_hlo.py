@@ -554,3 +554,15 @@ def write_fixtures() -> None:
 
 if __name__ == "__main__":
     write_fixtures()
+
+
+def test_op_names_link_each_instruction_to_the_jax_code_that_made_it():
+    text = (
+        'ENTRY %main {\n'
+        '  %p0 = f32[4]{0} parameter(0)\n'
+        '  %fusion.3 = f32[4]{0} fusion(f32[4]{0} %p0), kind=kLoop, calls=%fused, metadata={op_name="jit(step)/optimizer/mul"}\n'
+        '  ROOT %all-reduce.1 = f32[4]{0} all-reduce(%fusion.3), replica_groups={}, metadata={op_name="jit(step)/forward_backward/reshard"}\n'
+        '}\n'
+    )
+    assert hlo.op_names(text) == {"fusion.3": ("fusion", "jit(step)/optimizer/mul"),
+                                  "all-reduce.1": ("all-reduce", "jit(step)/forward_backward/reshard")}
