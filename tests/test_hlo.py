@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
-from lab.hlo import Collective, expand_replica_groups, inspect, parse_collectives, summarize
+from lab.hlo import Collective, expand_replica_groups, inspect, op_names, parse_collectives, summarize
 from lab.mesh import AXES, MeshSpec, device_groups
 
 # Other processes on this machine may hold libtpu's lockfile; compile-only use is safe to share.
@@ -564,5 +564,5 @@ def test_op_names_link_each_instruction_to_the_jax_code_that_made_it():
         '  ROOT %all-reduce.1 = f32[4]{0} all-reduce(%fusion.3), replica_groups={}, metadata={op_name="jit(step)/forward_backward/reshard"}\n'
         '}\n'
     )
-    assert hlo.op_names(text) == {"fusion.3": ("fusion", "jit(step)/optimizer/mul"),
+    assert op_names(text) == {"fusion.3": ("fusion", "jit(step)/optimizer/mul"),
                                   "all-reduce.1": ("all-reduce", "jit(step)/forward_backward/reshard")}
