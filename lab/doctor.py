@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 import tempfile
+from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ import jax
 
 from lab import doctor_checks as checks
 from lab.doctor_checks import LAYERS, SEVERITIES, Finding
+from lab.rules import spec_axes
 
 if TYPE_CHECKING:
     from lab.hlo import Inspection
@@ -113,7 +115,8 @@ def _compile(config: RunConfig, devices) -> _Compiled:
     trainer.layout.check_batch(config.global_batch, config.micro_batches)
     state = trainer.abstract_state()
     try:
-        return _Compiled(trainer, state, trainer.inspect_step(config.global_batch, to_read=True), "")
+        # the executable the run will execute (the trainer caches it): reading it costs no second compile
+        return _Compiled(trainer, state, trainer.inspect_step(config.global_batch), "")
     except jax.errors.JaxRuntimeError as err:  # the TPU compiler refuses a program that cannot fit in HBM
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -249,7 +252,7 @@ def _on_torus(devices) -> bool:
 
 def _traffic(compiled: _Compiled, chip) -> list[checks.Traffic]:
     """Bytes per step and predicted seconds per (kind, axes): on TPU over the links each axis uses, else a switch."""
-    from lab import overlap
+    from lab import hlo, overlap
     from lab.roofline import roofline
 
     inspection, mesh = compiled.inspection, compiled.trainer.mesh
@@ -257,14 +260,11 @@ def _traffic(compiled: _Compiled, chip) -> list[checks.Traffic]:
         seconds = [p.seconds for p in roofline(inspection, mesh, chip).collectives]
     else:
         seconds = [overlap.predict_seconds(c, chip) * (c.repeats or 1) for c in inspection.collectives]
-    totals: dict[tuple, list] = {}
+    predicted: dict[tuple, float] = defaultdict(float)
     for c, s in zip(inspection.collectives, seconds):
-        row = totals.setdefault((c.kind, c.axes or ()), [0, 0.0, 0.0, True])
-        row[0] += c.repeats or 1
-        row[1] += c.size_bytes * (c.repeats or 1)
-        row[2] += s
-        row[3] &= c.repeats is not None
-    return [checks.Traffic(kind, axes, *row) for (kind, axes), row in totals.items()]
+        predicted[c.kind, c.axes] += s
+    return [checks.Traffic(t.kind, t.axes or (), t.count, t.total_bytes, predicted[t.kind, t.axes], t.exact)
+            for t in hlo.summarize(inspection.collectives)]
 
 
 def _compute_time(compiled: _Compiled, log: RunLog | None, chip) -> tuple[float, str]:
@@ -286,16 +286,12 @@ def _volume(compiled: _Compiled) -> Finding:
     moved = sum(c.size_bytes * (c.repeats or 1) * (2 if c.kind == "all-reduce" else 1) for c in counted)
     # one model copy as the data axes see it: each parameter whole over the axes ZeRO shards it on (an expert or
     # tensor split is model parallelism: no data-axis collective ever gathers it)
-    model = sum(_bytes_per_device(a) * math.prod(layout.sizes[axis] for axis in _spec_axes(a.sharding.spec) if axis in _ZERO_AXES)
+    model = sum(_bytes_per_device(a) * math.prod(layout.sizes[axis] for axis in spec_axes(a.sharding.spec) if axis in _ZERO_AXES)
                 for a in jax.tree.leaves(compiled.state.params))
     strategy = layout.strategy
     expected = checks.zero_volume(strategy.shards_params and layout.sizes.get("fsdp", 1) > 1, strategy.reshard_after_forward)  # fsdp=1: nothing to gather
     exact = all(c.repeats is not None for c in counted)
     return checks.check_comm_volume(moved, model, expected, trainer.config.micro_batches, strategy.name, exact)
-
-
-def _spec_axes(spec) -> set[str]:
-    return {a for entry in spec.partitions for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
 
 
 def _overlap(compiled: _Compiled, chip, devices):

@@ -200,6 +200,11 @@ def get_strategy(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
+def spec_axes(spec: P) -> set[str]:
+    """The mesh axes a PartitionSpec splits some dimension over (its reduced/unreduced sets are not splits)."""
+    return {a for entry in spec.partitions for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
+
+
 @dataclass(frozen=True)
 class ShardingReport:
     """How much of the model a strategy leaves whole on every device of the fsdp axis."""
@@ -218,8 +223,7 @@ def sharding_report(params: Iterable[tuple[str, int, P]], axis: str = "fsdp") ->
     total, unsharded = 0, []
     for name, nbytes, spec in params:
         total += nbytes
-        used = {a for entry in spec.partitions for a in ((entry,) if isinstance(entry, str) else (entry or ()))}
-        if axis not in used:
+        if axis not in spec_axes(spec):
             unsharded.append((nbytes, name))
     unsharded.sort(reverse=True)
     return ShardingReport(total, sum(b for b, _ in unsharded), tuple(n for _, n in unsharded[:3]))

@@ -58,7 +58,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
-from lab.rules import DATA_AXES, Strategy, check_divisible, check_sufficiently_sharded, logical_axes, sharding_report
+from lab.rules import (
+    DATA_AXES,
+    Strategy,
+    check_divisible,
+    check_sufficiently_sharded,
+    logical_axes,
+    sharding_report,
+    spec_axes,
+)
 
 _REMAT: dict[str, Callable | None] = {
     "none": None,
@@ -118,7 +126,7 @@ class Layout:
         """
         rules = self.strategy.activations | self.strategy.model_parallel
         others = self._live(rules.spec([None if a == "batch" else a for a in axes], "an activation"))
-        batch = _entry([a for a in rules.mesh_axes("batch") if a in self.data_axes and a not in _mesh_axes(others)])
+        batch = _entry([a for a in rules.mesh_axes("batch") if a in self.data_axes and a not in spec_axes(others)])
         return NamedSharding(self.mesh, P(*(batch if logical == "batch" else entry for logical, entry in zip(axes, others))))
 
     def batch_spec(self) -> P:
@@ -141,7 +149,7 @@ class Layout:
         spec = self.strategy.rules(table, math.prod(variable.shape)).spec(logical_axes(variable), name)
         check_divisible(name, variable.shape, spec, self.sizes)
         spec = self._live(spec)
-        whole_on = self.data_axes - _mesh_axes(spec)
+        whole_on = self.data_axes - spec_axes(spec)
         return P(*spec, reduced=whole_on) if table == "params" and whole_on else spec
 
     def _live(self, spec: P) -> P:
@@ -162,7 +170,7 @@ class Layout:
         w = param[...]
         if self.data_axes:  # a no-op unless the weight is split over a data axis
             spec = self._live(self.strategy.rules("compute", w.size).spec(logical_axes(param)))
-            w = jax.reshard(w, NamedSharding(self.mesh, P(*spec, reduced=self.data_axes - _mesh_axes(spec))))
+            w = jax.reshard(w, NamedSharding(self.mesh, P(*spec, reduced=self.data_axes - spec_axes(spec))))
         return w.astype(self.compute_dtype)
 
     @property
@@ -190,7 +198,7 @@ class Layout:
 
         def scatter(grad: jax.Array, target: NamedSharding) -> jax.Array:
             unreduced = jax.typeof(grad).sharding.spec.unreduced
-            scatter_over = unreduced & _mesh_axes(target.spec)
+            scatter_over = unreduced & spec_axes(target.spec)
             if not scatter_over:  # nothing to split: keep partial sums (DDP, ZeRO-1, HSDP's data axis)
                 return grad
             return jax.reshard(grad, NamedSharding(self.mesh, P(*target.spec.partitions, unreduced=unreduced - scatter_over)))
@@ -213,11 +221,6 @@ def _axes(entry) -> tuple[str, ...]:
 
 def _entry(axes: list[str]):
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _mesh_axes(spec: P) -> set[str]:
-    """The mesh axes a spec splits some dimension over."""
-    return {a for entry in spec.partitions for a in _axes(entry)}
 
 
 def _name(path) -> str:
