@@ -131,7 +131,7 @@ def _async_checks(config: Config, steady: RunLog, sync: RunLog, asyn: RunLog) ->
     """The textbook: an async save blocks only for the device-to-host copy, so most of the dip goes. Where it does not,
     the numbers say why: a blocking time far above the copy is a fixed cost per save; steps between saves slower than
     the steady run's are the background writer taking cores."""
-    state, bandwidth = _state_bytes(asyn), profile("cpu").hbm_bandwidth
+    state, bandwidth = asyn.state_bytes, profile("cpu").hbm_bandwidth
     copy_s, blocking = state / bandwidth, float(np.median(_saves(asyn)))
     fixed = None
     if blocking > 10 * copy_s:
@@ -192,7 +192,7 @@ def _result(config: Config, logs: dict[str, RunLog], base: RunConfig) -> Result:
         (f"Each run's first {WARMUP_STEPS} steps are left out of every statistic (warm-up). The first save of a checkpoint manager blocked for "
          f"{first_save * 1e3:.0f} ms against a median of {np.median(_saves(logs['sync checkpoints'])) * 1e3:.0f} ms for the later ones: it also "
          "creates the folder and starts orbax's machinery, so the first dip is the deepest."),
-        (f"The state saved is {format_bytes(_state_bytes(logs['sync checkpoints']))} per checkpoint; at this size a save costs orbax's fixed work "
+        (f"The state saved is {format_bytes(logs['sync checkpoints'].state_bytes)} per checkpoint; at this size a save costs orbax's fixed work "
         "(metadata, a temporary folder renamed when complete), not bandwidth, which is why the asynchronous save still blocks for "
         f"{np.median(_saves(logs['async checkpoints'])) * 1e3:.0f} ms (median): the device-to-host copy plus that bookkeeping."),
         ("On a 2-core machine the asynchronous writer shares cores with the step, so the steps after an async save can be a little slower: "
@@ -226,9 +226,3 @@ def _result(config: Config, logs: dict[str, RunLog], base: RunConfig) -> Result:
               for case, log in logs.items()},
     )
 
-
-def _state_bytes(log: RunLog) -> int:
-    """Bytes of one checkpoint: fp32 weights plus AdamW's two moments."""
-    from lab.model import preset
-
-    return 3 * 4 * preset(log.config.model).parameters

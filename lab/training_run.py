@@ -128,6 +128,7 @@ class RunLog:
     compile_s: float
     peak_flops: float
     idle_axes: tuple[str, ...] = ()  # mesh axes > 1 that nothing splits: their devices repeat the same work
+    state_bytes: int = 0  # the training state (weights, master weights, optimizer), all devices together: what a checkpoint saves
     steps: list[StepMetrics] = field(default_factory=list)
     profile: dict[str, float] = field(default_factory=dict)  # device seconds per part of the step, from --profile's trace
 
@@ -185,7 +186,7 @@ def run(config: RunConfig, devices=None) -> RunLog:
     started = time.perf_counter()
     step_fn = trainer.compiled_step(config.global_batch)
     log = RunLog(config, describe(mesh), _describe(devices), jax.process_count(), start_step, time.perf_counter() - started,
-                 _peak_flops(devices), trainer.layout.idle_axes)
+                 _peak_flops(devices), trainer.layout.idle_axes, sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.abstract_state())))
     writer = _log_writer(config)
     loader = input_pipeline.Loader(lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
                                    config.input_ms / 1e3, config.input_jitter_ms / 1e3, config.seed)
