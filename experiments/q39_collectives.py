@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lab import hardware, hlo, theory
-from lab.bench import format_bytes, measure_collective, size_sweep
+from lab import bench, hardware, hlo, theory
+from lab.bench import measure_collective
 from lab.collectives import build_program
 from lab.devices import devices_for
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.report import Result, Table, provenance
+from lab.units import format_bytes, size_sweep
 from lab.verdict import check
 
 QUESTION = "#39"
@@ -60,7 +61,13 @@ def run(config: Config) -> Result:
     devices = devices_for(config.target)
     mesh = MeshSpec(fsdp=len(devices)).build(devices)
     n = len(devices)
-    sweep = [_measure(op, mesh, size, config) for op, size in track([(op, s) for op in config.ops for s in size_sweep(config.begin, config.end, config.factor)], "collectives sweep")]
+    sweep = [
+        _measure(op, mesh, size, config)
+        for op, size in track(
+            [(op, s) for op in config.ops for s in size_sweep(config.begin, config.end, config.factor)],
+            "collectives sweep",
+        )
+    ]
     checks, axis_rows = _axis_checks(devices)
     checks = _hlo_checks(sweep, n) + checks
     copy_bw = hardware.profile("cpu").hbm_bandwidth if devices[0].platform == "cpu" else None
@@ -68,14 +75,25 @@ def run(config: Config) -> Result:
     tpu_table, tpu_checks = _on_tpu(config.tpu_topology)
     checks += tpu_checks
     summary = _summary(sweep, n, largest_ar, copy_bw)
-    parse_s = hlo.parse_benchmark(100_000)
+    parse_s = bench.parse_benchmark(100_000)
     return Result(
         name="collectives",
         title="The five collectives: semantics, compiled HLO, bandwidth",
         question=QUESTION,
         summary=summary,
         theory=THEORY,
-        tables=[*_semantics_tables(mesh), _sweep_table(sweep), _hlo_table(sweep, n), Table("Each collective on each axis of a data=2,fsdp=2,tensor=2 mesh", ["collective", "asked for axis", "XLA's replica groups span", "group size"], axis_rows), tpu_table, _performance_table(sweep, largest_ar, copy_bw, parse_s)],
+        tables=[
+            *_semantics_tables(mesh),
+            _sweep_table(sweep),
+            _hlo_table(sweep, n),
+            Table(
+                "Each collective on each axis of a data=2,fsdp=2,tensor=2 mesh",
+                ["collective", "asked for axis", "XLA's replica groups span", "group size"],
+                axis_rows,
+            ),
+            tpu_table,
+            _performance_table(sweep, largest_ar, copy_bw, parse_s),
+        ],
         checks=checks,
         plots={"busbw": _busbw_plot(sweep, n, copy_bw)},
         notes=_notes(sweep, largest_ar, copy_bw),
@@ -106,9 +124,16 @@ and only in the limit: 2(N-1)/N · S is S at N = 2 and approaches 2S as N grows.
 def _measure(op: str, mesh, size: int, config: Config) -> dict:
     point = measure_collective(op, mesh, "fsdp", size, dtype=config.dtype, repeats=config.repeats)
     return {
-        "op": op, "size": size, "count": point.count, "dtype": config.dtype,
-        "time_s": point.timing.median, "time_min_s": point.timing.min, "time_max_s": point.timing.max,
-        "algbw": point.algbw, "busbw": point.busbw, "wrong": point.wrong,
+        "op": op,
+        "size": size,
+        "count": point.count,
+        "dtype": config.dtype,
+        "time_s": point.timing.median,
+        "time_min_s": point.timing.min,
+        "time_max_s": point.timing.max,
+        "algbw": point.algbw,
+        "busbw": point.busbw,
+        "wrong": point.wrong,
         "hlo": [(c.kind, c.axes, c.size_bytes, c.group_size, c.form) for c in point.collectives],
     }
 
@@ -119,7 +144,13 @@ def _hlo_checks(sweep: list[dict], n: int) -> list:
     for op in dict.fromkeys(r["op"] for r in sweep):
         row = min((r for r in sweep if r["op"] == op), key=lambda r: abs(r["size"] - 2**20))
         kinds = [h[0] for h in row["hlo"]]
-        checks.append(check(f"{op}: collectives in the HLO", f"1 {op}", ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none"))
+        checks.append(
+            check(
+                f"{op}: collectives in the HLO",
+                f"1 {op}",
+                ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none",
+            )
+        )
         if kinds == [op]:
             _, axes, size, group, _ = row["hlo"][0]
             checks.append(check(f"{op}: mesh axes of its replica groups", "fsdp", ",".join(axes or ("?",))))
@@ -161,15 +192,32 @@ def _on_tpu(topology: str) -> tuple[Table | None, list]:
     for op in PRIMITIVES:
         program = build_program(op, mesh, "fsdp")
         found = hlo.inspect(program.fn, program.abstract_input(2**20), mesh=mesh).collectives
-        written = "; ".join(f"{c.kind} as `{c.form}`{' (async)' if c.is_async else ''} over {','.join(c.axes or ('?',))}, S {format_bytes(c.size_bytes)}" for c in found)
+        written = "; ".join(
+            f"{c.kind} as `{c.form}`{' (async)' if c.is_async else ''} over "
+            f"{','.join(c.axes or ('?',))}, S {format_bytes(c.size_bytes)}"
+            for c in found
+        )
         rows.append([op, written or "no collective"])
         kinds = [c.kind for c in found]
         explained = None
         if kinds != [op] and op == "reduce-scatter" and kinds == ["all-reduce"]:
-            sent = theory.bus_bandwidth_factor("all-reduce", len(chips)) / theory.bus_bandwidth_factor("reduce-scatter", len(chips))
+            sent = theory.bus_bandwidth_factor("all-reduce", len(chips)) / theory.bus_bandwidth_factor(
+                "reduce-scatter", len(chips)
+            )
             explained = f"the TPU compiler ran the standalone psum_scatter as a full all-reduce and kept its own slice (dynamic-slice): {sent:.0f}x the ring bytes of a reduce-scatter (see allreduce_equivalence)"
-        checks.append(check(f"tpu:{topology} {op}: collectives in the HLO", f"1 {op}", ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none", explained=explained))
-    return Table(f"The same programs compiled for tpu:{topology} (compile-only, 1 MiB)", ["program", "what the TPU compiler wrote"], rows), checks
+        checks.append(
+            check(
+                f"tpu:{topology} {op}: collectives in the HLO",
+                f"1 {op}",
+                ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none",
+                explained=explained,
+            )
+        )
+    return Table(
+        f"The same programs compiled for tpu:{topology} (compile-only, 1 MiB)",
+        ["program", "what the TPU compiler wrote"],
+        rows,
+    ), checks
 
 
 def _semantics_tables(mesh) -> list[Table]:
@@ -191,10 +239,24 @@ def _vector(v) -> str:
 
 def _sweep_table(sweep: list[dict]) -> Table:
     rows = [
-        [format_bytes(r["size"]), r["count"], r["dtype"], r["op"], f"{r['time_s'] * 1e6:.1f} [{r['time_min_s'] * 1e6:.1f}, {r['time_max_s'] * 1e6:.1f}]", f"{r['algbw'] / 1e9:.2f}", f"{r['busbw'] / 1e9:.2f}", r["wrong"]]
+        [
+            format_bytes(r["size"]),
+            r["count"],
+            r["dtype"],
+            r["op"],
+            f"{r['time_s'] * 1e6:.1f} [{r['time_min_s'] * 1e6:.1f}, {r['time_max_s'] * 1e6:.1f}]",
+            f"{r['algbw'] / 1e9:.2f}",
+            f"{r['busbw'] / 1e9:.2f}",
+            r["wrong"],
+        ]
         for r in sweep
     ]
-    return Table("nccl-tests-style sweep", ["size S", "count", "type", "op", "time us (median [min, max])", "algbw GB/s", "busbw GB/s", "#wrong"], rows, note="Medians over timed calls after warm-up; every element of every device checked against numpy.")
+    return Table(
+        "nccl-tests-style sweep",
+        ["size S", "count", "type", "op", "time us (median [min, max])", "algbw GB/s", "busbw GB/s", "#wrong"],
+        rows,
+        note="Medians over timed calls after warm-up; every element of every device checked against numpy.",
+    )
 
 
 def _hlo_table(sweep: list[dict], n: int) -> Table:
@@ -205,7 +267,11 @@ def _hlo_table(sweep: list[dict], n: int) -> Table:
         for kind, axes, size, group, form in r["hlo"]:
             sent = size * theory.bus_bandwidth_factor(kind, group or n)
             rows.append([r["op"], kind, form, ",".join(axes or ("?",)), group, format_bytes(size), format_bytes(sent)])
-    return Table("What XLA compiled (largest size)", ["program", "HLO collective", "as written", "axes", "N", "S per device", "sent per device (ring theory)"], rows)
+    return Table(
+        "What XLA compiled (largest size)",
+        ["program", "HLO collective", "as written", "axes", "N", "S per device", "sent per device (ring theory)"],
+        rows,
+    )
 
 
 def _busbw_plot(sweep: list[dict], n: int, copy_bw: float | None):
@@ -227,7 +293,13 @@ def _busbw_plot(sweep: list[dict], n: int, copy_bw: float | None):
 def _performance_table(sweep, largest_ar, copy_bw, parse_s: float) -> Table:
     rows = [["parse a 100,000-line HLO text (lab.hlo.parse_collectives)", f"{parse_s:.2f} s", "under 1 s"]]
     if largest_ar and copy_bw:
-        rows.append([f"busbw of the {format_bytes(largest_ar['size'])} all-reduce / measured memory-copy bandwidth", f"{largest_ar['busbw'] / copy_bw:.0%}", "reported"])
+        rows.append(
+            [
+                f"busbw of the {format_bytes(largest_ar['size'])} all-reduce / measured memory-copy bandwidth",
+                f"{largest_ar['busbw'] / copy_bw:.0%}",
+                "reported",
+            ]
+        )
     return Table("Performance", ["what", "measured", "goal"], rows)
 
 
@@ -239,7 +311,11 @@ def _summary(sweep, n, largest_ar, copy_bw) -> str:
     )
     if largest_ar:
         text += f" The {format_bytes(largest_ar['size'])} all-reduce reached a busbw of {largest_ar['busbw'] / 1e9:.2f} GB/s"
-        text += f", {largest_ar['busbw'] / copy_bw:.0%} of this machine's measured memory-copy bandwidth." if copy_bw else "."
+        text += (
+            f", {largest_ar['busbw'] / copy_bw:.0%} of this machine's measured memory-copy bandwidth."
+            if copy_bw
+            else "."
+        )
     return text
 
 
@@ -252,7 +328,16 @@ def _notes(sweep, largest_ar, copy_bw) -> list[str]:
     small = [r for r in sweep if r["size"] == min(s["size"] for s in sweep)]
     if small:
         fastest = min(small, key=lambda r: r["time_s"])
-        notes.append(f"At {format_bytes(fastest['size'])} every collective is latency-bound: the fastest, {fastest['op']}, still took {fastest['time_s'] * 1e6:.0f} us, so busbw there measures per-call overhead, not bandwidth.")
+        notes.append(
+            f"At {format_bytes(fastest['size'])} every collective is latency-bound: "
+            f"the fastest, {fastest['op']}, still took {fastest['time_s'] * 1e6:.0f} "
+            "us, so busbw there measures per-call overhead, not bandwidth."
+        )
     if largest_ar and copy_bw:
-        notes.append("Emulated devices share one memory bus and two cores: busbw here is bounded by memory copies, not by any network; the ratios between collectives, not the absolute numbers, carry over to real hardware.")
+        notes.append(
+            "Emulated devices share one memory bus and two cores: busbw here "
+            "is bounded by memory copies, not by any network; the ratios "
+            "between collectives, not the absolute numbers, carry over to "
+            "real hardware."
+        )
     return notes

@@ -22,12 +22,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lab import hlo, theory
-from lab.bench import crossover, format_bytes, parse_size, size_sweep, time_fn, time_interleaved
+from lab.bench import crossover, time_fn, time_interleaved
 from lab.collectives import build_program
 from lab.devices import devices_for
 from lab.mesh import AXES, MeshSpec
 from lab.progress import track
 from lab.report import Result, Table, provenance
+from lab.units import format_bytes, parse_size, size_sweep
 from lab.verdict import check
 
 QUESTION = "#39"
@@ -61,13 +62,25 @@ class Config:
 def run(config: Config) -> Result:
     devices = devices_for(config.target)
     size = parse_size(config.size)
-    rings = [_ring_against_psum(n, devices, size, config.repeats) for n in track(config.group_sizes, "ring vs psum") if n <= len(devices)]
+    rings = [
+        _ring_against_psum(n, devices, size, config.repeats)
+        for n in track(config.group_sizes, "ring vs psum")
+        if n <= len(devices)
+    ]
     n = max(r["n"] for r in rings)
     sizes = size_sweep(config.begin, config.end, config.factor)
     mesh = MeshSpec(tensor=n).build(devices[:n])
     alpha, beta, permutes = _fit_alpha_beta(mesh, sizes, config.repeats)
-    sweep = {name: [_time(name, mesh, s, config.repeats) for s in sizes] for name in track([*ALGORITHMS, "all-reduce"], "algorithms across sizes")}
-    predicted = {name: [theory.collective_cost("all-reduce", s, n, algorithm=algo, alpha=alpha, beta=beta).seconds for s in sizes] for name, algo in ALGORITHMS.items()}
+    sweep = {
+        name: [_time(name, mesh, s, config.repeats) for s in sizes]
+        for name in track([*ALGORITHMS, "all-reduce"], "algorithms across sizes")
+    }
+    predicted = {
+        name: [
+            theory.collective_cost("all-reduce", s, n, algorithm=algo, alpha=alpha, beta=beta).seconds for s in sizes
+        ]
+        for name, algo in ALGORITHMS.items()
+    }
     crossover = _crossovers(sizes, sweep, n, alpha, beta)
     checks = [c for r in rings for c in r["checks"]] + _model_checks(sizes, sweep, predicted) + crossover["checks"]
     return Result(
@@ -80,8 +93,20 @@ def run(config: Config) -> Result:
         checks=checks,
         plots={"algorithms": _plot(sizes, sweep, predicted, crossover, n)},
         notes=_notes(rings, sweep, predicted, sizes),
-        provenance=provenance(target=config.target, devices=devices, mesh=f"tensor=N on the first N devices, N in {list(config.group_sizes)}"),
-        data={"rings": [{k: v for k, v in r.items() if k != "checks"} for r in rings], "alpha_s": alpha, "beta_Bps": beta, "sizes": sizes, "measured_s": sweep, "predicted_s": predicted, "crossover": {k: v for k, v in crossover.items() if k != "checks"}},
+        provenance=provenance(
+            target=config.target,
+            devices=devices,
+            mesh=f"tensor=N on the first N devices, N in {list(config.group_sizes)}",
+        ),
+        data={
+            "rings": [{k: v for k, v in r.items() if k != "checks"} for r in rings],
+            "alpha_s": alpha,
+            "beta_Bps": beta,
+            "sizes": sizes,
+            "measured_s": sweep,
+            "predicted_s": predicted,
+            "crossover": {k: v for k, v in crossover.items() if k != "checks"},
+        },
     )
 
 
@@ -114,7 +139,9 @@ def _ring_against_psum(n: int, devices, size: int, repeats: int) -> dict:
     permutes = [c for c in found if c.kind == "collective-permute"]
     sent = sum(c.operand_bytes * (c.repeats or 1) for c in permutes)
     same = bool(np.array_equal(np.asarray(compiled_ring(placed)), np.asarray(compiled_psum(placed))))
-    timings = time_interleaved({"ring": (compiled_ring, (placed,)), "psum": (compiled_psum, (placed,))}, repeats=repeats)
+    timings = time_interleaved(
+        {"ring": (compiled_ring, (placed,)), "psum": (compiled_psum, (placed,))}, repeats=repeats
+    )
     t_ring, t_psum = timings["ring"], timings["psum"]
     expected = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1)
     checks = [
@@ -122,9 +149,21 @@ def _ring_against_psum(n: int, devices, size: int, repeats: int) -> dict:
         check(f"N={n}: collective-permutes in the HLO", expected.steps, len(permutes)),
         check(f"N={n}: bytes per permute (D/N)", size // n, _the_one({c.operand_bytes for c in permutes})),
         check(f"N={n}: bytes sent per device, 2(N-1)/N·D", expected.bytes_sent, sent),
-        check(f"N={n}: permutes run on the tensor axis", "tensor", ",".join(sorted({",".join(c.axes or ("?",)) for c in permutes}))),
+        check(
+            f"N={n}: permutes run on the tensor axis",
+            "tensor",
+            ",".join(sorted({",".join(c.axes or ("?",)) for c in permutes})),
+        ),
     ]
-    return {"n": n, "size": size, "permutes": len(permutes), "sent": sent, "ring": t_ring, "psum": t_psum, "checks": checks}
+    return {
+        "n": n,
+        "size": size,
+        "permutes": len(permutes),
+        "sent": sent,
+        "ring": t_ring,
+        "psum": t_psum,
+        "checks": checks,
+    }
 
 
 def _the_one(values: set):
@@ -176,18 +215,54 @@ def _model_checks(sizes, sweep, predicted) -> list:
             explained = "the model gives each direction its own link; emulated devices share one memory bus, so two directions do not double bandwidth"
         elif not math.isclose(measured, times[-1], rel_tol=0.5):
             explained = "likely cause: the model counts only sends, but each step also reads, adds (or copies) and writes D/N in the same shared memory, which on emulated devices costs about as much as the send itself"
-        rows.append(check(f"{name} at {format_bytes(sizes[-1])}: time (s), fitted alpha-beta model, within 2x", times[-1], measured, rtol=0.5, explained=explained))
+        rows.append(
+            check(
+                f"{name} at {format_bytes(sizes[-1])}: time (s), fitted alpha-beta model, within 2x",
+                times[-1],
+                measured,
+                rtol=0.5,
+                explained=explained,
+            )
+        )
     return rows
 
 
 def _ring_table(rings) -> Table:
-    rows = [[r["n"], format_bytes(r["size"]), r["permutes"], format_bytes(r["sent"]), str(r["ring"]), str(r["psum"]), f"{r['ring'].median / r['psum'].median:.2f}"] for r in rings]
-    return Table("Hand-written ring against XLA's all-reduce (psum)", ["N", "D", "permutes in HLO", "sent per device (HLO)", "ring (median [min, max])", "psum (median [min, max])", "ring / psum"], rows, note="Goal: the ring within 1.5x of psum at 16 MiB on cpu:8.")
+    rows = [
+        [
+            r["n"],
+            format_bytes(r["size"]),
+            r["permutes"],
+            format_bytes(r["sent"]),
+            str(r["ring"]),
+            str(r["psum"]),
+            f"{r['ring'].median / r['psum'].median:.2f}",
+        ]
+        for r in rings
+    ]
+    return Table(
+        "Hand-written ring against XLA's all-reduce (psum)",
+        [
+            "N",
+            "D",
+            "permutes in HLO",
+            "sent per device (HLO)",
+            "ring (median [min, max])",
+            "psum (median [min, max])",
+            "ring / psum",
+        ],
+        rows,
+        note="Goal: the ring within 1.5x of psum at 16 MiB on cpu:8.",
+    )
 
 
 def _fit_table(permutes, alpha, beta) -> Table:
     rows = [[format_bytes(s), str(t), f"{(alpha + s / beta) * 1e6:.1f}"] for s, t in permutes]
-    return Table(f"Single collective-permute on N devices: fitted alpha = {alpha * 1e6:.1f} us, beta = {beta / 1e9:.2f} GB/s", ["m", "measured", "alpha + m/beta (us)"], rows)
+    return Table(
+        f"Single collective-permute on N devices: fitted alpha = {alpha * 1e6:.1f} us, beta = {beta / 1e9:.2f} GB/s",
+        ["m", "measured", "alpha + m/beta (us)"],
+        rows,
+    )
 
 
 def _sweep_table(sizes, sweep, predicted) -> Table:
@@ -196,7 +271,10 @@ def _sweep_table(sizes, sweep, predicted) -> Table:
     for i, s in enumerate(sizes):
         cells = [format_bytes(s)]
         for name in names:
-            cells.append(f"{sweep[name][i].median * 1e6:.0f}" + (f" ({predicted[name][i] * 1e6:.0f})" if name in predicted else ""))
+            cells.append(
+                f"{sweep[name][i].median * 1e6:.0f}"
+                + (f" ({predicted[name][i] * 1e6:.0f})" if name in predicted else "")
+            )
         rows.append(cells)
     return Table("All-reduce algorithms across sizes: measured median us (alpha-beta prediction)", ["D", *names], rows)
 
@@ -208,7 +286,9 @@ def _plot(sizes, sweep, predicted, crossover, n):
         if name in predicted:
             axes.plot(sizes, predicted[name], linestyle="--", color=color, alpha=0.6)
     if math.isfinite(crossover["predicted"]):
-        axes.axvline(crossover["predicted"], color="gray", linestyle=":", label="predicted crossover (doubling vs ring)")
+        axes.axvline(
+            crossover["predicted"], color="gray", linestyle=":", label="predicted crossover (doubling vs ring)"
+        )
     if crossover["measured"]:
         axes.axvline(crossover["measured"], color="black", linestyle="-.", label="measured crossover")
     axes.set_xscale("log", base=2)
@@ -222,16 +302,33 @@ def _plot(sizes, sweep, predicted, crossover, n):
 
 
 def _summary(rings, crossover, alpha, beta) -> str:
-    parts = [(f"For N = {', '.join(str(r['n']) for r in rings)} the hand-written ring gave psum's result exactly and compiled to "
-              f"{', '.join(str(r['permutes']) for r in rings)} collective-permutes, sending {', '.join(format_bytes(r['sent']) for r in rings)} per device "
-              f"for D = {format_bytes(rings[0]['size'])}: 2(N-1) steps and 2(N-1)/N·D, as the textbook says.")]
+    parts = [
+        (
+            f"For N = {', '.join(str(r['n']) for r in rings)} the hand-written "
+            "ring gave psum's result exactly and compiled to "
+            f"{', '.join(str(r['permutes']) for r in rings)} collective-permutes, "
+            f"sending {', '.join(format_bytes(r['sent']) for r in rings)} "
+            "per device "
+            f"for D = {format_bytes(rings[0]['size'])}: 2(N-1) steps and 2(N-1)/N·D, as the textbook says."
+        )
+    ]
     largest = rings[-1]
-    parts.append(f"At N = {largest['n']} the ring took {largest['ring'].median / largest['psum'].median:.2f}x psum's time.")
+    parts.append(
+        f"At N = {largest['n']} the ring took {largest['ring'].median / largest['psum'].median:.2f}x psum's time."
+    )
     if crossover["measured"]:
-        parts.append(f"With α = {alpha * 1e6:.0f} µs and β = {beta / 1e9:.1f} GB/s fitted on this machine, theory puts the doubling/ring crossover at "
-                     f"{format_bytes(crossover['predicted'])}; it was measured at {format_bytes(crossover['measured'])}.")
+        parts.append(
+            f"With α = {alpha * 1e6:.0f} µs and β = {beta / 1e9:.1f} GB/s "
+            "fitted on this machine, theory puts the doubling/ring crossover "
+            "at "
+            f"{format_bytes(crossover['predicted'])}; it was measured at {format_bytes(crossover['measured'])}."
+        )
     else:
-        parts.append(f"Theory (α = {alpha * 1e6:.0f} µs, β = {beta / 1e9:.1f} GB/s) puts the doubling/ring crossover at {format_bytes(crossover['predicted'])}; the measured curves did not cross in the sweep.")
+        parts.append(
+            f"Theory (α = {alpha * 1e6:.0f} µs, β = {beta / 1e9:.1f} GB/s) "
+            f"puts the doubling/ring crossover at {format_bytes(crossover['predicted'])}; "
+            "the measured curves did not cross in the sweep."
+        )
     return " ".join(parts)
 
 
@@ -241,6 +338,10 @@ def _notes(rings, sweep, predicted, sizes) -> list[str]:
     large = {name: times[-1].median for name, times in sweep.items()}
     fastest_large = min(large, key=large.get)
     return [
-        f"At {format_bytes(sizes[0])} the fastest was {fastest_small} ({small[fastest_small] * 1e6:.0f} us); at {format_bytes(sizes[-1])} it was {fastest_large} ({large[fastest_large] * 1e3:.2f} ms).",
-        "The CPU compiler keeps every collective-permute synchronous and in program order: nothing overlaps, so the alpha-beta sum of steps is the right model on this target.",
+        f"At {format_bytes(sizes[0])} the fastest was {fastest_small} ({small[fastest_small] * 1e6:.0f} "
+        f"us); at {format_bytes(sizes[-1])} it was {fastest_large} ({large[fastest_large] * 1e3:.2f} "
+        "ms).",
+        "The CPU compiler keeps every collective-permute synchronous and "
+        "in program order: nothing overlaps, so the alpha-beta sum of steps "
+        "is the right model on this target.",
     ]

@@ -27,13 +27,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab import hlo, theory
-from lab.bench import format_bytes, parse_size, time_interleaved
+from lab.bench import time_interleaved
 from lab.collectives import all_gather, all_reduce, reduce_scatter
 from lab.devices import devices_for, topology_devices
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.report import Result, Table, provenance
+from lab.units import format_bytes, parse_size
 from lab.verdict import check
 
 QUESTION = "#40"
@@ -54,7 +55,10 @@ def run(config: Config) -> Result:
     devices = devices_for(config.target)
     n = len(devices)
     mesh = MeshSpec(fsdp=n).build(devices)
-    rows = [_compare(mesh, parse_size(s), config.repeats) for s in track(config.sizes, "all-reduce vs reduce-scatter + all-gather")]
+    rows = [
+        _compare(mesh, parse_size(s), config.repeats)
+        for s in track(config.sizes, "all-reduce vs reduce-scatter + all-gather")
+    ]
     tpu_rows, tpu_checks = _on_tpu(config.tpu_topology, parse_size(config.sizes[-1]))
     checks = [c for r in rows for c in r.pop("checks")] + tpu_checks
     return Result(
@@ -63,7 +67,20 @@ def run(config: Config) -> Result:
         question=QUESTION,
         summary=_summary(rows, n),
         theory=THEORY,
-        tables=[_table(rows), *([Table(f"Compiled for tpu:{config.tpu_topology} (compile-only)", ["program", "collectives the TPU compiler wrote", "ring bytes sent per device"], tpu_rows)] if tpu_rows else [])],
+        tables=[
+            _table(rows),
+            *(
+                [
+                    Table(
+                        f"Compiled for tpu:{config.tpu_topology} (compile-only)",
+                        ["program", "collectives the TPU compiler wrote", "ring bytes sent per device"],
+                        tpu_rows,
+                    )
+                ]
+                if tpu_rows
+                else []
+            ),
+        ],
         checks=checks,
         notes=_notes(rows, tpu_rows),
         provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={n}"),
@@ -112,20 +129,48 @@ def _compare(mesh, size: int, repeats: int) -> dict:
     for name, program in (("all-reduce", fused), ("reduce-scatter + all-gather", split)):
         compiled[name] = program.lower(abstract).compile()
         seen[name], _ = hlo.parse_collectives(compiled[name].as_text(), mesh.devices.shape)
-    same = bool(np.array_equal(np.asarray(compiled["all-reduce"](placed)), np.asarray(compiled["reduce-scatter + all-gather"](placed))))
-    sent = {name: sum(c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size) for c in found) for name, found in seen.items()}
+    same = bool(
+        np.array_equal(
+            np.asarray(compiled["all-reduce"](placed)), np.asarray(compiled["reduce-scatter + all-gather"](placed))
+        )
+    )
+    sent = {
+        name: sum(c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size) for c in found)
+        for name, found in seen.items()
+    }
     timing = time_interleaved({name: (c, (placed,)) for name, c in compiled.items()}, repeats=repeats)
     ring = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1).bytes_sent
     label = f"D={format_bytes(size)}"
     checks = [
         check(f"{label}: results identical on every device", True, same),
         check(f"{label}: all-reduce program compiles to", "all-reduce", _kinds(seen["all-reduce"])),
-        check(f"{label}: split program compiles to", "reduce-scatter, all-gather", _kinds(seen["reduce-scatter + all-gather"])),
-        check(f"{label}: both run on the fsdp axis", "fsdp", ",".join(sorted({",".join(c.axes or ("?",)) for f in seen.values() for c in f}))),
+        check(
+            f"{label}: split program compiles to",
+            "reduce-scatter, all-gather",
+            _kinds(seen["reduce-scatter + all-gather"]),
+        ),
+        check(
+            f"{label}: both run on the fsdp axis",
+            "fsdp",
+            ",".join(sorted({",".join(c.axes or ("?",)) for f in seen.values() for c in f})),
+        ),
         check(f"{label}: ring bytes per device, all-reduce = 2(N-1)/N·D", ring, sent["all-reduce"], rtol=1e-9),
-        check(f"{label}: ring bytes per device, reduce-scatter + all-gather", ring, sent["reduce-scatter + all-gather"], rtol=1e-9),
+        check(
+            f"{label}: ring bytes per device, reduce-scatter + all-gather",
+            ring,
+            sent["reduce-scatter + all-gather"],
+            rtol=1e-9,
+        ),
     ]
-    return {"size": size, "n": n, "same": same, "kinds": {k: _kinds(v) for k, v in seen.items()}, "sent": sent, "time": timing, "checks": checks}
+    return {
+        "size": size,
+        "n": n,
+        "same": same,
+        "kinds": {k: _kinds(v) for k, v in seen.items()},
+        "sent": sent,
+        "time": timing,
+        "checks": checks,
+    }
 
 
 def _kinds(found) -> str:
@@ -151,9 +196,15 @@ def _on_tpu(topology: str, size: int) -> tuple[list, list]:
         rows.append([name, "; ".join(f"{c.kind} (`{c.form}`)" for c in found), format_bytes(sent)])
         explained = None
         if name != "all-reduce" and [c.kind for c in found] == ["all-reduce", "all-gather"]:
-            explained = (f"the TPU compiler turned the standalone reduce-scatter into an all-reduce whose result each chip slices (dynamic-slice), then all-gathers: "
-                         f"{format_bytes(sent)} instead of {format_bytes(ring)} in ring terms")
-        checks.append(check(f"tpu:{topology} {name}: ring bytes per device", ring, sent, rtol=1e-9, explained=explained))
+            explained = (
+                "the TPU compiler turned the standalone reduce-scatter into "
+                "an all-reduce whose result each chip slices (dynamic-slice), "
+                "then all-gathers: "
+                f"{format_bytes(sent)} instead of {format_bytes(ring)} in ring terms"
+            )
+        checks.append(
+            check(f"tpu:{topology} {name}: ring bytes per device", ring, sent, rtol=1e-9, explained=explained)
+        )
     return rows, checks
 
 
@@ -161,24 +212,49 @@ def _table(rows) -> Table:
     body = []
     for r in rows:
         for name in ("all-reduce", "reduce-scatter + all-gather"):
-            body.append([format_bytes(r["size"]), name, r["kinds"][name], format_bytes(r["sent"][name]), str(r["time"][name])])
-        body.append([format_bytes(r["size"]), "split / fused time", "", "", f"{r['time']['reduce-scatter + all-gather'].median / r['time']['all-reduce'].median:.2f}x"])
-    return Table("Fused against split, on this target", ["D", "program", "collectives in HLO", "ring bytes sent per device", "time (median [min, max])"], body)
+            body.append(
+                [format_bytes(r["size"]), name, r["kinds"][name], format_bytes(r["sent"][name]), str(r["time"][name])]
+            )
+        body.append(
+            [
+                format_bytes(r["size"]),
+                "split / fused time",
+                "",
+                "",
+                f"{r['time']['reduce-scatter + all-gather'].median / r['time']['all-reduce'].median:.2f}x",
+            ]
+        )
+    return Table(
+        "Fused against split, on this target",
+        ["D", "program", "collectives in HLO", "ring bytes sent per device", "time (median [min, max])"],
+        body,
+    )
 
 
 def _summary(rows, n) -> str:
     last = rows[-1]
     ratio = last["time"]["reduce-scatter + all-gather"].median / last["time"]["all-reduce"].median
     return (
-        f"On {n} devices the two programs gave identical results on every device, compiled to one all-reduce against one reduce-scatter "
-        f"and one all-gather on the same axis, and send the same {format_bytes(last['sent']['all-reduce'])} per device for D = {format_bytes(last['size'])} "
-        f"(2(N-1)/N·D). They pair up because the state between them, one piece of the sum per device, is what a sharded optimizer needs. "
+        f"On {n} devices the two programs gave identical results on every "
+        "device, compiled to one all-reduce against one reduce-scatter "
+        f"and one all-gather on the same axis, and send the same {format_bytes(last['sent']['all-reduce'])} "
+        f"per device for D = {format_bytes(last['size'])} "
+        "(2(N-1)/N·D). They pair up because the state between them, one "
+        "piece of the sum per device, is what a sharded optimizer needs. "
         f"On this target the split took {ratio:.2f}x the fused all-reduce's time."
     )
 
 
 def _notes(rows, tpu_rows) -> list[str]:
-    notes = ["The CPU compiler keeps reduce-scatter and all-gather as two collectives: it does not fuse them back into an all-reduce, nor split the all-reduce."]
+    notes = [
+        "The CPU compiler keeps reduce-scatter and all-gather as two collectives: "
+        "it does not fuse them back into an all-reduce, nor split the all-reduce."
+    ]
     if tpu_rows and "all-reduce" in tpu_rows[-1][1]:
-        notes.append("On TPU the reduce-scatter of a program that does nothing with its piece became an all-reduce plus a slice, so the split costs more bytes than the fused all-reduce there: the compiler's choice, visible only in the HLO.")
+        notes.append(
+            "On TPU the reduce-scatter of a program that does nothing with "
+            "its piece became an all-reduce plus a slice, so the split costs "
+            "more bytes than the fused all-reduce there: the compiler's choice, "
+            "visible only in the HLO."
+        )
     return notes

@@ -32,7 +32,7 @@ from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import preset
 from lab.report import Result, Table, provenance
-from lab.train import TrainConfig, Trainer
+from lab.training.step import TrainConfig, Trainer
 from lab.verdict import check
 
 QUESTION = "#40"
@@ -86,7 +86,11 @@ def run(config: Config) -> Result:
         except LabError:
             chips = ()
         if chips:
-            pairings += [_manual(chips, config.elements, config.tpu, run=False)[1], _training(chips, config, "zero2", target=config.tpu), _training(chips, config, "zero3", target=config.tpu)]
+            pairings += [
+                _manual(chips, config.elements, config.tpu, run=False)[1],
+                _training(chips, config, "zero2", target=config.tpu),
+                _training(chips, config, "zero3", target=config.tpu),
+            ]
     return Result(
         name="reduce_scatter_pairing",
         title="Why reduce-scatter and all-gather pair up in sharded training: the update needs only its shard",
@@ -107,13 +111,26 @@ def run(config: Config) -> Result:
 def sharded_adamw_step(mesh, optimizer: optax.GradientTransformation, opt_specs):
     """Per device: reduce-scatter the gradient, AdamW on the owned shard, all-gather the updated weights."""
 
-    @partial(jax.shard_map, mesh=mesh, in_specs=(P("fsdp"), P("fsdp"), opt_specs), out_specs=(P("fsdp"), opt_specs, P("fsdp")))
+    @partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P("fsdp"), P("fsdp"), opt_specs),
+        out_specs=(P("fsdp"), opt_specs, P("fsdp")),
+    )
     def step(local_grad_1D, shard_D, opt_state):
-        assert local_grad_1D.shape[0] == 1 and shard_D.shape[0] * jax.lax.axis_size("fsdp") == local_grad_1D.shape[1]  # the local view
+        assert (
+            local_grad_1D.shape[0] == 1 and shard_D.shape[0] * jax.lax.axis_size("fsdp") == local_grad_1D.shape[1]
+        )  # the local view
         grad_shard_D = jax.lax.psum_scatter(local_grad_1D[0], "fsdp", scatter_dimension=0, tiled=True)
-        updates, opt_state = optimizer.update(grad_shard_D, opt_state, shard_D)  # only this device's shard: no communication
+        updates, opt_state = optimizer.update(
+            grad_shard_D, opt_state, shard_D
+        )  # only this device's shard: no communication
         shard_D = optax.apply_updates(shard_D, updates)
-        return shard_D, opt_state, jax.lax.all_gather(shard_D, "fsdp", axis=0, tiled=True)[None]  # every device: the whole weight
+        return (
+            shard_D,
+            opt_state,
+            jax.lax.all_gather(shard_D, "fsdp", axis=0, tiled=True)[None],
+        )  # every device: the whole weight
 
     return jax.jit(step)
 
@@ -126,10 +143,20 @@ def _manual(devices, elements: int, target: str, run: bool = True) -> tuple[floa
     opt_specs = jax.tree.map(lambda a: P("fsdp") if a.ndim else P(), abstract_opt)
     step = sharded_adamw_step(mesh, optimizer, opt_specs)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), (P("fsdp"), P("fsdp"), opt_specs))
-    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), (jax.ShapeDtypeStruct((n, elements), jnp.float32), jax.ShapeDtypeStruct((elements,), jnp.float32), abstract_opt), shardings)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        (
+            jax.ShapeDtypeStruct((n, elements), jnp.float32),
+            jax.ShapeDtypeStruct((elements,), jnp.float32),
+            abstract_opt,
+        ),
+        shardings,
+    )
     compiled = step.lower(*abstract).compile()
     found, _ = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
-    pairing = _pairing("hand-written sharded AdamW (shard_map)", target, compiled.as_text(), found, lambda c: c.kind == "all-gather")
+    pairing = _pairing(
+        "hand-written sharded AdamW (shard_map)", target, compiled.as_text(), found, lambda c: c.kind == "all-gather"
+    )
     if not run:
         return None, pairing
     rng = np.random.default_rng(0)
@@ -147,8 +174,16 @@ def _training(devices, config: Config, strategy: str, target: str | None = None)
     trainer = Trainer(preset(config.model), TrainConfig(strategy=strategy), MeshSpec(fsdp=len(devices)).build(devices))
     step = trainer.inspect_step(config.global_batch, to_read=True)
     # the updated weights' all-gathers: in the entry computation, outside the forward (jvp) and backward (transpose)
-    is_weight_gather = lambda c: c.kind == "all-gather" and "jvp" not in (c.op_name or "") and "transpose" not in (c.op_name or "")
-    return _pairing(f"lab {strategy} training step (XLA-inserted)", target or config.target, step.optimized_hlo, step.collectives, is_weight_gather)
+    is_weight_gather = lambda c: (
+        c.kind == "all-gather" and "jvp" not in (c.op_name or "") and "transpose" not in (c.op_name or "")
+    )
+    return _pairing(
+        f"lab {strategy} training step (XLA-inserted)",
+        target or config.target,
+        step.optimized_hlo,
+        step.collectives,
+        is_weight_gather,
+    )
 
 
 # --- reading the HLO's data flow ---------------------------------------------------------------
@@ -162,7 +197,7 @@ def _entry(optimized_hlo: str) -> tuple[str, dict[str, Node]]:
     start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
     name = re.match(r"ENTRY %?([\w.\-]+)", lines[start]).group(1)
     nodes = {}
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("}"):
             break
         match = _INSTRUCTION.match(line)
@@ -193,15 +228,26 @@ def _pairing(program: str, target: str, optimized_hlo: str, collectives, is_gath
     for gather in gathers:
         above = _upstream(nodes, gather.name)
         feeding = [names[n] for n in above if n in names]
-        nearest = [c for c in feeding if not any(c.name in _upstream(nodes, other.name) for other in feeding if other is not c)]
+        nearest = [
+            c for c in feeding if not any(c.name in _upstream(nodes, other.name) for other in feeding if other is not c)
+        ]
         reductions = [c for c in nearest if c.kind in ("reduce-scatter", "all-reduce")]
         clean += bool(reductions) and len(reductions) == len(nearest)
         for reduction in reductions:
             path = {n for n in above if reduction.name in _upstream(nodes, n) | {n}} - {reduction.name}
             between += sum(n in names for n in path)
-            largest = max([largest] + [_largest_array(nodes[n].shape) for n in path if nodes[n].opcode not in ("get-tuple-element", "tuple")])
+            largest = max(
+                [largest]
+                + [
+                    _largest_array(nodes[n].shape)
+                    for n in path
+                    if nodes[n].opcode not in ("get-tuple-element", "tuple")
+                ]
+            )
             if not sample:
-                sample = tuple(f"{nodes[n].opcode} {nodes[n].shape}" for n in _ordered(nodes, path | {reduction.name, gather.name}))
+                sample = tuple(
+                    f"{nodes[n].opcode} {nodes[n].shape}" for n in _ordered(nodes, path | {reduction.name, gather.name})
+                )
     order = tuple(c.kind for c in sorted(mine, key=lambda c: list(nodes).index(c.name)))
     return Pairing(program, target, order, len(gathers), clean, between, largest, sample)
 
@@ -212,7 +258,13 @@ def _ordered(nodes: dict[str, Node], names: set[str]) -> list[str]:
 
 def _largest_array(shape: str) -> int:
     """Elements of the largest array in an HLO shape (tuples included)."""
-    return max((int(np.prod([int(d) for d in dims.split(",") if d.strip()])) if dims.strip() else 1 for dims in re.findall(r"\[([\d,]*)\]", shape)), default=0)
+    return max(
+        (
+            int(np.prod([int(d) for d in dims.split(",") if d.strip()])) if dims.strip() else 1
+            for dims in re.findall(r"\[([\d,]*)\]", shape)
+        ),
+        default=0,
+    )
 
 
 # --- the page ---------------------------------------------------------------------------------
@@ -240,7 +292,14 @@ the update.
 def _checks(pairings: list[Pairing], difference: float | None, elements: int, n: int) -> list:
     rows = []
     if difference is not None:
-        rows.append(check("hand-written step: every device's updated weight equals AdamW on the summed gradient (max |difference| ≤ 1e-6)", True, difference <= 1e-6))
+        rows.append(
+            check(
+                "hand-written step: every device's updated weight equals AdamW "
+                "on the summed gradient (max |difference| ≤ 1e-6)",
+                True,
+                difference <= 1e-6,
+            )
+        )
     for p in pairings:
         label = f"{p.target} {p.program}"
         if "zero3" in p.program:
@@ -249,33 +308,62 @@ def _checks(pairings: list[Pairing], difference: float | None, elements: int, n:
         rows.append(check(f"{label}: weight all-gathers fed directly by a gradient reduction", p.gathers, p.clean))
         rows.append(check(f"{label}: collectives between the reduction and the all-gather", 0, p.between))
         if "hand-written" in p.program:
-            rows.append(check(f"{label}: largest array between them (elements) = one shard, D/N", elements // n, p.largest_between))
+            rows.append(
+                check(
+                    f"{label}: largest array between them (elements) = one shard, D/N", elements // n, p.largest_between
+                )
+            )
     return rows
 
 
 def _table(pairings: list[Pairing]) -> Table:
     return Table(
         "Collectives and the data flow between them",
-        ["target", "program", "collectives (entry computation, in order)", "weight all-gathers", "fed directly by a reduction", "collectives between", "largest array between (elements)"],
-        [[p.target, p.program, ", ".join(p.order) or "none", p.gathers, p.clean, p.between, p.largest_between] for p in pairings],
+        [
+            "target",
+            "program",
+            "collectives (entry computation, in order)",
+            "weight all-gathers",
+            "fed directly by a reduction",
+            "collectives between",
+            "largest array between (elements)",
+        ],
+        [
+            [p.target, p.program, ", ".join(p.order) or "none", p.gathers, p.clean, p.between, p.largest_between]
+            for p in pairings
+        ],
     )
 
 
 def _path_table(pairings: list[Pairing]) -> Table:
     rows = [[p.target, p.program, i, step] for p in pairings for i, step in enumerate(p.sample)]
-    return Table("One path from the gradient reduction to the weight all-gather, instruction by instruction", ["target", "program", "#", "opcode and shape"], rows)
+    return Table(
+        "One path from the gradient reduction to the weight all-gather, instruction by instruction",
+        ["target", "program", "#", "opcode and shape"],
+        rows,
+    )
 
 
 def _summary(pairings: list[Pairing], difference: float | None, n: int, config: Config) -> str:
     manual, zero2 = pairings[0], pairings[1]
     text = (
-        f"On {n} devices the hand-written step compiles to {', '.join(manual.order)}: the AdamW update between them runs on arrays of at most "
-        f"{manual.largest_between} elements, one shard of {config.elements}, with {manual.between} collectives in between"
+        f"On {n} devices the hand-written step compiles to {', '.join(manual.order)}: "
+        "the AdamW update between them runs on arrays of at most "
+        f"{manual.largest_between} elements, one shard of {config.elements}, "
+        f"with {manual.between} collectives in between"
     )
-    text += f", and every device ends with the same weights as unsharded AdamW (max difference {difference:.1e})." if difference is not None else "."
     text += (
-        f" In the lab's ZeRO-2 training step, where XLA placed the collectives, {zero2.clean} of {zero2.gathers} weight all-gathers are fed directly by the "
-        f"gradient reduction, with {zero2.between} collectives between. That is why the pair travels together: the reduce-scatter's output is exactly "
+        f", and every device ends with the same weights as unsharded AdamW (max difference {difference:.1e})."
+        if difference is not None
+        else "."
+    )
+    text += (
+        " In the lab's ZeRO-2 training step, where XLA placed the collectives, "
+        f"{zero2.clean} of {zero2.gathers} weight all-gathers are fed directly "
+        "by the "
+        f"gradient reduction, with {zero2.between} collectives between. That "
+        "is why the pair travels together: the reduce-scatter's output is "
+        "exactly "
         f"what the shard's update needs, and the all-gather's input is exactly what it produces."
     )
     return text
@@ -285,7 +373,14 @@ def _notes(pairings: list[Pairing]) -> list[str]:
     notes = []
     for p in pairings:
         if "zero2" in p.program and "reduce-scatter" not in p.order and "all-reduce" in p.order:
-            notes.append(f"{p.target}: XLA reduces ZeRO-2's gradients with an all-reduce and slices the shard (dynamic-slice) instead of a reduce-scatter; the update still starts from the slice, with no collective before the all-gather.")
+            notes.append(
+                f"{p.target}: XLA reduces ZeRO-2's gradients with an all-reduce "
+                "and slices the shard (dynamic-slice) instead of a reduce-scatter; "
+                "the update still starts from the slice, with no collective "
+                "before the all-gather."
+            )
         if "hand-written" in p.program and p.order and p.order[0] == "all-reduce":
-            notes.append(f"{p.target}: the compiler replaced the hand-written reduce-scatter by an all-reduce and a slice.")
+            notes.append(
+                f"{p.target}: the compiler replaced the hand-written reduce-scatter by an all-reduce and a slice."
+            )
     return notes

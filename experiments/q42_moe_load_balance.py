@@ -6,7 +6,7 @@ the load, overflow their capacity and drop tokens while the others idle. This
 page trains a small MoE language model (attention and RMSNorm from
 `lab.model`, the MoE layer of `lab.parallel.expert`, top-1, capacity factor
 1.25) on synthetic tokens with a skewed (Zipf) distribution, once with no
-balancing and once with each counter-measure of `lab.parallel.routing`:
+balancing and once with each counter-measure of `lab.moe`:
 
 * the Switch auxiliary loss α·N·Σ f_i·P_i at several α;
 * the router z-loss alone (ST-MoE: meant for stability, not balance);
@@ -37,8 +37,8 @@ import matplotlib.pyplot as plt
 from lab.devices import devices_for
 from lab.errors import LabError
 from lab.model import Attention, ModelConfig, RMSNorm, next_token_loss
+from lab.moe import Balance, RouterConfig, load_metrics, update_bias
 from lab.parallel.expert import ExpertParams, MoEConfig, moe_local
-from lab.parallel.routing import Balance, RouterConfig, load_metrics, update_bias
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.theory import switch_aux_loss_range
@@ -132,7 +132,11 @@ def run(config: Config) -> Result:
         theory=THEORY,
         tables=[_table(config, histories)],
         checks=checks,
-        plots={"load_over_steps": _plot_load(histories), "imbalance": _plot_imbalance(histories), "loss_vs_balance": _plot_loss_vs_balance(histories)},
+        plots={
+            "load_over_steps": _plot_load(histories),
+            "imbalance": _plot_imbalance(histories),
+            "loss_vs_balance": _plot_loss_vs_balance(histories),
+        },
         notes=_notes(config, histories),
         provenance=provenance(target=config.target, devices=devices[:1], mesh="one device"),
         data={name: {k: np.asarray(v).tolist() for k, v in h.items()} for name, h in histories.items()},
@@ -148,7 +152,11 @@ def _runs(config: Config) -> list[Run]:
         *(Run(f"aux loss α={alpha:g}", tokens, Balance(aux_loss=alpha)) for alpha in config.aux_alphas),
         Run(f"z-loss β={config.z_loss:g}", tokens, Balance(z_loss=config.z_loss)),
         Run(f"bias γ={config.bias_rate:g}", tokens, Balance(bias_rate=config.bias_rate)),
-        *([Run(f"noisy top-k σ={config.noise_std:g}", replace(tokens, noise_std=config.noise_std), Balance())] if config.noise_std > 0 else []),
+        *(
+            [Run(f"noisy top-k σ={config.noise_std:g}", replace(tokens, noise_std=config.noise_std), Balance())]
+            if config.noise_std > 0
+            else []
+        ),
         Run("expert choice", replace(tokens, choice="experts"), Balance()),
     ]
 
@@ -170,7 +178,9 @@ def skewed_tokens(config: Config, count: int, follow: float = 0.8) -> np.ndarray
     tokens[..., 0] = rng.choice(model.vocab, (count, config.batch), p=zipf)
     for position in range(1, model.seq + 1):
         fresh = rng.choice(model.vocab, (count, config.batch), p=zipf)
-        tokens[..., position] = np.where(rng.random((count, config.batch)) < follow, successor[tokens[..., position - 1]], fresh)
+        tokens[..., position] = np.where(
+            rng.random((count, config.batch)) < follow, successor[tokens[..., position - 1]], fresh
+        )
     return tokens
 
 
@@ -199,7 +209,11 @@ class MoEBlock(nnx.Module):
 
     def __init__(self, model: ModelConfig, moe: MoEConfig, rngs: nnx.Rngs):
         e, d, f = moe.router.experts, moe.d_model, moe.d_ff
-        self.attention_norm, self.attention, self.moe_norm = RMSNorm(model, rngs), Attention(model, rngs), RMSNorm(model, rngs)
+        self.attention_norm, self.attention, self.moe_norm = (
+            RMSNorm(model, rngs),
+            Attention(model, rngs),
+            RMSNorm(model, rngs),
+        )
         self.router = nnx.Param(jax.random.normal(rngs.params(), (d, e)) * 0.02)  # small: routing starts near uniform
         self.w_in = nnx.Param(jax.random.normal(rngs.params(), (e, d, f)) / np.sqrt(d))
         self.w_out = nnx.Param(jax.random.normal(rngs.params(), (e, f, d)) / np.sqrt(f))
@@ -210,7 +224,14 @@ class MoEBlock(nnx.Module):
         x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD, WHOLE), WHOLE)
         b, s, d = x_BSD.shape
         params = ExpertParams(self.router[...], self.w_in[...], self.w_out[...])
-        out = moe_local(params, self.moe_norm(x_BSD, WHOLE).reshape(b * s, d), self.moe, balance, bias_E=self.bias[...], noise_key=noise_key)
+        out = moe_local(
+            params,
+            self.moe_norm(x_BSD, WHOLE).reshape(b * s, d),
+            self.moe,
+            balance,
+            bias_E=self.bias[...],
+            noise_key=noise_key,
+        )
         return x_BSD + out.y_TD.reshape(b, s, d), out
 
 
@@ -242,7 +263,13 @@ def _train(run_: Run, config: Config, batches: np.ndarray, device) -> dict[str, 
     params, state = _initial_weights(model, config.experts, config.seed)
     train = _compiled_training(model, moe, config.learning_rate, config.seed)
     balance = jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), run_.balance)
-    history, eval_loss = train(params, state, jax.device_put(batches[: config.steps], device), jax.device_put(batches[config.steps :], device), balance)
+    history, eval_loss = train(
+        params,
+        state,
+        jax.device_put(batches[: config.steps], device),
+        jax.device_put(batches[config.steps :], device),
+        balance,
+    )
     return {**jax.tree.map(np.asarray, history), "eval_loss": np.asarray(eval_loss)}
 
 
@@ -275,7 +302,9 @@ def _compiled_training(model: ModelConfig, moe: MoEConfig, learning_rate: float,
             tokens_BT, index = batch
 
             def loss_fn(params):
-                logits, outputs = nnx.merge(graphdef, params, state)(tokens_BT[:, :-1], balance, jax.random.fold_in(jax.random.key(seed), index))
+                logits, outputs = nnx.merge(graphdef, params, state)(
+                    tokens_BT[:, :-1], balance, jax.random.fold_in(jax.random.key(seed), index)
+                )
                 cross_entropy = next_token_loss(logits, tokens_BT[:, 1:])
                 return cross_entropy + sum(o.balance_loss for o in outputs), (cross_entropy, outputs)
 
@@ -317,7 +346,7 @@ def _record(cross_entropy, outputs) -> dict[str, jax.Array]:
 def _late(history: dict, key: str) -> float:
     """Mean over the last fifth of the steps and over layers."""
     values = history[key]
-    return float(np.mean(values[-max(1, len(values) // 5):]))
+    return float(np.mean(values[-max(1, len(values) // 5) :]))
 
 
 def _early(history: dict, key: str) -> float:
@@ -328,35 +357,85 @@ def _early(history: dict, key: str) -> float:
 def _checks(config: Config, histories: dict) -> list:
     none = histories["no balancing"]
     drift = _late(none, "max_over_mean") / _early(none, "max_over_mean")
-    checks = [check(f"no balancing: load concentrates over training (max/mean ×{drift:.2f}, first 5% of steps to last 20%)", True, drift > 1.5)]
+    checks = [
+        check(
+            f"no balancing: load concentrates over training (max/mean ×{drift:.2f}, first 5% of steps to last 20%)",
+            True,
+            drift > 1.5,
+        )
+    ]
     for alpha in config.aux_alphas:
         name = f"aux loss α={alpha:g}"
-        checks.append(check(f"{name}: Switch loss at step 0, router near uniform (theory α·N·Σ f·(1/N) = α)",
-                            switch_aux_loss_range(config.experts, alpha)[0], float(np.mean(histories[name]["balance_loss"][0])), rtol=0.05))
+        checks.append(
+            check(
+                f"{name}: Switch loss at step 0, router near uniform (theory α·N·Σ f·(1/N) = α)",
+                switch_aux_loss_range(config.experts, alpha)[0],
+                float(np.mean(histories[name]["balance_loss"][0])),
+                rtol=0.05,
+            )
+        )
     strongest = f"aux loss α={max(config.aux_alphas):g}"
     for name in (strongest, f"bias γ={config.bias_rate:g}"):
-        checks.append(check(f"{name}: less imbalance than no balancing at the end (max/mean {_late(histories[name], 'max_over_mean'):.2f} vs {_late(none, 'max_over_mean'):.2f})",
-                            True, _late(histories[name], "max_over_mean") < _late(none, "max_over_mean")))
+        checks.append(
+            check(
+                f"{name}: less imbalance than no balancing at the end (max/mean "
+                f"{_late(histories[name], 'max_over_mean'):.2f} vs {_late(none, 'max_over_mean'):.2f})",
+                True,
+                _late(histories[name], "max_over_mean") < _late(none, "max_over_mean"),
+            )
+        )
     chosen = histories["expert choice"]
-    checks.append(check("expert choice: every expert takes exactly C tokens at every step (max/mean)", 1.0, float(np.max(chosen["max_over_mean"])), rtol=1e-6))
+    checks.append(
+        check(
+            "expert choice: every expert takes exactly C tokens at every step (max/mean)",
+            1.0,
+            float(np.max(chosen["max_over_mean"])),
+            rtol=1e-6,
+        )
+    )
     checks.append(check("expert choice: no assignment is dropped", 0.0, float(np.max(chosen["dropped_share"]))))
     return checks
 
 
 def _table(config: Config, histories: dict) -> Table:
-    rows = [[name, f"{_early(h, 'max_over_mean'):.2f} → {_late(h, 'max_over_mean'):.2f}", f"{_late(h, 'coefficient_of_variation'):.2f}",
-             f"{_late(h, 'dropped_share'):.1%}", f"{_late(h, 'unserved_share'):.1%}", f"{_late(h, 'router_entropy'):.2f}", f"{float(h['eval_loss']):.3f}"]
-            for name, h in histories.items()]
+    rows = [
+        [
+            name,
+            f"{_early(h, 'max_over_mean'):.2f} → {_late(h, 'max_over_mean'):.2f}",
+            f"{_late(h, 'coefficient_of_variation'):.2f}",
+            f"{_late(h, 'dropped_share'):.1%}",
+            f"{_late(h, 'unserved_share'):.1%}",
+            f"{_late(h, 'router_entropy'):.2f}",
+            f"{float(h['eval_loss']):.3f}",
+        ]
+        for name, h in histories.items()
+    ]
     return Table(
-        f"{config.steps} steps, {config.experts} experts, top-1, capacity factor {config.capacity_factor:g}; late = mean over the last 20% of steps and all layers",
-        ["run", "max/mean, first 5% → late", "CV late", "dropped late", "tokens with no expert late", f"router entropy late (max ln {config.experts} = {np.log(config.experts):.2f})", "held-out loss"],
+        f"{config.steps} steps, {config.experts} experts, top-1, capacity "
+        f"factor {config.capacity_factor:g}; late = mean over the last 20% "
+        "of steps and all layers",
+        [
+            "run",
+            "max/mean, first 5% → late",
+            "CV late",
+            "dropped late",
+            "tokens with no expert late",
+            f"router entropy late (max ln {config.experts} = {np.log(config.experts):.2f})",
+            "held-out loss",
+        ],
         rows,
     )
 
 
 def _plot_load(histories: dict):
-    shown = [name for name in histories if name == "no balancing" or name.startswith(("aux loss", "bias", "expert choice"))]
-    shown = [shown[0], *[n for n in shown if n.startswith("aux loss")][-1:], *[n for n in shown if n.startswith(("bias", "expert"))]]
+    shown = [
+        name for name in histories if name == "no balancing" or name.startswith(("aux loss", "bias", "expert choice"))
+    ]
+    shown = [
+        shown[0],
+        *[n for n in shown if n.startswith("aux loss")][-1:],
+        *[n for n in shown if n.startswith(("bias", "expert"))],
+    ]
     figure, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.4), sharey=True)
     for ax, name in zip(np.atleast_1d(axes), shown):
         load_SE = histories[name]["tokens_per_expert"][:, -1, :]  # last layer
@@ -388,7 +467,13 @@ def _plot_loss_vs_balance(histories: dict):
     figure, axes = plt.subplots(figsize=(6.5, 4.2))
     for name, h in histories.items():
         axes.scatter(_late(h, "max_over_mean"), float(h["eval_loss"]))
-        axes.annotate(name, (_late(h, "max_over_mean"), float(h["eval_loss"])), fontsize=7, xytext=(4, 2), textcoords="offset points")
+        axes.annotate(
+            name,
+            (_late(h, "max_over_mean"), float(h["eval_loss"])),
+            fontsize=7,
+            xytext=(4, 2),
+            textcoords="offset points",
+        )
     axes.set(xlabel="late max/mean tokens per expert", ylabel="held-out loss", title="Final loss against balance")
     return figure
 
@@ -397,12 +482,18 @@ def _summary(config: Config, histories: dict) -> str:
     none = histories["no balancing"]
     best = min((n for n in histories if n != "expert choice"), key=lambda n: _late(histories[n], "max_over_mean"))
     return (
-        f"Without balancing the busiest of {config.experts} experts went from {_early(none, 'max_over_mean'):.2f}x to {_late(none, 'max_over_mean'):.2f}x "
-        f"the mean load over {config.steps} steps, and {_late(none, 'dropped_share'):.0%} of the assignments overflowed capacity factor "
-        f"{config.capacity_factor:g}: the rich-get-richer drift. Of the token-choice counter-measures, {best} balanced best "
-        f"({_late(histories[best], 'max_over_mean'):.2f}x, {_late(histories[best], 'dropped_share'):.1%} dropped); expert choice is exactly balanced "
-        f"by construction but left {_late(histories['expert choice'], 'unserved_share'):.0%} of the tokens without any expert. "
-        f"Held-out loss ranged from {min(float(h['eval_loss']) for h in histories.values()):.3f} to {max(float(h['eval_loss']) for h in histories.values()):.3f}."
+        f"Without balancing the busiest of {config.experts} experts went "
+        f"from {_early(none, 'max_over_mean'):.2f}x to {_late(none, 'max_over_mean'):.2f}x "
+        f"the mean load over {config.steps} steps, and {_late(none, 'dropped_share'):.0%} "
+        "of the assignments overflowed capacity factor "
+        f"{config.capacity_factor:g}: the rich-get-richer drift. Of the token-choice "
+        f"counter-measures, {best} balanced best "
+        f"({_late(histories[best], 'max_over_mean'):.2f}x, {_late(histories[best], 'dropped_share'):.1%} "
+        "dropped); expert choice is exactly balanced "
+        f"by construction but left {_late(histories['expert choice'], 'unserved_share'):.0%} "
+        "of the tokens without any expert. "
+        f"Held-out loss ranged from {min(float(h['eval_loss']) for h in histories.values()):.3f} "
+        f"to {max(float(h['eval_loss']) for h in histories.values()):.3f}."
     )
 
 
@@ -413,15 +504,39 @@ def _notes(config: Config, histories: dict) -> list[str]:
     alphas = sorted(config.aux_alphas)
     losses = [float(histories[f"aux loss α={a:g}"]["eval_loss"]) for a in alphas]
     return [
-        (f"The z-loss alone ended at max/mean {_late(z, 'max_over_mean'):.2f}, against {_late(none, 'max_over_mean'):.2f} without balancing and "
-         f"{_late(histories[middle_alpha], 'max_over_mean'):.2f} with {middle_alpha}: smaller logits give a flatter softmax, but nothing in the "
-         "z-loss pushes tokens toward idle experts; ST-MoE uses it for stability, next to an auxiliary loss."),
-        *([(f"Noisy top-k with a fixed σ = {config.noise_std:g} ended at {_late(noisy, 'max_over_mean'):.2f}: as the router's logits grow during training, "
-            "a fixed noise matters less and less (Shazeer et al. learn the noise scale and add importance and load losses).")] if noisy else []),
-        (f"The bias rate γ = {config.bias_rate:g} is {config.bias_rate / 1e-3:g}x DeepSeek-V3's 0.001: the bias moves by γ per step, and in "
-         f"{config.steps} steps it must reach the size of the gaps between the router's scores."),
-        "Training runs on one device with `moe_local`; the expert-parallel layer computes the same function (see the expert_parallel page).",
-        ("Held-out loss by α: " + ", ".join(f"α={a:g}: {loss:.3f}" for a, loss in zip(alphas, losses))
-         + f" (no balancing: {float(none['eval_loss']):.3f}). The quick reference warns that a large α costs quality; "
-         "one seed of so small a model cannot separate that from run-to-run noise."),
+        (
+            f"The z-loss alone ended at max/mean {_late(z, 'max_over_mean'):.2f}, "
+            f"against {_late(none, 'max_over_mean'):.2f} without balancing "
+            "and "
+            f"{_late(histories[middle_alpha], 'max_over_mean'):.2f} with {middle_alpha}: "
+            "smaller logits give a flatter softmax, but nothing in the "
+            "z-loss pushes tokens toward idle experts; ST-MoE uses it for stability, next to an auxiliary loss."
+        ),
+        *(
+            [
+                (
+                    f"Noisy top-k with a fixed σ = {config.noise_std:g} ended "
+                    f"at {_late(noisy, 'max_over_mean'):.2f}: as the router's "
+                    "logits grow during training, "
+                    "a fixed noise matters less and less (Shazeer et al. learn "
+                    "the noise scale and add importance and load losses)."
+                )
+            ]
+            if noisy
+            else []
+        ),
+        (
+            f"The bias rate γ = {config.bias_rate:g} is {config.bias_rate / 1e-3:g}x "
+            "DeepSeek-V3's 0.001: the bias moves by γ per step, and in "
+            f"{config.steps} steps it must reach the size of the gaps between the router's scores."
+        ),
+        "Training runs on one device with `moe_local`; the expert-parallel "
+        "layer computes the same function (see the expert_parallel page).",
+        (
+            "Held-out loss by α: "
+            + ", ".join(f"α={a:g}: {loss:.3f}" for a, loss in zip(alphas, losses))
+            + f" (no balancing: {float(none['eval_loss']):.3f}). The quick "
+            "reference warns that a large α costs quality; "
+            "one seed of so small a model cannot separate that from run-to-run noise."
+        ),
     ]

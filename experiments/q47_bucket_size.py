@@ -28,15 +28,17 @@ from dataclasses import dataclass, replace
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lab import bucketing, hlo, theory
-from lab.bench import format_bytes, parse_size, time_interleaved
+from lab import hlo, theory
+from lab.bench import time_interleaved
 from lab.devices import devices_for, quiet_native_stderr, topology_devices
 from lab.errors import LabError
 from lab.hardware import profile_for_device_kind
 from lab.mesh import MeshSpec
 from lab.model import preset
+from lab.parallel import bucketing
 from lab.progress import track
 from lab.report import Result, Table, provenance
+from lab.units import format_bytes, parse_size
 from lab.verdict import check
 
 QUESTION = "#47"
@@ -66,7 +68,9 @@ class Config:
 
 
 def run(config: Config) -> Result:
-    sizes = _sizes(config.bucket_sizes, np.dtype(np.float32).itemsize)  # lab.model keeps float32 weights, so float32 gradients
+    sizes = _sizes(
+        config.bucket_sizes, np.dtype(np.float32).itemsize
+    )  # lab.model keeps float32 weights, so float32 gradients
     devices = devices_for(config.target)
     mesh = MeshSpec(data=len(devices)).build(devices)
     problem = bucketing.gradient_problem(replace(preset(config.model), seq=config.seq), mesh)
@@ -74,14 +78,19 @@ def run(config: Config) -> Result:
     stacked = gradients(problem.params, problem.tokens)
     rows, programs = _sweep(problem, stacked, sizes)
     fused = _fused_step(problem)
-    calls = {"backward": (gradients, (problem.params, problem.tokens)), "fused": (fused["program"], (problem.params, problem.tokens)),
-             "per-tensor": (bucketing.reduce_program(None, mesh, problem.axis).lower(stacked).compile(), (stacked,)),
-             **{key: (program, (stacked,)) for key, program in programs.items()}}
+    calls = {
+        "backward": (gradients, (problem.params, problem.tokens)),
+        "fused": (fused["program"], (problem.params, problem.tokens)),
+        "per-tensor": (bucketing.reduce_program(None, mesh, problem.axis).lower(stacked).compile(), (stacked,)),
+        **{key: (program, (stacked,)) for key, program in programs.items()},
+    }
     timings = time_interleaved(calls, repeats=config.repeats)
     backward, fused["time"], fused["reduction"] = timings["backward"], timings["fused"], timings["per-tensor"]
     rows = [dict(r, time=timings[r["key"]]) for r in rows]
     fit = _fit(rows)
-    combined = _combined_count(problem, stacked, min((r for r in rows if r["buckets"] > 1), key=lambda r: r["buckets"])["bytes"])
+    combined = _combined_count(
+        problem, stacked, min((r for r in rows if r["buckets"] > 1), key=lambda r: r["buckets"])["bytes"]
+    )
     tpu = _tpu(config, problem.config)
     checks = _checks(rows, fit, fused, combined, tpu, len(problem.leaves), backward)
     return Result(
@@ -95,8 +104,13 @@ def run(config: Config) -> Result:
         plots={"bucket_size": _plot(rows, backward, fit, tpu)},
         notes=_notes(rows, combined, fused, tpu, problem),
         provenance=provenance(target=config.target, devices=devices, mesh=f"data={len(devices)}"),
-        data={"gradient_bytes": rows[0]["plan"].total_bytes, "backward_s": backward.median, "fit": fit,
-              "rows": [{k: (str(v) if k in ("time", "plan") else v) for k, v in r.items()} for r in rows], "tpu": tpu},
+        data={
+            "gradient_bytes": rows[0]["plan"].total_bytes,
+            "backward_s": backward.median,
+            "fit": fit,
+            "rows": [{k: (str(v) if k in ("time", "plan") else v) for k, v in r.items()} for r in rows],
+            "tpu": tpu,
+        },
     )
 
 
@@ -125,7 +139,10 @@ one; libtpu takes the threshold per compile as `xla_jf_crs_combiner_threshold_in
 
 def _sizes(texts, itemsize: int) -> list[tuple[int, str]]:
     """(bytes, label): the sweep plus the two frameworks' defaults, smallest first."""
-    marked = [(bucketing.DDP_BUCKET_BYTES, "DDP default (25 MiB)"), (bucketing.DEEPSPEED_BUCKET_ELEMENTS * itemsize, "DeepSpeed default (5e8 elements)")]
+    marked = [
+        (bucketing.DDP_BUCKET_BYTES, "DDP default (25 MiB)"),
+        (bucketing.DEEPSPEED_BUCKET_ELEMENTS * itemsize, "DeepSpeed default (5e8 elements)"),
+    ]
     swept = [(parse_size(t), "") for t in texts]
     return sorted({size: label for size, label in swept + marked}.items())
 
@@ -142,8 +159,22 @@ def _sweep(problem, stacked, sizes) -> tuple[list[dict], dict]:
             found, _ = hlo.parse_collectives(compiled.as_text(), problem.mesh.devices.shape, problem.mesh.axis_names)
             exact = all(np.array_equal(np.asarray(a), b) for a, b in zip(compiled(stacked), reference))
             programs[key] = compiled
-            seen[key] = {"all_reduces": sum(c.kind == "all-reduce" for c in found), "exact": exact, "temp_bytes": compiled.memory_analysis().temp_size_in_bytes}
-        rows.append({"bytes": size, "label": label, "key": key, "plan": plan, "buckets": plan.count, "one_bucket": plan.holds_everything, **seen[key]})
+            seen[key] = {
+                "all_reduces": sum(c.kind == "all-reduce" for c in found),
+                "exact": exact,
+                "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            }
+        rows.append(
+            {
+                "bytes": size,
+                "label": label,
+                "key": key,
+                "plan": plan,
+                "buckets": plan.count,
+                "one_bucket": plan.holds_everything,
+                **seen[key],
+            }
+        )
     return rows, programs
 
 
@@ -152,7 +183,9 @@ def _fit(rows) -> dict:
 
     The single bucket is left out of the fit and compared with it: it is the one that packs every gradient at once.
     """
-    distinct = {r["buckets"]: r["time"].median for r in rows if r["buckets"] > 1} or {r["buckets"]: r["time"].median for r in rows}
+    distinct = {r["buckets"]: r["time"].median for r in rows if r["buckets"] > 1} or {
+        r["buckets"]: r["time"].median for r in rows
+    }
     counts = np.array(sorted(distinct), dtype=float)
     times = np.array([distinct[n] for n in sorted(distinct)])
     slope, intercept = np.polyfit(counts, times, 1) if len(counts) > 1 else (0.0, float(times[0]))
@@ -175,7 +208,12 @@ def _combined_count(problem, stacked, size: int) -> dict:
     plan = bucketing.plan_buckets(problem.leaves, size)
     compiled = bucketing.reduce_program(plan, problem.mesh, problem.axis, keep_apart=False).lower(stacked).compile()
     found, _ = hlo.parse_collectives(compiled.as_text(), problem.mesh.devices.shape, problem.mesh.axis_names)
-    return {"bytes": size, "buckets": plan.count, "all_reduces": len(found), "operands": sum(len(c.result_shapes) for c in found)}
+    return {
+        "bytes": size,
+        "buckets": plan.count,
+        "all_reduces": len(found),
+        "operands": sum(len(c.result_shapes) for c in found),
+    }
 
 
 # ------------------------------------------------------------------ TPU (compile-only)
@@ -191,38 +229,70 @@ def _tpu(config: Config, model_config) -> dict | None:
     chip = profile_for_device_kind(chips[0].device_kind)
     mesh = MeshSpec(data=len(chips)).build(chips)
     problem = bucketing.gradient_problem(model_config, mesh, placed=False)
-    counts = [_tpu_count(problem, threshold) for threshold in track([None, *config.tpu_thresholds], "TPU combiner thresholds")]
-    return {"topology": config.tpu_topology, "chips": len(chips), "chip": chip.name, "counts": counts, "leaves": len(problem.leaves),
-            **_tpu_prediction(config, chip, len(chips))}
+    counts = [
+        _tpu_count(problem, threshold) for threshold in track([None, *config.tpu_thresholds], "TPU combiner thresholds")
+    ]
+    return {
+        "topology": config.tpu_topology,
+        "chips": len(chips),
+        "chip": chip.name,
+        "counts": counts,
+        "leaves": len(problem.leaves),
+        **_tpu_prediction(config, chip, len(chips)),
+    }
 
 
 def _tpu_count(problem, threshold: str | None) -> dict:
     options = {} if threshold is None else {COMBINER_OPTION: 0 if threshold == "0" else parse_size(threshold)}
     with quiet_native_stderr():
-        compiled = bucketing.step_program(problem, None).lower(problem.params, problem.tokens).compile(compiler_options=options)
+        compiled = (
+            bucketing.step_program(problem, None)
+            .lower(problem.params, problem.tokens)
+            .compile(compiler_options=options)
+        )
     found, _ = hlo.parse_collectives(compiled.as_text(), problem.mesh.devices.shape, problem.mesh.axis_names)
     reduces = [c for c in found if c.kind == "all-reduce"]
-    return {"threshold": "compiler default" if threshold is None else format_bytes(options[COMBINER_OPTION]),
-            "all_reduces": len(reduces), "largest_operands": max((len(c.result_shapes) for c in reduces), default=0),
-            "async": sum(c.is_async for c in reduces)}
+    return {
+        "threshold": "compiler default" if threshold is None else format_bytes(options[COMBINER_OPTION]),
+        "all_reduces": len(reduces),
+        "largest_operands": max((len(c.result_shapes) for c in reduces), default=0),
+        "async": sum(c.is_async for c in reduces),
+    }
 
 
 def _tpu_prediction(config: Config, chip, chips: int) -> dict:
     """T(b) of the `tpu_model` preset's fp32 gradients on the slice, with and without overlap."""
     model = preset(config.tpu_model)
     grad_bytes = 4 * model.parameters
-    backward_s = 4 * model.parameters * config.tpu_tokens_per_chip / chip.peak_bf16_flops  # backward = 2x forward's 2 Psi FLOPs per token
+    backward_s = (
+        4 * model.parameters * config.tpu_tokens_per_chip / chip.peak_bf16_flops
+    )  # backward = 2x forward's 2 Psi FLOPs per token
     sizes = [2.0**k for k in range(16, 33)]
     network = {"alpha": chip.hop_latency_s, "beta": chip.link_bandwidth, "algorithm": "bidirectional-ring"}
     overlapped = [theory.bucketed_allreduce_time(grad_bytes, b, chips, backward_s=backward_s, **network) for b in sizes]
-    serial = [theory.bucketed_allreduce_time(grad_bytes, b, chips, backward_s=backward_s, overlap=False, **network) for b in sizes]
+    serial = [
+        theory.bucketed_allreduce_time(grad_bytes, b, chips, backward_s=backward_s, overlap=False, **network)
+        for b in sizes
+    ]
     latency = theory.collective_cost("all-reduce", 1.0, chips, **network).latency_s
     best = min(overlapped, key=lambda t: t.step_s)
-    return {"model": config.tpu_model, "grad_bytes": grad_bytes, "backward_s": backward_s, "sizes": sizes,
-            "overlapped_s": [t.step_s for t in overlapped], "serial_s": [t.step_s for t in serial],
-            "best_bytes": best.bucket_bytes, "best_s": best.step_s, "b_star": theory.optimal_bucket_bytes(grad_bytes, backward_s, latency),
-            "ddp_s": theory.bucketed_allreduce_time(grad_bytes, bucketing.DDP_BUCKET_BYTES, chips, backward_s=backward_s, **network).step_s,
-            "single_s": theory.bucketed_allreduce_time(grad_bytes, grad_bytes, chips, backward_s=backward_s, **network).step_s}
+    return {
+        "model": config.tpu_model,
+        "grad_bytes": grad_bytes,
+        "backward_s": backward_s,
+        "sizes": sizes,
+        "overlapped_s": [t.step_s for t in overlapped],
+        "serial_s": [t.step_s for t in serial],
+        "best_bytes": best.bucket_bytes,
+        "best_s": best.step_s,
+        "b_star": theory.optimal_bucket_bytes(grad_bytes, backward_s, latency),
+        "ddp_s": theory.bucketed_allreduce_time(
+            grad_bytes, bucketing.DDP_BUCKET_BYTES, chips, backward_s=backward_s, **network
+        ).step_s,
+        "single_s": theory.bucketed_allreduce_time(
+            grad_bytes, grad_bytes, chips, backward_s=backward_s, **network
+        ).step_s,
+    }
 
 
 # ------------------------------------------------------------------ the page
@@ -234,21 +304,55 @@ def _checks(rows, fit, fused, combined, tpu, leaves: int, backward) -> list:
         name = f"b={format_bytes(r['bytes'])}"
         checks.append(check(f"{name}: all-reduces in HLO = ceil(G/b)", r["buckets"], r["all_reduces"]))
         checks.append(check(f"{name}: every gradient sum bit-identical to per-tensor psums", True, r["exact"]))
-    checks.append(check(f"b={format_bytes(combined['bytes'])} written as independent psums: all-reduces in HLO",
-                        combined["buckets"], combined["all_reduces"],
-                        explained=f"XLA:CPU's combiner merged the {combined['buckets']} bucket all-reduces into {combined['all_reduces']} tuple all-reduce(s) "
-                                  f"of {combined['operands']} operands: it has no byte threshold, so buckets survive only when each waits for the previous one"))
-    for r in {r["key"]: r for r in rows}.values():  # one row per program: every bucket that holds everything is the same one
+    checks.append(
+        check(
+            f"b={format_bytes(combined['bytes'])} written as independent psums: all-reduces in HLO",
+            combined["buckets"],
+            combined["all_reduces"],
+            explained=f"XLA:CPU's combiner merged the {combined['buckets']} bucket "
+            f"all-reduces into {combined['all_reduces']} tuple all-reduce(s) "
+            f"of {combined['operands']} operands: it has no byte threshold, "
+            "so buckets survive only when each waits for the previous one",
+        )
+    )
+    for r in {
+        r["key"]: r for r in rows
+    }.values():  # one row per program: every bucket that holds everything is the same one
         modelled = _model_reduce_s(fit, r["buckets"])
-        name = f"b >= {format_bytes(r['plan'].total_bytes)} (one bucket)" if r["one_bucket"] else f"b={format_bytes(r['bytes'])}"
-        checks.append(check(f"{name}: reduction time, model n*alpha_AR + rest (s)", modelled, r["time"].median, rtol=0.5))
+        name = (
+            f"b >= {format_bytes(r['plan'].total_bytes)} (one bucket)"
+            if r["one_bucket"]
+            else f"b={format_bytes(r['bytes'])}"
+        )
+        checks.append(
+            check(f"{name}: reduction time, model n*alpha_AR + rest (s)", modelled, r["time"].median, rtol=0.5)
+        )
     checks.append(check("async collectives in the CPU step", 0, fused["async"]))
-    checks.append(check("step in one program = backward + its all-reduce alone, no overlap on CPU (s)", backward.median + fused["reduction"].median, fused["time"].median, rtol=0.5))
+    checks.append(
+        check(
+            "step in one program = backward + its all-reduce alone, no overlap on CPU (s)",
+            backward.median + fused["reduction"].median,
+            fused["time"].median,
+            rtol=0.5,
+        )
+    )
     if tpu and "counts" in tpu:
         by = {c["threshold"]: c for c in tpu["counts"]}
         if "0 Bytes" in by:
-            checks.append(check(f"tpu:{tpu['topology']}: all-reduces with combiner threshold 0 = gradient tensors", leaves, by["0 Bytes"]["all_reduces"]))
-        checks.append(check(f"tpu:{tpu['topology']}: all-reduces with the compiler's default threshold", 1, by["compiler default"]["all_reduces"]))
+            checks.append(
+                check(
+                    f"tpu:{tpu['topology']}: all-reduces with combiner threshold 0 = gradient tensors",
+                    leaves,
+                    by["0 Bytes"]["all_reduces"],
+                )
+            )
+        checks.append(
+            check(
+                f"tpu:{tpu['topology']}: all-reduces with the compiler's default threshold",
+                1,
+                by["compiler default"]["all_reduces"],
+            )
+        )
     return checks
 
 
@@ -257,26 +361,72 @@ def _sweep_table(rows, backward, fit, fused) -> Table:
     for r in rows:
         note = r["label"] or ("holds every gradient: one bucket" if r["one_bucket"] else "")
         step = backward.median + r["time"].median
-        body.append([format_bytes(r["bytes"]), r["buckets"], r["all_reduces"], str(r["time"]), f"{step * 1e3:.1f} ms",
-                     f"{(backward.median + _model_reduce_s(fit, r['buckets'])) * 1e3:.1f} ms", format_bytes(r["temp_bytes"]), note])
-    body.append(["per-tensor psums", "-", f"{fused['all_reduces']} (XLA combined)", str(fused["reduction"]), f"{(backward.median + fused['reduction'].median) * 1e3:.1f} ms", "-", "-",
-                 f"in one program with the backward: {fused['time']}"])
-    return Table(f"Bucket sweep on this target (backward {backward})",
-                 ["bucket b", "buckets n", "all-reduces in HLO", "reduction time (median [min, max])", "step = backward + reduction", "model step", "temp memory", ""],
-                 body, note=f"Model fitted to the multi-bucket points: α_AR = {fit['alpha_AR_s'] * 1e6:.0f} µs per all-reduce, {fit['transfer_s'] * 1e3:.1f} ms for the bytes.")
+        body.append(
+            [
+                format_bytes(r["bytes"]),
+                r["buckets"],
+                r["all_reduces"],
+                str(r["time"]),
+                f"{step * 1e3:.1f} ms",
+                f"{(backward.median + _model_reduce_s(fit, r['buckets'])) * 1e3:.1f} ms",
+                format_bytes(r["temp_bytes"]),
+                note,
+            ]
+        )
+    body.append(
+        [
+            "per-tensor psums",
+            "-",
+            f"{fused['all_reduces']} (XLA combined)",
+            str(fused["reduction"]),
+            f"{(backward.median + fused['reduction'].median) * 1e3:.1f} ms",
+            "-",
+            "-",
+            f"in one program with the backward: {fused['time']}",
+        ]
+    )
+    return Table(
+        f"Bucket sweep on this target (backward {backward})",
+        [
+            "bucket b",
+            "buckets n",
+            "all-reduces in HLO",
+            "reduction time (median [min, max])",
+            "step = backward + reduction",
+            "model step",
+            "temp memory",
+            "",
+        ],
+        body,
+        note=f"Model fitted to the multi-bucket points: α_AR = {fit['alpha_AR_s'] * 1e6:.0f} "
+        f"µs per all-reduce, {fit['transfer_s'] * 1e3:.1f} ms for the "
+        "bytes.",
+    )
 
 
 def _tpu_tables(tpu) -> list[Table]:
     if "skipped" in tpu:
         return [Table("TPU (compile-only)", ["skipped"], [[tpu["skipped"]]])]
-    counts = Table(f"XLA's own bucketing: tpu:{tpu['topology']} combiner threshold against all-reduces (same step, one psum per gradient tensor, {tpu['leaves']} tensors)",
-                   ["combiner threshold", "all-reduces in HLO", "most tensors in one", "asynchronous"],
-                   [[c["threshold"], c["all_reduces"], c["largest_operands"], c["async"]] for c in tpu["counts"]])
-    picks = [("DDP default 25 MiB", bucketing.DDP_BUCKET_BYTES, tpu["ddp_s"]), ("best in sweep", tpu["best_bytes"], tpu["best_s"]),
-             ("one bucket", tpu["grad_bytes"], tpu["single_s"])]
-    model = Table(f"Predicted on tpu:{tpu['topology']} ({tpu['chips']} x {tpu['chip']}): the {tpu['model']} preset's fp32 gradients ({format_bytes(tpu['grad_bytes'])}), backward {tpu['backward_s'] * 1e3:.1f} ms",
-                  ["bucket", "size", "step with overlap"], [[name, format_bytes(size), f"{seconds * 1e3:.2f} ms"] for name, size, seconds in picks],
-                  note=_regime(tpu))
+    counts = Table(
+        f"XLA's own bucketing: tpu:{tpu['topology']} combiner threshold against "
+        f"all-reduces (same step, one psum per gradient tensor, {tpu['leaves']} "
+        "tensors)",
+        ["combiner threshold", "all-reduces in HLO", "most tensors in one", "asynchronous"],
+        [[c["threshold"], c["all_reduces"], c["largest_operands"], c["async"]] for c in tpu["counts"]],
+    )
+    picks = [
+        ("DDP default 25 MiB", bucketing.DDP_BUCKET_BYTES, tpu["ddp_s"]),
+        ("best in sweep", tpu["best_bytes"], tpu["best_s"]),
+        ("one bucket", tpu["grad_bytes"], tpu["single_s"]),
+    ]
+    model = Table(
+        f"Predicted on tpu:{tpu['topology']} ({tpu['chips']} x {tpu['chip']}): "
+        f"the {tpu['model']} preset's fp32 gradients ({format_bytes(tpu['grad_bytes'])}), "
+        f"backward {tpu['backward_s'] * 1e3:.1f} ms",
+        ["bucket", "size", "step with overlap"],
+        [[name, format_bytes(size), f"{seconds * 1e3:.2f} ms"] for name, size, seconds in picks],
+        note=_regime(tpu),
+    )
     return [counts, model]
 
 
@@ -285,8 +435,13 @@ def _regime(tpu) -> str:
     comm = tpu["single_s"] - tpu["backward_s"]  # one bucket: all communication after the backward
     if comm > tpu["backward_s"]:
         return f"Communication ({comm * 1e3:.1f} ms) exceeds the backward: the optimum is near b* = G·sqrt(α_AR/C) = {format_bytes(tpu['b_star'])}."
-    return (f"The backward ({tpu['backward_s'] * 1e3:.1f} ms) outlasts the communication ({comm * 1e3:.1f} ms): b* = G·sqrt(α_AR/C) = {format_bytes(tpu['b_star'])} "
-            "is the communication-bound formula and does not apply; the best bucket is the smallest whose launches still fit under the backward, leaving the shortest tail.")
+    return (
+        f"The backward ({tpu['backward_s'] * 1e3:.1f} ms) outlasts the communication "
+        f"({comm * 1e3:.1f} ms): b* = G·sqrt(α_AR/C) = {format_bytes(tpu['b_star'])} "
+        "is the communication-bound formula and does not apply; the best "
+        "bucket is the smallest whose launches still fit under the backward, "
+        "leaving the shortest tail."
+    )
 
 
 def _summary(rows, backward, fit, problem, tpu, fused) -> str:
@@ -294,15 +449,29 @@ def _summary(rows, backward, fit, problem, tpu, fused) -> str:
     single = next(r for r in rows if r["one_bucket"])
     smallest = rows[0]
     step_best, step_single = backward.median + best["time"].median, backward.median + single["time"].median
-    text = (f"The lab transformer's {len(problem.leaves)} gradient tensors ({format_bytes(single['plan'].total_bytes)}) were cut into buckets from "
-            f"{format_bytes(smallest['bytes'])} ({smallest['buckets']} all-reduces) to one. On this target collectives are synchronous and nothing overlaps; "
-            f"the fit gives about {fit['alpha_AR_s'] * 1e6:.0f} µs per extra all-reduce. The best measured bucket ({format_bytes(best['bytes'])}, {best['buckets']} all-reduce(s)) "
-            f"gave a step of {step_best * 1e3:.1f} ms against {step_single * 1e3:.1f} ms for one all-reduce of everything ({step_best / step_single:.2f}x); "
-            f"leaving the tensors to XLA's own combiner gave {(backward.median + fused['reduction'].median) * 1e3:.1f} ms. "
-            "DDP's 25 MiB default is one bucket here: the gradients are smaller.")
+    text = (
+        f"The lab transformer's {len(problem.leaves)} gradient tensors "
+        f"({format_bytes(single['plan'].total_bytes)}) were cut into buckets "
+        "from "
+        f"{format_bytes(smallest['bytes'])} ({smallest['buckets']} all-reduces) "
+        "to one. On this target collectives are synchronous and nothing "
+        "overlaps; "
+        f"the fit gives about {fit['alpha_AR_s'] * 1e6:.0f} µs per extra "
+        f"all-reduce. The best measured bucket ({format_bytes(best['bytes'])}, "
+        f"{best['buckets']} all-reduce(s)) "
+        f"gave a step of {step_best * 1e3:.1f} ms against {step_single * 1e3:.1f} "
+        f"ms for one all-reduce of everything ({step_best / step_single:.2f}x); "
+        f"leaving the tensors to XLA's own combiner gave {(backward.median + fused['reduction'].median) * 1e3:.1f} ms. "
+        "DDP's 25 MiB default is one bucket here: the gradients are smaller."
+    )
     if tpu and "best_bytes" in tpu:
-        text += (f" On tpu:{tpu['topology']}, where a backward can hide buckets, the model puts the best bucket for the {tpu['model']} preset near "
-                 f"{format_bytes(tpu['best_bytes'])} ({tpu['best_s'] * 1e3:.2f} ms a step against {tpu['single_s'] * 1e3:.2f} ms for one bucket).")
+        text += (
+            f" On tpu:{tpu['topology']}, where a backward can hide buckets, "
+            f"the model puts the best bucket for the {tpu['model']} preset "
+            "near "
+            f"{format_bytes(tpu['best_bytes'])} ({tpu['best_s'] * 1e3:.2f} "
+            f"ms a step against {tpu['single_s'] * 1e3:.2f} ms for one bucket)."
+        )
     return text
 
 
@@ -310,21 +479,49 @@ def _notes(rows, combined, fused, tpu, problem) -> list[str]:
     one = [format_bytes(r["bytes"]) for r in rows if r["one_bucket"]]
     single = next(r for r in rows if r["one_bucket"])
     best = min(rows, key=lambda r: r["time"].median)
-    notes = [f"Every bucket of {', '.join(one)} or more holds all {format_bytes(rows[0]['plan'].total_bytes)} of gradients: one bucket, one all-reduce, one program.",
-             (f"Written as independent psums, {combined['buckets']} buckets of {format_bytes(combined['bytes'])} compiled to {combined['all_reduces']} all-reduce(s) on XLA:CPU: "
-              "the combiner undoes hand-made bucketing. Chaining each bucket to the previous one's result (a data dependency) keeps them apart; "
-              "`lax.optimization_barrier` does not: XLA:CPU drops it before combining."),
-             (f"Without overlap the model says the fewest buckets win. Measured, the single packed bucket ({single['time'].median * 1e3:.1f} ms) lost to "
-              f"{format_bytes(best['bytes'])} buckets ({best['time'].median * 1e3:.1f} ms): it packs and unpacks every gradient at once ({format_bytes(single['temp_bytes'])} of temporary memory), "
-              f"and the per-tensor psums that XLA combines into one tuple all-reduce, with no packing at all, took {fused['reduction'].median * 1e3:.1f} ms. "
-              "The linear model has no term for this, so the single bucket differs from it: the smaller buckets pack the same bytes in pieces of N x b, "
-              "which on this machine stay near its last-level cache (a likely reason, not measured here)."),
-             ("The lab transformer stacks its layers in a scan, so the block weights' gradients leave the backward loop together when it ends: "
-              "bucketing them in backward order cannot start any of their all-reduces earlier.")]
+    notes = [
+        f"Every bucket of {', '.join(one)} or more holds all {format_bytes(rows[0]['plan'].total_bytes)} "
+        "of gradients: one bucket, one all-reduce, one program.",
+        (
+            f"Written as independent psums, {combined['buckets']} buckets "
+            f"of {format_bytes(combined['bytes'])} compiled to {combined['all_reduces']} "
+            "all-reduce(s) on XLA:CPU: "
+            "the combiner undoes hand-made bucketing. Chaining each bucket "
+            "to the previous one's result (a data dependency) keeps them "
+            "apart; "
+            "`lax.optimization_barrier` does not: XLA:CPU drops it before combining."
+        ),
+        (
+            "Without overlap the model says the fewest buckets win. Measured, "
+            f"the single packed bucket ({single['time'].median * 1e3:.1f} "
+            "ms) lost to "
+            f"{format_bytes(best['bytes'])} buckets ({best['time'].median * 1e3:.1f} "
+            f"ms): it packs and unpacks every gradient at once ({format_bytes(single['temp_bytes'])} "
+            "of temporary memory), "
+            "and the per-tensor psums that XLA combines into one tuple all-reduce, "
+            f"with no packing at all, took {fused['reduction'].median * 1e3:.1f} "
+            "ms. "
+            "The linear model has no term for this, so the single bucket "
+            "differs from it: the smaller buckets pack the same bytes in "
+            "pieces of N x b, "
+            "which on this machine stay near its last-level cache (a likely reason, not measured here)."
+        ),
+        (
+            "The lab transformer stacks its layers in a scan, so the block "
+            "weights' gradients leave the backward loop together when it "
+            "ends: "
+            "bucketing them in backward order cannot start any of their all-reduces earlier."
+        ),
+    ]
     if tpu and "counts" in tpu:
         default = next(c for c in tpu["counts"] if c["threshold"] == "compiler default")
-        notes.append(f"libtpu with its default threshold put all {tpu['leaves']} gradient tensors in {default['all_reduces']} all-reduce; threshold 0 keeps one per tensor. "
-                     f"None of them is asynchronous in the default compile: without overlap flags the TPU step waits for every all-reduce too.")
+        notes.append(
+            f"libtpu with its default threshold put all {tpu['leaves']} gradient "
+            f"tensors in {default['all_reduces']} all-reduce; threshold 0 "
+            "keeps one per tensor. "
+            "None of them is asynchronous in the default compile: without "
+            "overlap flags the TPU step waits for every all-reduce too."
+        )
     return notes
 
 
@@ -334,7 +531,12 @@ def _plot(rows, backward, fit, tpu):
     left = axes[0][0]
     sizes = [r["bytes"] for r in rows]
     left.plot(sizes, [(backward.median + r["time"].median) * 1e3 for r in rows], "o-", label="measured step")
-    left.plot(sizes, [(backward.median + _model_reduce_s(fit, r["buckets"])) * 1e3 for r in rows], "--", label="model (fitted α_AR)")
+    left.plot(
+        sizes,
+        [(backward.median + _model_reduce_s(fit, r["buckets"])) * 1e3 for r in rows],
+        "--",
+        label="model (fitted α_AR)",
+    )
     left.axvline(bucketing.DDP_BUCKET_BYTES, color="grey", linestyle=":", label="DDP 25 MiB")
     left.axvline(rows[0]["plan"].total_bytes, color="green", linestyle=":", label="all gradients")
     left.set(xscale="log", xlabel="bucket size (bytes)", ylabel="ms per step", title="this target (no overlap)")
@@ -343,10 +545,17 @@ def _plot(rows, backward, fit, tpu):
         right = axes[0][1]
         right.plot(tpu["sizes"], np.array(tpu["overlapped_s"]) * 1e3, label="with overlap")
         right.plot(tpu["sizes"], np.array(tpu["serial_s"]) * 1e3, label="without overlap")
-        right.axvline(tpu["best_bytes"], color="red", linestyle="--", label=f"optimum {format_bytes(tpu['best_bytes'])}")
+        right.axvline(
+            tpu["best_bytes"], color="red", linestyle="--", label=f"optimum {format_bytes(tpu['best_bytes'])}"
+        )
         right.axvline(bucketing.DDP_BUCKET_BYTES, color="grey", linestyle=":", label="DDP 25 MiB")
         right.axvline(bucketing.DEEPSPEED_BUCKET_ELEMENTS * 4, color="purple", linestyle=":", label="DeepSpeed 5e8 el.")
-        right.set(xscale="log", xlabel="bucket size (bytes)", ylabel="ms per step", title=f"tpu:{tpu['topology']} model, {tpu['model']} gradients")
+        right.set(
+            xscale="log",
+            xlabel="bucket size (bytes)",
+            ylabel="ms per step",
+            title=f"tpu:{tpu['topology']} model, {tpu['model']} gradients",
+        )
         right.legend(fontsize=8)
     figure.tight_layout()
     return figure

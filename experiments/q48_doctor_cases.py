@@ -1,7 +1,7 @@
 """The doctor's cases: deliberately broken training configurations, each found and named by `lab doctor`.
 
 Question #48 asks what to look at first when a training system misbehaves.
-The page answers by running the lab's doctor (`lab.doctor`) on a healthy
+The page answers by running the lab's doctor (`lab.doctor.diagnosis`) on a healthy
 control and on one configuration broken on purpose in each layer, in the
 doctor's order: memory, input, layout, communication, numerics. For each case
 it shows the ranked report and checks that the first problem the doctor names
@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from lab.devices import devices_for
-from lab.doctor import Diagnosis, diagnose
+from lab.doctor.diagnosis import Diagnosis, diagnose
 from lab.model import preset
 from lab.progress import track
 from lab.report import Result, Table, provenance
-from lab.training_run import RunConfig
+from lab.training.run import RunConfig
 from lab.verdict import check
 
 QUESTION = "#48"
@@ -58,25 +58,66 @@ class Case:
 
 def cases(config: Config, devices: int) -> list[Case]:
     """The control and one broken configuration per layer (two for layout and for communication)."""
-    control = RunConfig(target=config.target, mesh=f"fsdp={devices}", model="tiny", strategy="zero3", steps=config.steps,
-                        global_batch=config.global_batch, page=False)
+    control = RunConfig(
+        target=config.target,
+        mesh=f"fsdp={devices}",
+        model="tiny",
+        strategy="zero3",
+        steps=config.steps,
+        global_batch=config.global_batch,
+        page=False,
+    )
     return [
-        Case("control", "", f"nothing: the tiny model, zero3 over fsdp={devices}, a learning rate of {control.learning_rate:g}", control),
-        Case("too_big", "memory", f"the 1b model with ddp (everything replicated) on a {config.tpu_target} slice, compile-only",
-             replace(control, target=config.tpu_target, model="1b", strategy="ddp", mesh="data=-1", global_batch=8)),
-        Case("slow_loader", "input", f"a loader taking {config.input_ms:g} ms per batch, no prefetching",
-             replace(control, input_ms=config.input_ms)),
-        Case("bubble", "layout", f"a 2-stage pipeline (stage=2,fsdp={devices // 2}) fed one micro-batch per step: GPipe's bubble is half the step",
-             replace(control, mesh=f"stage=2,fsdp={devices // 2}", micro_batches=1)),
-        Case("collapsed_router", "layout", f"the tiny-moe model on expert={devices} at a learning rate of {config.diverging_learning_rate:g}: "
-             "the router collapses onto a few experts (and the loss diverges)",
-             replace(control, model="tiny-moe", mesh=f"expert={devices}", learning_rate=config.diverging_learning_rate)),
-        Case("regather", "communication", f"zero3 with {config.micro_batches} micro-batches: every micro-batch gathers the weights again",
-             replace(control, micro_batches=config.micro_batches)),
-        Case("tiny_on_tpu", "communication", f"the tiny model with zero3 over the 4 chips of {config.tpu_target}: too little compute per collective",
-             replace(control, target=config.tpu_target, mesh="fsdp=-1", global_batch=16)),
-        Case("diverging", "numerics", f"a learning rate of {config.diverging_learning_rate:g}",
-             replace(control, learning_rate=config.diverging_learning_rate)),
+        Case(
+            "control",
+            "",
+            f"nothing: the tiny model, zero3 over fsdp={devices}, a learning rate of {control.learning_rate:g}",
+            control,
+        ),
+        Case(
+            "too_big",
+            "memory",
+            f"the 1b model with ddp (everything replicated) on a {config.tpu_target} slice, compile-only",
+            replace(control, target=config.tpu_target, model="1b", strategy="ddp", mesh="data=-1", global_batch=8),
+        ),
+        Case(
+            "slow_loader",
+            "input",
+            f"a loader taking {config.input_ms:g} ms per batch, no prefetching",
+            replace(control, input_ms=config.input_ms),
+        ),
+        Case(
+            "bubble",
+            "layout",
+            f"a 2-stage pipeline (stage=2,fsdp={devices // 2}) fed one micro-batch "
+            "per step: GPipe's bubble is half the step",
+            replace(control, mesh=f"stage=2,fsdp={devices // 2}", micro_batches=1),
+        ),
+        Case(
+            "collapsed_router",
+            "layout",
+            f"the tiny-moe model on expert={devices} at a learning rate of {config.diverging_learning_rate:g}: "
+            "the router collapses onto a few experts (and the loss diverges)",
+            replace(control, model="tiny-moe", mesh=f"expert={devices}", learning_rate=config.diverging_learning_rate),
+        ),
+        Case(
+            "regather",
+            "communication",
+            f"zero3 with {config.micro_batches} micro-batches: every micro-batch gathers the weights again",
+            replace(control, micro_batches=config.micro_batches),
+        ),
+        Case(
+            "tiny_on_tpu",
+            "communication",
+            f"the tiny model with zero3 over the 4 chips of {config.tpu_target}: too little compute per collective",
+            replace(control, target=config.tpu_target, mesh="fsdp=-1", global_batch=16),
+        ),
+        Case(
+            "diverging",
+            "numerics",
+            f"a learning rate of {config.diverging_learning_rate:g}",
+            replace(control, learning_rate=config.diverging_learning_rate),
+        ),
     ]
 
 
@@ -93,10 +134,26 @@ def run(config: Config) -> Result:
         checks=_checks(diagnosed),
         notes=_notes(diagnosed),
         provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={len(devices)} (cases vary it)"),
-        data={case.name: {"broken_layer": case.broken_layer, "what": case.what, "not_run": d.not_run,
-                          "findings": [{"layer": f.layer, "check": f.check, "severity": f.severity, "verdict": f.verdict,
-                                        "evidence": list(f.evidence), "fix": f.fix, "numbers": dict(f.numbers)} for f in d.ranked]}
-              for case, d in diagnosed},
+        data={
+            case.name: {
+                "broken_layer": case.broken_layer,
+                "what": case.what,
+                "not_run": d.not_run,
+                "findings": [
+                    {
+                        "layer": f.layer,
+                        "check": f.check,
+                        "severity": f.severity,
+                        "verdict": f.verdict,
+                        "evidence": list(f.evidence),
+                        "fix": f.fix,
+                        "numbers": dict(f.numbers),
+                    }
+                    for f in d.ranked
+                ],
+            }
+            for case, d in diagnosed
+        },
     )
 
 
@@ -115,7 +172,9 @@ def _checks(diagnosed) -> list:
         rows.append(check("control: problems found", 0, len(diagnosis.problems)))
         volume = next(f for f in diagnosis.findings if f.check == "communication volume per step")
         if "copies" in volume.numbers and case.run.strategy == "zero3":
-            rows.append(_volume_check(volume.numbers["copies"], preset(case.run.model), case.run.target.startswith("cpu")))
+            rows.append(
+                _volume_check(volume.numbers["copies"], preset(case.run.model), case.run.target.startswith("cpu"))
+            )
     return rows
 
 
@@ -125,10 +184,16 @@ def _volume_check(copies: float, model, on_cpu: bool):
     on_cpu_copies = 2 * (1 - embeddings) + embeddings + 2
     explained = None
     if on_cpu and abs(copies - on_cpu_copies) <= 0.02 * on_cpu_copies:
-        explained = (f"XLA:CPU has no reduce-scatter: the gradient's reduce-scatter runs as an all-reduce and a slice (2Ψ, not Ψ); and "
-                     f"the embedding tables (f = 2VD/Ψ = {embeddings:.3f} of the model), outside the rematerialised blocks, are gathered "
-                     f"once, not twice (the backward keeps the forward's copy): 2(1 - f) + f + 2 = {on_cpu_copies:.3f} copies")
-    return check("control: model copies moved per step over fsdp (ZeRO-3)", 3.0, round(copies, 3), rtol=0.05, explained=explained)
+        explained = (
+            "XLA:CPU has no reduce-scatter: the gradient's reduce-scatter "
+            "runs as an all-reduce and a slice (2Ψ, not Ψ); and "
+            f"the embedding tables (f = 2VD/Ψ = {embeddings:.3f} of the model), "
+            "outside the rematerialised blocks, are gathered "
+            f"once, not twice (the backward keeps the forward's copy): 2(1 - f) + f + 2 = {on_cpu_copies:.3f} copies"
+        )
+    return check(
+        "control: model copies moved per step over fsdp (ZeRO-3)", 3.0, round(copies, 3), rtol=0.05, explained=explained
+    )
 
 
 def _summary(diagnosed) -> str:
@@ -136,34 +201,63 @@ def _summary(diagnosed) -> str:
     found = sum(_named(d) == c.broken_layer for c, d in broken)
     control = next(d for c, d in diagnosed if not c.broken_layer)
     firsts = "; ".join(f"{c.name}: {d.start_here.check if d.start_here else 'nothing'}" for c, d in broken)
-    return (f"The doctor named the broken layer first in {found} of {len(broken)} broken configurations ({firsts}) and found "
-            f"{len(control.problems)} problem(s) in the healthy control. Memory comes first because a step that does not fit "
-            f"is refused before anything else can be measured; numerics last, because a diverging loss on a wrong layout "
-            f"sends you in the wrong direction.")
+    return (
+        f"The doctor named the broken layer first in {found} of {len(broken)} "
+        f"broken configurations ({firsts}) and found "
+        f"{len(control.problems)} problem(s) in the healthy control. Memory "
+        "comes first because a step that does not fit "
+        f"is refused before anything else can be measured; numerics last, because a diverging loss on a wrong layout "
+        f"sends you in the wrong direction."
+    )
 
 
 def _overview(diagnosed) -> Table:
     rows = []
     for case, d in diagnosed:
         start = d.start_here
-        rows.append([case.name, case.broken_layer or "-", case.what, f"{start.layer}: {start.check}" if start else "no problem",
-                     start.evidence[0] if start and start.evidence else "-", start.fix if start else "-"])
-    return Table("Each case: what was broken, and what the doctor named first", ["case", "broken layer", "what was broken", "start here", "evidence", "fix"], rows)
+        rows.append(
+            [
+                case.name,
+                case.broken_layer or "-",
+                case.what,
+                f"{start.layer}: {start.check}" if start else "no problem",
+                start.evidence[0] if start and start.evidence else "-",
+                start.fix if start else "-",
+            ]
+        )
+    return Table(
+        "Each case: what was broken, and what the doctor named first",
+        ["case", "broken layer", "what was broken", "start here", "evidence", "fix"],
+        rows,
+    )
 
 
 def _report(case: Case, diagnosis: Diagnosis) -> Table:
-    rows = [[rank, f.severity, f.layer, f.check, f.verdict, "; ".join(f.evidence) or "-", f.fix or "-"]
-            for rank, f in enumerate(diagnosis.ranked, 1) if f.severity != "not applicable"]
+    rows = [
+        [rank, f.severity, f.layer, f.check, f.verdict, "; ".join(f.evidence) or "-", f.fix or "-"]
+        for rank, f in enumerate(diagnosis.ranked, 1)
+        if f.severity != "not applicable"
+    ]
     skipped = [f"{f.layer}/{f.check}" for f in diagnosis.ranked if f.severity == "not applicable"]
-    note = ("Not applicable: " + ", ".join(skipped) + "." if skipped else "") + (f" No steps ran: {diagnosis.not_run}." if diagnosis.not_run else "")
-    return Table(f"{case.name}: the ranked report", ["#", "severity", "layer", "check", "verdict", "evidence", "fix"], rows, note.strip())
+    note = ("Not applicable: " + ", ".join(skipped) + "." if skipped else "") + (
+        f" No steps ran: {diagnosis.not_run}." if diagnosis.not_run else ""
+    )
+    return Table(
+        f"{case.name}: the ranked report",
+        ["#", "severity", "layer", "check", "verdict", "evidence", "fix"],
+        rows,
+        note.strip(),
+    )
 
 
 QUICK_REFERENCE = (
-    "What the quick-reference #48 gets right: system before numerics, and data before parallelism before communication; "
-    "a loss curve read on a broken layout misleads. What it leaves out: memory is the first gate (its order starts with "
+    "What the quick-reference #48 gets right: system before numerics, "
+    "and data before parallelism before communication; "
+    "a loss curve read on a broken layout misleads. What it leaves out: "
+    "memory is the first gate (its order starts with "
     "GPU utilisation, which is an effect of every layer below, not a layer); the evidence for each layer exists before "
-    "any profiler runs (the compiled step's memory analysis and collectives, on a laptop, even for a TPU pod); and each "
+    "any profiler runs (the compiled step's memory analysis and collectives, "
+    "on a laptop, even for a TPU pod); and each "
     "finding needs a threshold with a reason, or the checklist only moves the guessing."
 )
 
@@ -173,24 +267,37 @@ def _notes(diagnosed) -> list[str]:
     notes = [QUICK_REFERENCE]
     too_big = by_name.get("too_big")
     if too_big is not None and too_big.start_here is not None:
-        notes.append(f"too_big: {too_big.start_here.evidence[0]} The TPU compiler knows the chip's HBM and refuses the program, so no "
-                     "TPU is needed to learn that it does not fit; on CPU targets the doctor compares XLA's memory analysis with the host's "
-                     "memory shared out among the emulated devices instead.")
+        notes.append(
+            f"too_big: {too_big.start_here.evidence[0]} The TPU compiler knows "
+            "the chip's HBM and refuses the program, so no "
+            "TPU is needed to learn that it does not fit; on CPU targets "
+            "the doctor compares XLA's memory analysis with the host's "
+            "memory shared out among the emulated devices instead."
+        )
     regather = by_name.get("regather")
     if regather is not None:
         volume = next(f for f in regather.findings if f.check == "communication volume per step")
         timing = next(f for f in regather.findings if f.check == "largest collectives per axis")
-        notes.append(f"regather: on emulated CPU devices the repeated gathers are memory copies ({timing.evidence[0]}), so time alone would "
-                     f"not find them; the bytes do ({volume.evidence[0]}). On a real network the same bytes cost real time.")
+        notes.append(
+            "regather: on emulated CPU devices the repeated gathers are memory "
+            f"copies ({timing.evidence[0]}), so time alone would "
+            f"not find them; the bytes do ({volume.evidence[0]}). On a real network the same bytes cost real time."
+        )
     collapsed = by_name.get("collapsed_router")
     if collapsed is not None and collapsed.start_here is not None:
         diverged = [f for f in collapsed.problems if f.layer == "numerics"]
-        notes.append(f"collapsed_router: the doctor names the skew first ({collapsed.start_here.evidence[0]})"
-                     + (f" and the divergence later ({diverged[0].evidence[0]})" if diverged else "")
-                     + ". The layers order where to look, not what caused what: here the cause is the learning rate, the skew its "
-                     "first symptom. Rebalancing the router would not help; the fix of the numerics finding would.")
-    notes.append("XLA:CPU schedules no collective asynchronously, so the overlap analysis (lab.overlap) applies only to the "
-                 "compile-only TPU cases; loop trip counts are missing from the TPU HLO's collectives, so counts there are lower bounds.")
+        notes.append(
+            f"collapsed_router: the doctor names the skew first ({collapsed.start_here.evidence[0]})"
+            + (f" and the divergence later ({diverged[0].evidence[0]})" if diverged else "")
+            + ". The layers order where to look, not what caused what: here "
+            "the cause is the learning rate, the skew its "
+            "first symptom. Rebalancing the router would not help; the fix of the numerics finding would."
+        )
+    notes.append(
+        "XLA:CPU schedules no collective asynchronously, so the overlap analysis (lab.overlap) applies only to the "
+        "compile-only TPU cases; loop trip counts are missing from the TPU "
+        "HLO's collectives, so counts there are lower bounds."
+    )
     return notes
 
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lab.bench import format_bytes
 from lab.devices import devices_for, parse_target
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
 from lab.progress import track
 from lab.report import Result, Table, provenance
-from lab.train import TrainConfig, Trainer
+from lab.training.step import TrainConfig, Trainer
+from lab.units import format_bytes
 from lab.verdict import check
 
 QUESTION = "#49"
@@ -45,10 +45,23 @@ class Config:
 
 
 VARIANTS = {  # name -> (TrainConfig options, what it stands for)
-    "zero3": (dict(strategy="zero3", **BF16), "FSDP2 fully_shard with reshard_after_forward=True and MixedPrecisionPolicy(param_dtype=bf16); DeepSpeed ZeRO-3 with bf16"),
-    "zero3-keep": (dict(strategy="zero3-keep", **BF16), "FSDP2 reshard_after_forward=False (FSDP1 SHARD_GRAD_OP); DeepSpeed: a large stage3_max_reuse_distance"),
-    "zero3-persist": (dict(strategy="zero3", **BF16), "DeepSpeed stage3_param_persistence_threshold; FSDP2: leave small modules out of fully_shard"),
-    "zero3-f32-gather": ({"strategy": "zero3", "param_dtype": "float32", "compute_dtype": "bfloat16"}, "fp32 sharded weights cast after the gather (autocast); FSDP2 without param_dtype"),
+    "zero3": (
+        dict(strategy="zero3", **BF16),
+        "FSDP2 fully_shard with reshard_after_forward=True and MixedPrecisionPolicy(param_dtype=bf16); "
+        "DeepSpeed ZeRO-3 with bf16",
+    ),
+    "zero3-keep": (
+        dict(strategy="zero3-keep", **BF16),
+        "FSDP2 reshard_after_forward=False (FSDP1 SHARD_GRAD_OP); DeepSpeed: a large stage3_max_reuse_distance",
+    ),
+    "zero3-persist": (
+        dict(strategy="zero3", **BF16),
+        "DeepSpeed stage3_param_persistence_threshold; FSDP2: leave small modules out of fully_shard",
+    ),
+    "zero3-f32-gather": (
+        {"strategy": "zero3", "param_dtype": "float32", "compute_dtype": "bfloat16"},
+        "fp32 sharded weights cast after the gather (autocast); FSDP2 without param_dtype",
+    ),
 }
 
 
@@ -82,7 +95,9 @@ def run(config: Config) -> Result:
         except LabError:
             continue
         devices_seen[target] = devices
-        programs += [_compile(model, config, name, target, devices) for name in track(VARIANTS, f"knobs compiled for {target}")]
+        programs += [
+            _compile(model, config, name, target, devices) for name in track(VARIANTS, f"knobs compiled for {target}")
+        ]
     guard = _guard(model, config, devices_seen[config.target])
     by = {(p.target, p.variant): p for p in programs}
     persisted = _persisted_gather_bytes(model, config.persistence_threshold)
@@ -96,7 +111,9 @@ def run(config: Config) -> Result:
         tables=[_mapping(by, list(devices_seen), guard, config), _measured(programs), _lines(programs)],
         checks=checks,
         notes=_notes(by, list(devices_seen)),
-        provenance=provenance(target=config.target, devices=devices_seen[config.target], mesh=f"fsdp={len(devices_seen[config.target])}"),
+        provenance=provenance(
+            target=config.target, devices=devices_seen[config.target], mesh=f"fsdp={len(devices_seen[config.target])}"
+        ),
         data={"programs": [p.__dict__ for p in programs], "guard": guard},
     )
 
@@ -132,8 +149,22 @@ def _compile(model: ModelConfig, config: Config, variant: str, target: str, devi
         async_gathers=sum(c.is_async for c in gathers),
         combined=sum(c.combined for c in found),
         combined_arrays=sum(len(c.result_shapes) for c in found if c.combined),
-        step_bytes=max(step.memory["argument_size"] + step.memory["temp_size"] + step.memory["output_size"] - step.memory["alias_size"], step.memory.get("peak_memory", 0)),
-        lines={role: _line(step.optimized_hlo, c.name) for role, c in (("forward all-gather", forward[:1]), ("backward all-gather", backward[:1]), ("gradient reduction", reductions[:1])) for c in c},
+        step_bytes=max(
+            step.memory["argument_size"]
+            + step.memory["temp_size"]
+            + step.memory["output_size"]
+            - step.memory["alias_size"],
+            step.memory.get("peak_memory", 0),
+        ),
+        lines={
+            role: _line(step.optimized_hlo, c.name)
+            for role, c in (
+                ("forward all-gather", forward[:1]),
+                ("backward all-gather", backward[:1]),
+                ("gradient reduction", reductions[:1]),
+            )
+            for c in c
+        },
     )
 
 
@@ -186,12 +217,27 @@ def _checks(by: dict, target: str, model: ModelConfig, persisted: float) -> list
         return check(f"{target}: {quantity}", theory, observed, rtol=0.01, explained=doubled)
 
     return [
-        bf16_bytes("reshard after forward: S per step beyond keeping the gathered weights = the block weights, bytes", model.block_parameters * 2, z3.total_bytes - keep.total_bytes),
+        bf16_bytes(
+            "reshard after forward: S per step beyond keeping the gathered weights = the block weights, bytes",
+            model.block_parameters * 2,
+            z3.total_bytes - keep.total_bytes,
+        ),
         check(f"{target}: reshard_after_forward=False: all-gathers in the backward", 0, keep.backward_gathers),
         bf16_bytes("persistence threshold: S saved per step, bytes", persisted, z3.total_bytes - persist.total_bytes),
-        check(f"{target}: param_dtype=bf16: all-gather element type", "bf16", "/".join(z3.gather_types), explained=widened),
-        check(f"{target}: gradient reductions carry the gather's element type", "/".join(z3.gather_types), "/".join(z3.reduce_types)),
-        check(f"{target}: fp32 weights cast after the gather: all-gather element type", "f32", "/".join(f32.gather_types), explained=narrowed),
+        check(
+            f"{target}: param_dtype=bf16: all-gather element type", "bf16", "/".join(z3.gather_types), explained=widened
+        ),
+        check(
+            f"{target}: gradient reductions carry the gather's element type",
+            "/".join(z3.gather_types),
+            "/".join(z3.reduce_types),
+        ),
+        check(
+            f"{target}: fp32 weights cast after the gather: all-gather element type",
+            "f32",
+            "/".join(f32.gather_types),
+            explained=narrowed,
+        ),
     ]
 
 
@@ -222,54 +268,155 @@ def _mapping(by: dict, targets: list[str], guard: str, config: Config) -> Table:
     z3, keep, persist, f32 = (by[main, v] for v in VARIANTS)
     tz3 = by[last, "zero3"]
     rows = [
-        ["reshard after forward", "always (re-gathers in the backward); stage3_max_reuse_distance keeps a weight if reused soon", "reshard_after_forward=True (default)",
-         "`zero3`: remat policy refuses to save `reshard` outputs", f"{z3.forward_gathers} all-gathers in the forward, {z3.backward_gathers} again in the backward"],
-        ["keep gathered weights", "large stage3_max_reuse_distance / stage3_max_live_parameters", "reshard_after_forward=False",
-         "`zero3-keep`: the gathered weights are saved residuals", f"{keep.backward_gathers} backward all-gathers; whole step {format_bytes(keep.step_bytes)} against {format_bytes(z3.step_bytes)}"],
-        ["persistence threshold", f"stage3_param_persistence_threshold (default {config.deepspeed_default_threshold:,} elements)", "leave small modules out of fully_shard",
-         f"`persist_below={config.persistence_threshold}`: small weights stay whole (replicated rules)", f"S per step {format_bytes(persist.total_bytes)} against {format_bytes(z3.total_bytes)}; DeepSpeed's default here: {guard[:160]}"],
-        ["mixed precision", "bf16.enabled: bf16 weights, fp32 master weights in the optimizer", "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype)",
-         "`param_dtype=bfloat16`: bf16 working weights, fp32 master weights sharded with Adam", f"all-gathers carry {'/'.join(z3.gather_types)}, reductions {'/'.join(z3.reduce_types)} on {main}; {'/'.join(tz3.gather_types)} on {last}"],
-        ["reduce dtype", "communication_data_type", "MixedPrecisionPolicy(reduce_dtype=fp32)",
-         "follows the gather: the reduce-scatter is the all-gather's transpose, so it carries the gathered dtype (a custom_vjp would be needed to differ)", f"gathers {'/'.join(z3.gather_types)} → reductions {'/'.join(z3.reduce_types)}"],
-        ["cast before or after the gather", "(bf16 weights are gathered in bf16)", "param_dtype=None with autocast gathers fp32",
-         "`param_dtype=float32, compute_dtype=bfloat16`: gather fp32, then cast", f"all-gathers carry {'/'.join(f32.gather_types)} on {main}, {'/'.join(by[last, 'zero3-f32-gather'].gather_types)} on {last}"],
-        ["prefetch and overlap", "stage3_prefetch_bucket_size, overlap_comm", "implicit prefetch; set_modules_to_forward_prefetch / backward_prefetch",
-         "XLA: async collectives and the latency-hiding scheduler", f"async all-gathers: {z3.async_gathers} on {main}, {tz3.async_gathers} on {last}"],
-        ["buckets", "reduce_bucket_size, allgather_bucket_size", "one all-gather per fully_shard group",
-         "XLA's collective combiners (tuple collectives)", f"{z3.combined} combined collectives carrying {z3.combined_arrays} arrays on {main}; {tz3.combined} carrying {tz3.combined_arrays} on {last}"],
-        ["offload", "offload_optimizer / offload_param (ZeRO-Offload, ZeRO-Infinity)", "CPUOffloadPolicy",
-         "memory kinds (`pinned_host`); remat policy `offload` for activations", "see the fits_vs_trains page"],
+        [
+            "reshard after forward",
+            "always (re-gathers in the backward); stage3_max_reuse_distance keeps a weight if reused soon",
+            "reshard_after_forward=True (default)",
+            "`zero3`: remat policy refuses to save `reshard` outputs",
+            f"{z3.forward_gathers} all-gathers in the forward, {z3.backward_gathers} again in the backward",
+        ],
+        [
+            "keep gathered weights",
+            "large stage3_max_reuse_distance / stage3_max_live_parameters",
+            "reshard_after_forward=False",
+            "`zero3-keep`: the gathered weights are saved residuals",
+            f"{keep.backward_gathers} backward all-gathers; whole step {format_bytes(keep.step_bytes)} "
+            f"against {format_bytes(z3.step_bytes)}",
+        ],
+        [
+            "persistence threshold",
+            f"stage3_param_persistence_threshold (default {config.deepspeed_default_threshold:,} elements)",
+            "leave small modules out of fully_shard",
+            f"`persist_below={config.persistence_threshold}`: small weights stay whole (replicated rules)",
+            f"S per step {format_bytes(persist.total_bytes)} against {format_bytes(z3.total_bytes)}; "
+            f"DeepSpeed's default here: {guard[:160]}",
+        ],
+        [
+            "mixed precision",
+            "bf16.enabled: bf16 weights, fp32 master weights in the optimizer",
+            "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype)",
+            "`param_dtype=bfloat16`: bf16 working weights, fp32 master weights sharded with Adam",
+            f"all-gathers carry {'/'.join(z3.gather_types)}, reductions {'/'.join(z3.reduce_types)} "
+            f"on {main}; {'/'.join(tz3.gather_types)} on {last}",
+        ],
+        [
+            "reduce dtype",
+            "communication_data_type",
+            "MixedPrecisionPolicy(reduce_dtype=fp32)",
+            "follows the gather: the reduce-scatter is the all-gather's transpose, "
+            "so it carries the gathered dtype (a custom_vjp would be needed "
+            "to differ)",
+            f"gathers {'/'.join(z3.gather_types)} → reductions {'/'.join(z3.reduce_types)}",
+        ],
+        [
+            "cast before or after the gather",
+            "(bf16 weights are gathered in bf16)",
+            "param_dtype=None with autocast gathers fp32",
+            "`param_dtype=float32, compute_dtype=bfloat16`: gather fp32, then cast",
+            f"all-gathers carry {'/'.join(f32.gather_types)} on {main}, "
+            f"{'/'.join(by[last, 'zero3-f32-gather'].gather_types)} on {last}",
+        ],
+        [
+            "prefetch and overlap",
+            "stage3_prefetch_bucket_size, overlap_comm",
+            "implicit prefetch; set_modules_to_forward_prefetch / backward_prefetch",
+            "XLA: async collectives and the latency-hiding scheduler",
+            f"async all-gathers: {z3.async_gathers} on {main}, {tz3.async_gathers} on {last}",
+        ],
+        [
+            "buckets",
+            "reduce_bucket_size, allgather_bucket_size",
+            "one all-gather per fully_shard group",
+            "XLA's collective combiners (tuple collectives)",
+            f"{z3.combined} combined collectives carrying {z3.combined_arrays} "
+            f"arrays on {main}; {tz3.combined} carrying {tz3.combined_arrays} "
+            f"on {last}",
+        ],
+        [
+            "offload",
+            "offload_optimizer / offload_param (ZeRO-Offload, ZeRO-Infinity)",
+            "CPUOffloadPolicy",
+            "memory kinds (`pinned_host`); remat policy `offload` for activations",
+            "see the fits_vs_trains page",
+        ],
     ]
-    return Table("Knobs: DeepSpeed ZeRO-3, PyTorch FSDP2, and what they are in this lab", ["knob", "DeepSpeed ZeRO-3", "PyTorch FSDP2", "this lab (JAX)", "what the HLO shows"], rows)
+    return Table(
+        "Knobs: DeepSpeed ZeRO-3, PyTorch FSDP2, and what they are in this lab",
+        ["knob", "DeepSpeed ZeRO-3", "PyTorch FSDP2", "this lab (JAX)", "what the HLO shows"],
+        rows,
+    )
 
 
 def _measured(programs: list[Program]) -> Table:
     return Table(
         "Each variant as compiled",
-        ["target", "variant", "forward all-gathers", "backward all-gathers", "all-gather S", "all collectives S", "gather / reduce types", "reductions", "async all-gathers", "combined collectives", "whole step"],
-        [[p.target, p.variant, p.forward_gathers, p.backward_gathers, format_bytes(p.gathered_bytes), format_bytes(p.total_bytes), f"{'/'.join(p.gather_types)} / {'/'.join(p.reduce_types)}",
-          ", ".join(p.reductions), p.async_gathers, f"{p.combined} ({p.combined_arrays} arrays)", format_bytes(p.step_bytes)] for p in programs],
-        note="Loops are counted by trip count; the TPU HLO prints none for the layer loop, so its collectives are counted once per layer.",
+        [
+            "target",
+            "variant",
+            "forward all-gathers",
+            "backward all-gathers",
+            "all-gather S",
+            "all collectives S",
+            "gather / reduce types",
+            "reductions",
+            "async all-gathers",
+            "combined collectives",
+            "whole step",
+        ],
+        [
+            [
+                p.target,
+                p.variant,
+                p.forward_gathers,
+                p.backward_gathers,
+                format_bytes(p.gathered_bytes),
+                format_bytes(p.total_bytes),
+                f"{'/'.join(p.gather_types)} / {'/'.join(p.reduce_types)}",
+                ", ".join(p.reductions),
+                p.async_gathers,
+                f"{p.combined} ({p.combined_arrays} arrays)",
+                format_bytes(p.step_bytes),
+            ]
+            for p in programs
+        ],
+        note="Loops are counted by trip count; the TPU HLO prints none for "
+        "the layer loop, so its collectives are counted once per layer.",
     )
 
 
 def _lines(programs: list[Program]) -> Table:
     rows = [[p.target, p.variant, role, f"`{line}`"] for p in programs for role, line in p.lines.items() if line]
-    return Table("The HLO behind each mapping (first instruction of each role)", ["target", "variant", "role", "optimized HLO"], rows)
+    return Table(
+        "The HLO behind each mapping (first instruction of each role)",
+        ["target", "variant", "role", "optimized HLO"],
+        rows,
+    )
 
 
 def _summary(by: dict, targets: list[str], guard: str, config: Config) -> str:
     main = targets[0]
     z3, keep, persist = by[main, "zero3"], by[main, "zero3-keep"], by[main, "zero3-persist"]
     text = (
-        f"In JAX terms ZeRO-3 and FSDP2 are one program: weights split over fsdp, on {main} {z3.forward_gathers} all-gathers in the forward pass of a step and "
-        f"{z3.backward_gathers} again in the backward (reshard after forward, both systems' default), gradient reductions of the gathered element type "
-        f"({'/'.join(z3.reduce_types)}). Their knobs are lab settings: keeping the gathered weights (FSDP2 reshard_after_forward=False) leaves "
-        f"{keep.backward_gathers} backward all-gathers and raises the whole step from {format_bytes(z3.step_bytes)} to {format_bytes(keep.step_bytes)}; "
-        f"a persistence threshold of {config.persistence_threshold} elements saves {format_bytes(z3.total_bytes - persist.total_bytes)} of S per step. "
+        "In JAX terms ZeRO-3 and FSDP2 are one program: weights split over "
+        f"fsdp, on {main} {z3.forward_gathers} all-gathers in the forward "
+        "pass of a step and "
+        f"{z3.backward_gathers} again in the backward (reshard after forward, "
+        "both systems' default), gradient reductions of the gathered element "
+        "type "
+        f"({'/'.join(z3.reduce_types)}). Their knobs are lab settings: keeping "
+        "the gathered weights (FSDP2 reshard_after_forward=False) leaves "
+        f"{keep.backward_gathers} backward all-gathers and raises the whole "
+        f"step from {format_bytes(z3.step_bytes)} to {format_bytes(keep.step_bytes)}; "
+        f"a persistence threshold of {config.persistence_threshold} elements "
+        f"saves {format_bytes(z3.total_bytes - persist.total_bytes)} of S "
+        "per step. "
     )
-    text += "DeepSpeed's default threshold would leave this small model mostly unsharded, and the lab's sufficiently-sharded guard refuses it." if guard != "accepted" else "DeepSpeed's default threshold passes the sufficiently-sharded guard for this model."
+    text += (
+        "DeepSpeed's default threshold would leave this small model mostly "
+        "unsharded, and the lab's sufficiently-sharded guard refuses it."
+        if guard != "accepted"
+        else "DeepSpeed's default threshold passes the sufficiently-sharded guard for this model."
+    )
     if len(targets) > 1:
         t = by[targets[-1], "zero3"]
         text += f" Prefetch and overlap are XLA's: {t.async_gathers} of the all-gathers compiled for {targets[-1]} are asynchronous, {z3.async_gathers} on {main}."
@@ -283,13 +430,23 @@ def _notes(by: dict, targets: list[str]) -> list[str]:
         z3 = by[target, "zero3"]
         if z3.forward_gathers < most:
             notes.append(
-                f"{target}: {most - z3.forward_gathers} fewer forward all-gathers than the other target for the same weights: this compiler gathers "
-                f"the smallest weights (the norm scales) by all-reduce of a zero-padded buffer; the bytes are the same, which is why the checks compare all collectives' S."
+                f"{target}: {most - z3.forward_gathers} fewer forward all-gathers "
+                "than the other target for the same weights: this compiler "
+                "gathers "
+                "the smallest weights (the norm scales) by all-reduce of a "
+                "zero-padded buffer; the bytes are the same, which is why the "
+                "checks compare all collectives' S."
             )
     for target in targets:
         z3, f32 = by[target, "zero3"], by[target, "zero3-f32-gather"]
         if parse_target(target).platform == "cpu" and z3.gather_types == ("f32",):
-            notes.append(f"{target}: the bf16 weights travel as f32: XLA:CPU widens bf16 collectives, doubling their bytes.")
+            notes.append(
+                f"{target}: the bf16 weights travel as f32: XLA:CPU widens bf16 collectives, doubling their bytes."
+            )
         if f32.gather_types == ("bf16",):
-            notes.append(f"{target}: with fp32 weights and bf16 matmuls the compiler gathers bf16: it moved the cast before the all-gather, doing FSDP2's param_dtype=bf16 on its own.")
+            notes.append(
+                f"{target}: with fp32 weights and bf16 matmuls the compiler "
+                "gathers bf16: it moved the cast before the all-gather, doing "
+                "FSDP2's param_dtype=bf16 on its own."
+            )
     return notes

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 
 from lab import theory
-from lab.bench import Timing, format_bytes
+from lab.bench import Timing
 from lab.devices import devices_for, parse_target
 from lab.errors import LabError
 from lab.mesh import MeshSpec
@@ -28,7 +28,8 @@ from lab.model import ModelConfig, preset
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.rules import STRATEGIES
-from lab.train import TrainConfig, Trainer
+from lab.training.step import TrainConfig, Trainer
+from lab.units import format_bytes
 from lab.verdict import check
 
 QUESTION = "#49"
@@ -93,15 +94,28 @@ def run(config: Config) -> Result:
     model = preset(config.model)
     timed = not parse_target(config.target).compile_only
     trainers = {s: _trainer(model, s, devices, config.precision) for s in STRATEGIES}
-    measured = [_measure(t, config.global_batch, config.target) for t in track(trainers.values(), f"compile every strategy for {config.target}")]
+    measured = [
+        _measure(t, config.global_batch, config.target)
+        for t in track(trainers.values(), f"compile every strategy for {config.target}")
+    ]
     if timed:
-        start = _host_state(trainers["ddp"])  # every strategy starts from the same weights: one initializer compiled, not five
-        measured = [replace(m, step=trainers[m.strategy].time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start)) for m in track(measured, "step time per strategy")]
+        start = _host_state(
+            trainers["ddp"]
+        )  # every strategy starts from the same weights: one initializer compiled, not five
+        measured = [
+            replace(
+                m,
+                step=trainers[m.strategy].time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start),
+            )
+            for m in track(measured, "step time per strategy")
+        ]
     tpu = _on_tpu(config, model) if config.tpu and timed else []
     ratio = _goal_ratio(config, devices) if timed else None
     everything = measured + tpu
     expected = {(m.target, m.strategy): _expected(m.strategy, model, m.devices, config.precision) for m in everything}
-    checks = [c for m in everything for c in _checks(m, expected[m.target, m.strategy])] + _ratio_checks(everything, expected)
+    checks = [c for m in everything for c in _checks(m, expected[m.target, m.strategy])] + _ratio_checks(
+        everything, expected
+    )
     return Result(
         name="zero_stages",
         title="ZeRO stages on a real transformer: memory, bytes and step time against the ZeRO paper",
@@ -113,7 +127,12 @@ def run(config: Config) -> Result:
         plots={"zero_stages": _plot(everything, expected)},
         notes=_notes(measured, tpu, expected, model),
         provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={len(devices)}"),
-        data={"model": config.model, "parameters": model.parameters, "measured": [_as_data(m) for m in everything], "goal_ratio": _ratio_data(ratio)},
+        data={
+            "model": config.model,
+            "parameters": model.parameters,
+            "measured": [_as_data(m) for m in everything],
+            "goal_ratio": _ratio_data(ratio),
+        },
     )
 
 
@@ -136,7 +155,9 @@ def _measure(trainer: Trainer, global_batch: int, target: str, *, gradients: boo
         target=target,
         devices=devices,
         state_bytes=step.memory["argument_size"] - global_batch * (trainer.model.seq + 1) * 4 // devices,
-        grad_bytes=trainer.inspect_gradients(global_batch).memory["output_size"] - 4 if gradients else None,  # minus the f32 loss
+        grad_bytes=trainer.inspect_gradients(global_batch).memory["output_size"] - 4
+        if gradients
+        else None,  # minus the f32 loss
         step_bytes=_step_bytes(step.memory),
         moved=moved,
         moved_in_working_dtype=_tally(found, trainer.model.layers, itemsize=working)[1],
@@ -157,9 +178,13 @@ def _tally(found, layers: int, itemsize: int | None = None):
     moved: dict[str, float] = {}
     sent, assumed = 0.0, 0
     for c in found:
-        runs = c.repeats if c.repeats is not None else layers  # the TPU HLO prints no trip count: the layer scan runs `layers` times
+        runs = (
+            c.repeats if c.repeats is not None else layers
+        )  # the TPU HLO prints no trip count: the layer scan runs `layers` times
         assumed += c.repeats is None
-        size = c.size_bytes if itemsize is None else c.size_bytes * itemsize / jnp.dtype(HLO_DTYPES[c.dtypes[0]]).itemsize
+        size = (
+            c.size_bytes if itemsize is None else c.size_bytes * itemsize / jnp.dtype(HLO_DTYPES[c.dtypes[0]]).itemsize
+        )
         row = totals.setdefault((c.kind, c.axes), [0, 0])
         row[0] += runs
         row[1] += runs * size
@@ -180,7 +205,7 @@ def _padded_arguments(optimized_hlo: str) -> tuple[int, int]:
     A layout lists dimensions minor first; a tile T(x,y) covers the two most minor dimensions, padding them
     up to multiples of x and y. On layouts without tiles this is simply the parameters' bytes.
     """
-    entry = optimized_hlo[optimized_hlo.find("\nENTRY"):]
+    entry = optimized_hlo[optimized_hlo.find("\nENTRY") :]
     entry = entry[: entry.find("\n}")]
     declared = padded = 0
     for dtype, dims, layout in re.findall(r"= ([a-z]+\d*)\[([\d,]*)\]\{([^}]*)\} parameter\(", entry):
@@ -212,8 +237,16 @@ def _goal_ratio(config: Config, devices) -> dict:
     single_trainer = _trainer(model, "zero3", devices[:1], config.precision)
     start = _host_state(single_trainer)
     single = single_trainer.time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start)
-    sharded = _trainer(model, "zero3", devices, config.precision).time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start)
-    return {"model": config.timing_model, "devices": len(devices), "sharded": sharded, "single": single, "ratio": sharded.median / single.median}
+    sharded = _trainer(model, "zero3", devices, config.precision).time_step(
+        config.global_batch, repeats=config.repeats, warmup=1, start=start
+    )
+    return {
+        "model": config.timing_model,
+        "devices": len(devices),
+        "sharded": sharded,
+        "single": single,
+        "ratio": sharded.median / single.median,
+    }
 
 
 def _on_tpu(config: Config, model: ModelConfig) -> list[Measured]:
@@ -222,7 +255,10 @@ def _on_tpu(config: Config, model: ModelConfig) -> list[Measured]:
     except LabError:
         return []
     trainers = [_trainer(model, s, chips, config.precision) for s in STRATEGIES]
-    return [_measure(t, config.global_batch, config.tpu, gradients=False) for t in track(trainers, f"compile every strategy for {config.tpu}")]
+    return [
+        _measure(t, config.global_batch, config.tpu, gradients=False)
+        for t in track(trainers, f"compile every strategy for {config.tpu}")
+    ]
 
 
 # --- theory -------------------------------------------------------------------------------
@@ -232,8 +268,12 @@ def _expected(strategy: str, model: ModelConfig, devices: int, precision: str) -
     """The paper's accounting for this model: Ψ parameters in b-byte working weights, N = devices."""
     psi, b = model.parameters, jnp.dtype(precision).itemsize
     # with fp32 working weights the optimizer uses them as its master copy: 8 bytes of moments, no extra 4
-    states = theory.zero_model_states(STAGE[strategy], psi, devices, param_bytes=b, grad_bytes=b, optimizer_bytes=12 if b == 2 else 8)
-    regathered = {"zero3": model.block_parameters * b, "zero3-keep": 0}.get(strategy)  # the blocks are rematerialized, the root is not
+    states = theory.zero_model_states(
+        STAGE[strategy], psi, devices, param_bytes=b, grad_bytes=b, optimizer_bytes=12 if b == 2 else 8
+    )
+    regathered = {"zero3": model.block_parameters * b, "zero3-keep": 0}.get(
+        strategy
+    )  # the blocks are rematerialized, the root is not
     moved = theory.zero_step_collectives(STAGE[strategy], psi * b, regathered_bytes=regathered)
     return Expected(states, moved, theory.step_wire_bytes(moved, devices), b)
 
@@ -251,11 +291,19 @@ def _explanation(expected: Expected, m: Measured) -> str | None:
     reasons = []
     width = sum(m.moved.values()) / sum(m.moved_in_working_dtype.values())
     if not math.isclose(width, 1.0, rel_tol=0.02):
-        reasons.append(f"the collectives carry {'/'.join(m.dtypes)} where the working weights are {'bf16' if expected.itemsize == 2 else 'f32'}: S is {width:.2g}x")
+        reasons.append(
+            f"the collectives carry {'/'.join(m.dtypes)} where the working "
+            f"weights are {'bf16' if expected.itemsize == 2 else 'f32'}: S "
+            f"is {width:.2g}x"
+        )
     extra = m.moved_in_working_dtype.get("all-reduce", 0) - expected.moved.get("all-reduce", 0)
     if extra > 0.01 * sum(expected.moved.values()):
         shapes = ", ".join(dict.fromkeys(str(list(s)) for s in m.all_reduced))
-        reasons.append(f"{format_bytes(extra)} of reduce-scatter or all-gather was done by all-reduce (operands {shapes}), which sends 2(N-1)/N·S instead of (N-1)/N·S")
+        reasons.append(
+            f"{format_bytes(extra)} of reduce-scatter or all-gather was done "
+            f"by all-reduce (operands {shapes}), which sends 2(N-1)/N·S instead "
+            "of (N-1)/N·S"
+        )
     return "; ".join(reasons) or None
 
 
@@ -265,8 +313,11 @@ def _padding(m: Measured) -> str | None:
     if not tiled or abs(m.padded_arguments - m.arguments) > 0.01 * m.arguments:
         return None
     return (
-        f"the layouts tile the two minor dimensions of every array and this model's small head and shard dimensions fill the tiles only partly: "
-        f"the step's parameters take {format_bytes(m.declared_arguments)} as declared and {format_bytes(m.padded_arguments)} with their tiles filled; XLA reports {format_bytes(m.arguments)}"
+        "the layouts tile the two minor dimensions of every array and this "
+        "model's small head and shard dimensions fill the tiles only partly: "
+        f"the step's parameters take {format_bytes(m.declared_arguments)} "
+        f"as declared and {format_bytes(m.padded_arguments)} with their tiles "
+        f"filled; XLA reports {format_bytes(m.arguments)}"
     )
 
 
@@ -275,8 +326,20 @@ def _checks(m: Measured, expected: Expected) -> list:
     state = expected.states.params + expected.states.optimizer
     padded = _padding(m) if not math.isclose(state, m.state_bytes, rel_tol=0.01) else None
     rows = [
-        check(f"{label}: persistent state per device (params + optimizer), bytes", state, m.state_bytes, rtol=0.01, explained=padded),
-        check(f"{label}: bytes sent per device per step (ring)", expected.sent, m.sent, rtol=0.02, explained=_explanation(expected, m)),
+        check(
+            f"{label}: persistent state per device (params + optimizer), bytes",
+            state,
+            m.state_bytes,
+            rtol=0.01,
+            explained=padded,
+        ),
+        check(
+            f"{label}: bytes sent per device per step (ring)",
+            expected.sent,
+            m.sent,
+            rtol=0.02,
+            explained=_explanation(expected, m),
+        ),
     ]
     if m.grad_bytes is not None:  # the secondary TPU compile skips the gradients program
         rows.insert(1, check(f"{label}: gradients per device, bytes", expected.states.grads, m.grad_bytes, rtol=0.01))
@@ -288,8 +351,18 @@ def _ratio_checks(everything: list[Measured], expected: dict) -> list:
     for target in dict.fromkeys(m.target for m in everything):
         by = {m.strategy: m for m in everything if m.target == target}
         want = expected[target, "zero3"].sent / expected[target, "ddp"].sent
-        why = "; ".join(f"{s}: {e}" for s in ("zero3", "ddp") if (e := _explanation(expected[target, s], by[s]))) or None
-        rows.append(check(f"{target}: ZeRO-3 bytes sent / DDP bytes sent", want, by["zero3"].sent / by["ddp"].sent, rtol=0.02, explained=why))
+        why = (
+            "; ".join(f"{s}: {e}" for s in ("zero3", "ddp") if (e := _explanation(expected[target, s], by[s]))) or None
+        )
+        rows.append(
+            check(
+                f"{target}: ZeRO-3 bytes sent / DDP bytes sent",
+                want,
+                by["zero3"].sent / by["ddp"].sent,
+                rtol=0.02,
+                explained=why,
+            )
+        )
     return rows
 
 
@@ -336,20 +409,64 @@ def _tables(everything: list[Measured], expected: dict, ratio: dict | None) -> l
 
     memory = Table(
         "Memory per device: the ZeRO paper against XLA's memory analysis",
-        ["target", "strategy", "paper: params", "paper: grads", "paper: optimizer", "paper: total", "XLA: state (arguments - batch)", "XLA: gradients", "XLA: whole step"],
-        [[m.target, m.strategy, *(format_bytes(x) for x in (e.states.params, e.states.grads, e.states.optimizer, e.states.total)), shown(m.state_bytes), shown(m.grad_bytes), shown(m.step_bytes)]
-         for m in everything for e in [expected[m.target, m.strategy]]],
-        note="XLA's whole step adds what the paper leaves out: activations, each layer's gathered weights, and the whole-size partial-sum gradient a device computes before the reduction.",
+        [
+            "target",
+            "strategy",
+            "paper: params",
+            "paper: grads",
+            "paper: optimizer",
+            "paper: total",
+            "XLA: state (arguments - batch)",
+            "XLA: gradients",
+            "XLA: whole step",
+        ],
+        [
+            [
+                m.target,
+                m.strategy,
+                *(format_bytes(x) for x in (e.states.params, e.states.grads, e.states.optimizer, e.states.total)),
+                shown(m.state_bytes),
+                shown(m.grad_bytes),
+                shown(m.step_bytes),
+            ]
+            for m in everything
+            for e in [expected[m.target, m.strategy]]
+        ],
+        note="XLA's whole step adds what the paper leaves out: activations, "
+        "each layer's gathered weights, and the whole-size partial-sum "
+        "gradient a device computes before the reduction.",
     )
     traffic = Table(
         "Bytes per device per step: S per collective kind, and bytes sent on a ring",
-        ["target", "strategy", "paper: S per kind", "XLA: S per kind (element type)", "paper: bytes sent", "XLA: bytes sent"],
-        [[m.target, m.strategy, _kinds(e.moved), f"{_kinds(m.moved)} ({'/'.join(m.dtypes)})", format_bytes(e.sent), format_bytes(m.sent)] for m in everything for e in [expected[m.target, m.strategy]]],
+        [
+            "target",
+            "strategy",
+            "paper: S per kind",
+            "XLA: S per kind (element type)",
+            "paper: bytes sent",
+            "XLA: bytes sent",
+        ],
+        [
+            [
+                m.target,
+                m.strategy,
+                _kinds(e.moved),
+                f"{_kinds(m.moved)} ({'/'.join(m.dtypes)})",
+                format_bytes(e.sent),
+                format_bytes(m.sent),
+            ]
+            for m in everything
+            for e in [expected[m.target, m.strategy]]
+        ],
     )
     per_axis = Table(
         "Collectives per axis in the compiled step (loops counted by trip count)",
         ["target", "strategy", "kind", "axes", "runs per step", "S per step"],
-        [[m.target, m.strategy, kind, ",".join(axes), runs, format_bytes(size)] for m in everything for kind, axes, runs, size in m.rows],
+        [
+            [m.target, m.strategy, kind, ",".join(axes), runs, format_bytes(size)]
+            for m in everything
+            for kind, axes, runs, size in m.rows
+        ],
     )
     tables = [memory, traffic, per_axis]
     timed = [m for m in everything if m.step is not None]
@@ -378,20 +495,46 @@ def _plot(everything: list[Measured], expected: dict):
     figure, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.2))
     width = 0.25
     main = targets[0]
-    axes[0].bar([i - width for i in x], [expected[main, s].states.total / 1024 for s in strategies], width, label="paper: model states (16Ψ ... 16Ψ/N)")
-    axes[0].bar(list(x), [(by[main, s].state_bytes + (by[main, s].grad_bytes or 0)) / 1024 for s in strategies], width, label=f"{main}: state + gradients")
-    axes[0].bar([i + width for i in x], [by[main, s].step_bytes / 1024 for s in strategies], width, label=f"{main}: whole step", alpha=0.6)
+    axes[0].bar(
+        [i - width for i in x],
+        [expected[main, s].states.total / 1024 for s in strategies],
+        width,
+        label="paper: model states (16Ψ ... 16Ψ/N)",
+    )
+    axes[0].bar(
+        list(x),
+        [(by[main, s].state_bytes + (by[main, s].grad_bytes or 0)) / 1024 for s in strategies],
+        width,
+        label=f"{main}: state + gradients",
+    )
+    axes[0].bar(
+        [i + width for i in x],
+        [by[main, s].step_bytes / 1024 for s in strategies],
+        width,
+        label=f"{main}: whole step",
+        alpha=0.6,
+    )
     axes[0].set(title="memory per device", ylabel="KiB", xticks=list(x), xticklabels=strategies)
     bar = 0.8 / (1 + len(targets))
     axes[1].bar([i - 0.4 + bar / 2 for i in x], [expected[main, s].sent / 1024 for s in strategies], bar, label="paper")
     for k, target in enumerate(targets, 1):
-        axes[1].bar([i - 0.4 + bar / 2 + k * bar for i in x], [by[target, s].sent / 1024 for s in strategies], bar, label=f"{target}: HLO")
+        axes[1].bar(
+            [i - 0.4 + bar / 2 + k * bar for i in x],
+            [by[target, s].sent / 1024 for s in strategies],
+            bar,
+            label=f"{target}: HLO",
+        )
     axes[1].set(title="bytes sent per device per step (ring)", ylabel="KiB", xticks=list(x), xticklabels=strategies)
     if timed:
         medians = [m.step.median * 1e3 for m in timed]
-        spread = [[(m.step.median - m.step.min) * 1e3 for m in timed], [(m.step.max - m.step.median) * 1e3 for m in timed]]
+        spread = [
+            [(m.step.median - m.step.min) * 1e3 for m in timed],
+            [(m.step.max - m.step.median) * 1e3 for m in timed],
+        ]
         axes[2].bar(list(x), medians, yerr=spread, capsize=3)
-        axes[2].set(title=f"step time on {main}", ylabel="ms (median, min to max)", xticks=list(x), xticklabels=strategies)
+        axes[2].set(
+            title=f"step time on {main}", ylabel="ms (median, min to max)", xticks=list(x), xticklabels=strategies
+        )
     for ax in axes[:2]:
         ax.legend(fontsize=7)
     for ax in axes:
@@ -400,7 +543,9 @@ def _plot(everything: list[Measured], expected: dict):
     return figure
 
 
-def _summary(measured: list[Measured], tpu: list[Measured], expected: dict, ratio: dict | None, model: ModelConfig) -> str:
+def _summary(
+    measured: list[Measured], tpu: list[Measured], expected: dict, ratio: dict | None, model: ModelConfig
+) -> str:
     by = {m.strategy: m for m in measured}
     target, n = measured[0].target, measured[0].devices
 
@@ -409,22 +554,34 @@ def _summary(measured: list[Measured], tpu: list[Measured], expected: dict, rati
         return format_bytes(e.params + e.optimizer)
 
     text = (
-        f"On {target} ({n} devices, Ψ = {model.parameters:,} parameters, {'bf16' if expected[target, 'ddp'].itemsize == 2 else 'f32'} working weights) "
-        f"XLA's persistent state per device is {format_bytes(by['ddp'].state_bytes)} for DDP, {format_bytes(by['zero1'].state_bytes)} for ZeRO-1 and "
-        f"{format_bytes(by['zero3'].state_bytes)} for ZeRO-3 (the paper: {paper('ddp')}, {paper('zero1')}, {paper('zero3')}), and the gradients "
-        f"{format_bytes(by['ddp'].grad_bytes)} for DDP against {format_bytes(by['zero2'].grad_bytes)} for ZeRO-2 (the paper: "
-        f"{format_bytes(expected[target, 'ddp'].states.grads)}, {format_bytes(expected[target, 'zero2'].states.grads)}). "
-        f"ZeRO-3 sends {by['zero3'].sent / by['ddp'].sent:.2f}x DDP's bytes per step here, and {by['zero3-keep'].sent / by['ddp'].sent:.2f}x when it keeps the "
+        f"On {target} ({n} devices, Ψ = {model.parameters:,} parameters, "
+        f"{'bf16' if expected[target, 'ddp'].itemsize == 2 else 'f32'} working "
+        "weights) "
+        f"XLA's persistent state per device is {format_bytes(by['ddp'].state_bytes)} "
+        f"for DDP, {format_bytes(by['zero1'].state_bytes)} for ZeRO-1 and "
+        f"{format_bytes(by['zero3'].state_bytes)} for ZeRO-3 (the paper: "
+        f"{paper('ddp')}, {paper('zero1')}, {paper('zero3')}), and the gradients "
+        f"{format_bytes(by['ddp'].grad_bytes)} for DDP against {format_bytes(by['zero2'].grad_bytes)} "
+        "for ZeRO-2 (the paper: "
+        f"{format_bytes(expected[target, 'ddp'].states.grads)}, "
+        f"{format_bytes(expected[target, 'zero2'].states.grads)}). "
+        f"ZeRO-3 sends {by['zero3'].sent / by['ddp'].sent:.2f}x DDP's bytes "
+        f"per step here, and {by['zero3-keep'].sent / by['ddp'].sent:.2f}x "
+        "when it keeps the "
         f"gathered weights; the paper says 1.5x when every weight is gathered twice, "
-        f"{expected[target, 'zero3'].sent / expected[target, 'ddp'].sent:.2f}x for this model, whose embeddings stay gathered through the backward."
+        f"{expected[target, 'zero3'].sent / expected[target, 'ddp'].sent:.2f}x "
+        "for this model, whose embeddings stay gathered through the backward."
     )
     if tpu:
         tb = {m.strategy: m for m in tpu}
         text += f" Compiled for {tpu[0].target}, ZeRO-3 sends {tb['zero3'].sent / tb['ddp'].sent:.2f}x DDP's bytes."
     if ratio:
         text += (
-            f" The {ratio['devices']}-device ZeRO-3 step of the {ratio['model']} model took {ratio['ratio']:.2f}x the 1-device step "
-            f"({ratio['sharded'].median * 1e3:.1f} ms against {ratio['single'].median * 1e3:.1f} ms; {ratio['sharded'].min / ratio['single'].min:.2f}x comparing the fastest steps; "
+            f" The {ratio['devices']}-device ZeRO-3 step of the {ratio['model']} "
+            f"model took {ratio['ratio']:.2f}x the 1-device step "
+            f"({ratio['sharded'].median * 1e3:.1f} ms against {ratio['single'].median * 1e3:.1f} "
+            f"ms; {ratio['sharded'].min / ratio['single'].min:.2f}x comparing "
+            "the fastest steps; "
             f"the goal is at most 1.25)."
         )
     return text
@@ -440,34 +597,63 @@ def _notes(measured: list[Measured], tpu: list[Measured], expected: dict, model:
     if tpu:
         tb = {m.strategy: m for m in tpu}
         notes.append(
-            f"{tpu[0].target}: the same ZeRO-3 program reduce-scatters {format_bytes(tb['zero3'].moved.get('reduce-scatter', 0))} and all-reduces "
-            f"{format_bytes(tb['zero3'].moved.get('all-reduce', 0))} per step, and ZeRO-1 (whole gradients, then a slice) reduce-scatters "
-            f"{format_bytes(tb['zero1'].moved.get('reduce-scatter', 0))}: the TPU compiler turns an all-reduce whose result is only sliced into a reduce-scatter, "
+            f"{tpu[0].target}: the same ZeRO-3 program reduce-scatters "
+            f"{format_bytes(tb['zero3'].moved.get('reduce-scatter', 0))} and "
+            "all-reduces "
+            f"{format_bytes(tb['zero3'].moved.get('all-reduce', 0))} per step, "
+            "and ZeRO-1 (whole gradients, then a slice) reduce-scatters "
+            f"{format_bytes(tb['zero1'].moved.get('reduce-scatter', 0))}: "
+            "the TPU compiler turns an all-reduce whose result is only sliced "
+            "into a reduce-scatter, "
             f"where the {target} compiler keeps the all-reduce and the slice."
         )
         if any(m.assumed_loops for m in tpu):
-            notes.append(f"{tpu[0].target}: the TPU HLO prints no trip count for the layer loop; its collectives are counted {model.layers} times (the scan's length).")
+            notes.append(
+                f"{tpu[0].target}: the TPU HLO prints no trip count for the "
+                f"layer loop; its collectives are counted {model.layers} times "
+                "(the scan's length)."
+            )
     notes.append(
-        f"ZeRO-2's saving is the gradient *buffer* ({format_bytes(by['zero2'].grad_bytes)} against ZeRO-1's {format_bytes(by['zero1'].grad_bytes)}); "
-        f"inside one step XLA still computes each device's whole-size partial-sum gradient before reducing it, so the whole step holds "
-        f"{format_bytes(by['zero2'].step_bytes)} against {format_bytes(by['zero1'].step_bytes)}. With micro-batches the buffer is what persists between them."
+        f"ZeRO-2's saving is the gradient *buffer* ({format_bytes(by['zero2'].grad_bytes)} "
+        f"against ZeRO-1's {format_bytes(by['zero1'].grad_bytes)}); "
+        "inside one step XLA still computes each device's whole-size partial-sum "
+        "gradient before reducing it, so the whole step holds "
+        f"{format_bytes(by['zero2'].step_bytes)} against {format_bytes(by['zero1'].step_bytes)}. "
+        "With micro-batches the buffer is what persists between them."
     )
     notes.append(
-        f"Keeping the gathered weights (zero3-keep) saves the second all-gather ({format_bytes(by['zero3'].moved.get('all-gather', 0) - by['zero3-keep'].moved.get('all-gather', 0))} "
-        f"of S per step) and costs whole-step memory: {format_bytes(by['zero3-keep'].step_bytes)} against {format_bytes(by['zero3'].step_bytes)}."
+        "Keeping the gathered weights (zero3-keep) saves the second all-gather "
+        f"({format_bytes(by['zero3'].moved.get('all-gather', 0) - by['zero3-keep'].moved.get('all-gather', 0))} "
+        f"of S per step) and costs whole-step memory: {format_bytes(by['zero3-keep'].step_bytes)} "
+        f"against {format_bytes(by['zero3'].step_bytes)}."
     )
     return notes
 
 
 def _as_data(m: Measured) -> dict:
     return {
-        "strategy": m.strategy, "target": m.target, "devices": m.devices, "state_bytes": m.state_bytes, "grad_bytes": m.grad_bytes,
-        "step_bytes": m.step_bytes, "moved": m.moved, "moved_in_working_dtype": m.moved_in_working_dtype, "sent": m.sent, "dtypes": m.dtypes,
-        "rows": [list(r) for r in m.rows], "step_s": None if m.step is None else {"median": m.step.median, "min": m.step.min, "max": m.step.max},
+        "strategy": m.strategy,
+        "target": m.target,
+        "devices": m.devices,
+        "state_bytes": m.state_bytes,
+        "grad_bytes": m.grad_bytes,
+        "step_bytes": m.step_bytes,
+        "moved": m.moved,
+        "moved_in_working_dtype": m.moved_in_working_dtype,
+        "sent": m.sent,
+        "dtypes": m.dtypes,
+        "rows": [list(r) for r in m.rows],
+        "step_s": None if m.step is None else {"median": m.step.median, "min": m.step.min, "max": m.step.max},
     }
 
 
 def _ratio_data(ratio: dict | None) -> dict | None:
     if ratio is None:
         return None
-    return {"model": ratio["model"], "devices": ratio["devices"], "ratio": ratio["ratio"], "sharded_s": ratio["sharded"].median, "single_s": ratio["single"].median}
+    return {
+        "model": ratio["model"],
+        "devices": ratio["devices"],
+        "ratio": ratio["ratio"],
+        "sharded_s": ratio["sharded"].median,
+        "single_s": ratio["single"].median,
+    }

@@ -27,13 +27,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab import hlo, theory
-from lab.bench import format_bytes
 from lab.devices import topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import profile
 from lab.mesh import MeshSpec
 from lab.report import Result, Table, provenance
 from lab.topology import placement
+from lab.units import format_bytes
 from lab.verdict import check
 
 QUESTION = "#50"
@@ -81,7 +81,9 @@ class BookExample:
     book_profiled_seconds: float | None = None  # what the book measured on a real slice, where it did
 
 
-def _book_program(result: tuple, axes: tuple[str, ...], shape=(B, D), sharded=("data", "fsdp"), reduce=False) -> Program:
+def _book_program(
+    result: tuple, axes: tuple[str, ...], shape=(B, D), sharded=("data", "fsdp"), reduce=False
+) -> Program:
     return Program("v4:4x4x4", BOOK_MESH, shape, sharded, result, axes, reduce)
 
 
@@ -91,37 +93,119 @@ def _v5e_program(shape: tuple[int, int]) -> Program:
 
 EXAMPLES = (
     BookExample(
-        "v4-gather-x", "Part 3, Question 2.1", "AllGather_X(bf16[B_X, D_Y]), B=1024, D=4096", "all-gather", "v4", (4, 4, 4), (0,),
-        BF16 * B * D // 4, 23e-6, "2BD / (9e10 · Y)", True, _book_program((None, "fsdp"), ("data",)),
+        "v4-gather-x",
+        "Part 3, Question 2.1",
+        "AllGather_X(bf16[B_X, D_Y]), B=1024, D=4096",
+        "all-gather",
+        "v4",
+        (4, 4, 4),
+        (0,),
+        BF16 * B * D // 4,
+        23e-6,
+        "2BD / (9e10 · Y)",
+        True,
+        _book_program((None, "fsdp"), ("data",)),
     ),
     BookExample(
-        "v4-gather-y", "Part 3, Question 2.2", "AllGather_Y(bf16[B_X, D_Y])", "all-gather", "v4", (4, 4, 4), (1,),
-        BF16 * B * D // 4, 23e-6, "2BD / (9e10 · X)", True, _book_program(("data", None), ("fsdp",)),
+        "v4-gather-y",
+        "Part 3, Question 2.2",
+        "AllGather_Y(bf16[B_X, D_Y])",
+        "all-gather",
+        "v4",
+        (4, 4, 4),
+        (1,),
+        BF16 * B * D // 4,
+        23e-6,
+        "2BD / (9e10 · X)",
+        True,
+        _book_program(("data", None), ("fsdp",)),
     ),
     BookExample(
-        "v4-gather-xy", "Part 3, Question 2.3", "AllGather_XY(bf16[B_X, D_Y])", "all-gather", "v4", (4, 4, 4), (0, 1),
-        BF16 * B * D, 46e-6, "2BD / (2 axes · 9e10)", True, _book_program((), ("data", "fsdp")),
+        "v4-gather-xy",
+        "Part 3, Question 2.3",
+        "AllGather_XY(bf16[B_X, D_Y])",
+        "all-gather",
+        "v4",
+        (4, 4, 4),
+        (0, 1),
+        BF16 * B * D,
+        46e-6,
+        "2BD / (2 axes · 9e10)",
+        True,
+        _book_program((), ("data", "fsdp")),
     ),
     BookExample(
-        "v4-reduce-z", "Part 3, Question 2.4", "AllGather_Z(bf16[B_X, D_Y]{U_Z}): an all-reduce over Z", "all-reduce", "v4", (4, 4, 4), (2,),
-        BF16 * B * D // 16, 5.8e-6, "2BD / (16 · 9e10)", False,
-        _book_program(("data", "fsdp"), ("tensor",), shape=(4 * B, D), sharded=(("tensor", "data"), "fsdp"), reduce=True),
+        "v4-reduce-z",
+        "Part 3, Question 2.4",
+        "AllGather_Z(bf16[B_X, D_Y]{U_Z}): an all-reduce over Z",
+        "all-reduce",
+        "v4",
+        (4, 4, 4),
+        (2,),
+        BF16 * B * D // 16,
+        5.8e-6,
+        "2BD / (16 · 9e10)",
+        False,
+        _book_program(
+            ("data", "fsdp"), ("tensor",), shape=(4 * B, D), sharded=(("tensor", "data"), "fsdp"), reduce=True
+        ),
     ),
     BookExample(
-        "v4-tiny-gather", "Part 3, Question 3", "AllGather_X(bf16[B_X]), B=128", "all-gather", "v4", (4, 4, 4), (0,),
-        BF16 * 128, 2e-6, "latency-bound: 2 hops x 1 us", False, _book_program((), ("data",), shape=(128,), sharded=("data",)),
+        "v4-tiny-gather",
+        "Part 3, Question 3",
+        "AllGather_X(bf16[B_X]), B=128",
+        "all-gather",
+        "v4",
+        (4, 4, 4),
+        (0,),
+        BF16 * 128,
+        2e-6,
+        "latency-bound: 2 hops x 1 us",
+        False,
+        _book_program((), ("data",), shape=(128,), sharded=("data",)),
     ),
     BookExample(
-        "v5e-gather-no-wrap", "Part 3, Pop Quiz 2 (1)", "AllGather_Y(bf16[E_Y, F]) on v5e {X: 8, Y: 4}, E=2048, F=8192", "all-gather", "v5e", (8, 4), (1,),
-        BF16 * 2048 * 8192, 560e-6, "no wraparound: 3 · 8.4e6 / 4.5e10", False, _v5e_program((2048, 8192)), 680e-6,
+        "v5e-gather-no-wrap",
+        "Part 3, Pop Quiz 2 (1)",
+        "AllGather_Y(bf16[E_Y, F]) on v5e {X: 8, Y: 4}, E=2048, F=8192",
+        "all-gather",
+        "v5e",
+        (8, 4),
+        (1,),
+        BF16 * 2048 * 8192,
+        560e-6,
+        "no wraparound: 3 · 8.4e6 / 4.5e10",
+        False,
+        _v5e_program((2048, 8192)),
+        680e-6,
     ),
     BookExample(
-        "v5e-tiny-gather", "Part 3, Pop Quiz 2 (2)", "AllGather_Y(bf16[E_Y, F]) on v5e {X: 8, Y: 4}, E=F=256", "all-gather", "v5e", (8, 4), (1,),
-        BF16 * 256 * 256, 3e-6, "latency-bound: 3 hops x 1 us", False, _v5e_program((256, 256)), 8e-6,
+        "v5e-tiny-gather",
+        "Part 3, Pop Quiz 2 (2)",
+        "AllGather_Y(bf16[E_Y, F]) on v5e {X: 8, Y: 4}, E=F=256",
+        "all-gather",
+        "v5e",
+        (8, 4),
+        (1,),
+        BF16 * 256 * 256,
+        3e-6,
+        "latency-bound: 3 hops x 1 us",
+        False,
+        _v5e_program((256, 256)),
+        8e-6,
     ),
     BookExample(
-        "h100-node-gather", "Part 12, GPU Pop Quiz 1", "AllGather(bf16[B_X, F]) in an 8xH100 node, B=1024, F=16384", "all-gather", "h100", 8, (),
-        BF16 * 1024 * 16384, 65e-6, "(N-1)/N · 2BF / 4.5e11", False,
+        "h100-node-gather",
+        "Part 12, GPU Pop Quiz 1",
+        "AllGather(bf16[B_X, F]) in an 8xH100 node, B=1024, F=16384",
+        "all-gather",
+        "h100",
+        8,
+        (),
+        BF16 * 1024 * 16384,
+        65e-6,
+        "(N-1)/N · 2BF / 4.5e11",
+        False,
     ),
 )
 
@@ -153,7 +237,11 @@ def run(config: Config) -> Result:
         tables=[_time_table(examples, predictions), *([_program_table(examples, compiled)] if compiled else [])],
         checks=checks,
         notes=_notes(examples, predictions, compiled),
-        provenance=provenance(target=config.target, mesh="per example: " + ", ".join(sorted({f"{e.program.topology} {e.program.mesh}" for e in examples if e.program}))),
+        provenance=provenance(
+            target=config.target,
+            mesh="per example: "
+            + ", ".join(sorted({f"{e.program.topology} {e.program.mesh}" for e in examples if e.program})),
+        ),
         data={"predictions": {name: vars(cost) for name, cost in predictions.items()}},
     )
 
@@ -202,7 +290,12 @@ def _time_checks(example: BookExample, cost: theory.CollectiveCost, rtol: float)
     why = f"the book's V / W is the large-N limit; a ring of N={cost.devices} moves (N-1)/N = {share:.3g} of V, so the exact time is {share:.3g} x the book's"
     return [
         check(label, _us(example.book_seconds), _us(cost.seconds), rtol=rtol, explained=why),
-        check(f"{example.source}: lab's large-N limit (us)", _us(example.book_seconds), _us(large_n_limit_seconds(cost)), rtol=rtol),
+        check(
+            f"{example.source}: lab's large-N limit (us)",
+            _us(example.book_seconds),
+            _us(large_n_limit_seconds(cost)),
+            rtol=rtol,
+        ),
     ]
 
 
@@ -250,12 +343,25 @@ def _program_checks(example: BookExample, compiled: Compiled) -> list:
     first = found[0] if found else None
     kind_why = None
     if [c.kind for c in found] == ["all-reduce"] and example.kind == "all-gather":
-        kind_why = ("for this tiny gather the TPU compiler writes each chip's shard into a zeroed buffer of the "
-                    "gathered size (dynamic-update-slice) and all-reduces it: the same bytes, one latency-bound op")
+        kind_why = (
+            "for this tiny gather the TPU compiler writes each chip's shard into a zeroed buffer of the "
+            "gathered size (dynamic-update-slice) and all-reduces it: the same bytes, one latency-bound op"
+        )
     return [
-        check(f"{label}: collective the compiler wrote", example.kind, ", ".join(c.kind for c in found) or "none", explained=kind_why),
-        check(f"{label}: mesh axes it spans", ",".join(program.axes), ",".join(first.axes or ("?",)) if first else "none"),
-        check(f"{label}: torus dimensions of those axes", _extents(example.network, example.dims), _extents(compiled.topology, compiled.torus_dims)),
+        check(
+            f"{label}: collective the compiler wrote",
+            example.kind,
+            ", ".join(c.kind for c in found) or "none",
+            explained=kind_why,
+        ),
+        check(
+            f"{label}: mesh axes it spans", ",".join(program.axes), ",".join(first.axes or ("?",)) if first else "none"
+        ),
+        check(
+            f"{label}: torus dimensions of those axes",
+            _extents(example.network, example.dims),
+            _extents(compiled.topology, compiled.torus_dims),
+        ),
         check(f"{label}: bytes per chip (S)", example.size_bytes, first.size_bytes if first else 0),
     ]
 
@@ -283,10 +389,32 @@ def _time_table(examples, predictions) -> Table:
         where = f"{e.chip} {'x'.join(map(str, e.network))}, dims {e.dims}" if e.dims else f"{e.network} x {e.chip}"
         limit = f"{_us(large_n_limit_seconds(cost)):.3g}" if e.large_n_limit else "-"
         profiled = f"{_us(e.book_profiled_seconds):.3g}" if e.book_profiled_seconds else "-"
-        rows.append([e.source, e.operation, where, format_bytes(e.size_bytes), f"{_us(e.book_seconds):.3g} ({e.book_formula})",
-                     f"{_us(cost.seconds):.3g}", limit, f"{cost.links} x {cost.steps} hops", bound, profiled])
-    columns = ["source", "operation", "chip, network", "S per chip", "book (us)", "lab (us)", "lab, N -> inf, where the book takes it (us)",
-               "links x hops", "bound", "book's profile on a real slice (us)"]
+        rows.append(
+            [
+                e.source,
+                e.operation,
+                where,
+                format_bytes(e.size_bytes),
+                f"{_us(e.book_seconds):.3g} ({e.book_formula})",
+                f"{_us(cost.seconds):.3g}",
+                limit,
+                f"{cost.links} x {cost.steps} hops",
+                bound,
+                profiled,
+            ]
+        )
+    columns = [
+        "source",
+        "operation",
+        "chip, network",
+        "S per chip",
+        "book (us)",
+        "lab (us)",
+        "lab, N -> inf, where the book takes it (us)",
+        "links x hops",
+        "bound",
+        "book's profile on a real slice (us)",
+    ]
     return Table("The book's numbers against lab.theory", columns, rows)
 
 
@@ -300,23 +428,53 @@ def _program_table(examples, compiled) -> Table:
         for found in c.collectives:
             # The time theory gives for what XLA actually wrote, on the torus dimensions its axes occupy.
             seconds = theory.predict_on_torus(found.kind, found.size_bytes, chip, c.topology, c.torus_dims).seconds
-            rows.append([e.source, f"tpu:{e.program.topology}", f"{found.kind} (`{found.form}`)", ",".join(found.axes or ("?",)),
-                         str(c.torus_dims), format_bytes(found.size_bytes), found.group_size, f"{_us(seconds):.3g}"])
-    columns = ["source", "compiled for", "collective in HLO", "mesh axes", "torus dims", "S per chip", "group", "lab time for it (us)"]
+            rows.append(
+                [
+                    e.source,
+                    f"tpu:{e.program.topology}",
+                    f"{found.kind} (`{found.form}`)",
+                    ",".join(found.axes or ("?",)),
+                    str(c.torus_dims),
+                    format_bytes(found.size_bytes),
+                    found.group_size,
+                    f"{_us(seconds):.3g}",
+                ]
+            )
+    columns = [
+        "source",
+        "compiled for",
+        "collective in HLO",
+        "mesh axes",
+        "torus dims",
+        "S per chip",
+        "group",
+        "lab time for it (us)",
+    ]
     return Table("What the TPU compiler wrote (compile-only)", columns, rows)
 
 
 def _summary(examples, predictions, compiled) -> str:
     gather_x, gather_xy = predictions.get("v4-gather-x"), predictions.get("v4-gather-xy")
-    parts = [f"{len(examples)} worked answers of the scaling book against lab.theory"
-             + (f", {len(compiled)} of them also compiled by the TPU compiler for the book's slice" if compiled else "") + "."]
+    parts = [
+        f"{len(examples)} worked answers of the scaling book against lab.theory"
+        + (f", {len(compiled)} of them also compiled by the TPU compiler for the book's slice" if compiled else "")
+        + "."
+    ]
     if gather_x and gather_xy:
         parts.append(
-            f"On a v4 4x4x4 slice, all-gathering bf16[1024, 4096] sharded [B_X, D_Y] over X takes {_us(gather_x.seconds):.3g} us "
-            f"({_us(large_n_limit_seconds(gather_x)):.3g} us in the book's large-N limit, which the book rounds to 23), and over X and Y "
-            f"{_us(gather_xy.seconds):.3g} us ({_us(large_n_limit_seconds(gather_xy)):.3g} us in the limit; book: 46): the two-axis gather "
-            f"moves {gather_xy.size_bytes / gather_x.size_bytes:.0f}x the bytes on {gather_xy.links // gather_x.links}x the links, "
-            f"{gather_xy.seconds / gather_x.seconds:.2g}x the time. That per-axis cost is what #50's choice between TP+FSDP and a very large FSDP weighs.")
+            "On a v4 4x4x4 slice, all-gathering bf16[1024, 4096] sharded "
+            f"[B_X, D_Y] over X takes {_us(gather_x.seconds):.3g} us "
+            f"({_us(large_n_limit_seconds(gather_x)):.3g} us in the book's "
+            "large-N limit, which the book rounds to 23), and over X and "
+            "Y "
+            f"{_us(gather_xy.seconds):.3g} us ({_us(large_n_limit_seconds(gather_xy)):.3g} "
+            "us in the limit; book: 46): the two-axis gather "
+            f"moves {gather_xy.size_bytes / gather_x.size_bytes:.0f}x the "
+            f"bytes on {gather_xy.links // gather_x.links}x the links, "
+            f"{gather_xy.seconds / gather_x.seconds:.2g}x the time. That per-axis "
+            "cost is what #50's choice between TP+FSDP and a very large FSDP "
+            "weighs."
+        )
     return " ".join(parts)
 
 
@@ -325,23 +483,43 @@ def _notes(examples, predictions, compiled) -> list[str]:
     if "v4-reduce-z" in predictions:
         cost, book = predictions["v4-reduce-z"], next(e for e in examples if e.name == "v4-reduce-z")
         notes.append(
-            f"Part 3, Question 2.4 gives {_us(book.book_seconds):.2g} us for what is an all-reduce over Z (the input is unreduced over Z, the output keeps "
+            f"Part 3, Question 2.4 gives {_us(book.book_seconds):.2g} us for "
+            "what is an all-reduce over Z (the input is unreduced over Z, "
+            "the output keeps "
             f"its shape): V / W for one pass. The book's own table says an all-reduce costs two all-gathers, 2V / W = "
-            f"{_us(large_n_limit_seconds(cost)):.3g} us in the limit; the lab's exact ring time is {_us(cost.seconds):.3g} us. "
-            "The lab does not reproduce the book's answer here, and the verdict says so.")
+            f"{_us(large_n_limit_seconds(cost)):.3g} us in the limit; the "
+            f"lab's exact ring time is {_us(cost.seconds):.3g} us. "
+            "The lab does not reproduce the book's answer here, and the verdict says so."
+        )
     if "v4-tiny-gather" in compiled:
         tiny, book = compiled["v4-tiny-gather"].collectives, next(e for e in examples if e.name == "v4-tiny-gather")
-        notes.append(f"The tiny gather (Part 3, Question 3) compiles to {', '.join(f'{c.kind} of {format_bytes(c.size_bytes)}' for c in tiny)}: "
-                     "the TPU compiler gathers small arrays by all-reducing a zero-padded buffer. An all-reduce takes twice the hops in the lab's "
-                     f"model, so the time for what XLA wrote (second table) is above the book's {_us(book.book_seconds):.2g} us.")
-    placed = {e.program.axes[0]: compiled[e.name].torus_dims[0]
-              for e in examples if e.name in compiled and e.chip == "v4" and len(e.program.axes) == 1}
+        notes.append(
+            "The tiny gather (Part 3, Question 3) compiles to "
+            f"{', '.join(f'{c.kind} of {format_bytes(c.size_bytes)}' for c in tiny)}: "
+            "the TPU compiler gathers small arrays by all-reducing a zero-padded "
+            "buffer. An all-reduce takes twice the hops in the lab's "
+            f"model, so the time for what XLA wrote (second table) is above the book's {_us(book.book_seconds):.2g} us."
+        )
+    placed = {
+        e.program.axes[0]: compiled[e.name].torus_dims[0]
+        for e in examples
+        if e.name in compiled and e.chip == "v4" and len(e.program.axes) == 1
+    }
     if placed:
-        notes.append("v4 slices are built with libtpu's megacore chip configuration (one device per chip, as the book counts); "
-                     "lab.devices' default v4 topology has two devices per chip, one per TensorCore. On the 4x4x4 slice the lab's mesh put "
-                     + ", ".join(f"{axis} on torus dimension {dim}" for axis, dim in sorted(placed.items()))
-                     + " (mesh_utils' choice); every dimension of a 4x4x4 cube has 4 chips and wraps, so the book's X, Y, Z cost the same wherever they land.")
+        notes.append(
+            "v4 slices are built with libtpu's megacore chip configuration (one device per chip, as the book counts); "
+            "lab.devices' default v4 topology has two devices per chip, one "
+            "per TensorCore. On the 4x4x4 slice the lab's mesh put "
+            + ", ".join(f"{axis} on torus dimension {dim}" for axis, dim in sorted(placed.items()))
+            + " (mesh_utils' choice); every dimension of a 4x4x4 cube has "
+            "4 chips and wraps, so the book's X, Y, Z cost the same wherever "
+            "they land."
+        )
     if any(e.book_profiled_seconds for e in examples):
-        notes.append("The last column of the first table is what the book measured on a real v5e slice, not this run (compile-only runs "
-                     "measure nothing): real links fall short of the peak bandwidth and hop latency the model assumes, as the book says.")
+        notes.append(
+            "The last column of the first table is what the book measured "
+            "on a real v5e slice, not this run (compile-only runs "
+            "measure nothing): real links fall short of the peak bandwidth "
+            "and hop latency the model assumes, as the book says."
+        )
     return notes

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab import hlo, theory
-from lab.bench import crossover, format_bytes
+from lab.bench import crossover
 from lab.devices import parse_target, topology_devices
 from lab.hardware import profile_for_device_kind
 from lab.mesh import MeshSpec
@@ -34,6 +34,7 @@ from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.roofline import roofline
 from lab.topology import placement
+from lab.units import format_bytes
 from lab.verdict import check
 
 QUESTION = "#50"
@@ -71,11 +72,22 @@ def run(config: Config) -> Result:
     topology = target.topology if target.compile_only else Config.target.split(":", 1)[1]
     chips = topology_devices(topology)
     chip = profile_for_device_kind(chips[0].device_kind)
-    sweep = {name: [_step(spec, chips, config, b) for b in track(config.batch_per_chip, f"{name} on {topology}")] for name, spec in STRATEGIES.items()}
-    tensor = [_step(f"data=-1,tensor={y}", chips, config, config.batch_per_chip[-1]) for y in track(config.tensor_ways, "tensor parallel degrees")]
-    pods = [_step("fsdp=-1", topology_devices(t), config, 2048) | {"topology": t} for t in track(config.pod_topologies, "pod sizes")]
+    sweep = {
+        name: [_step(spec, chips, config, b) for b in track(config.batch_per_chip, f"{name} on {topology}")]
+        for name, spec in STRATEGIES.items()
+    }
+    tensor = [
+        _step(f"data=-1,tensor={y}", chips, config, config.batch_per_chip[-1])
+        for y in track(config.tensor_ways, "tensor parallel degrees")
+    ]
+    pods = [
+        _step("fsdp=-1", topology_devices(t), config, 2048) | {"topology": t}
+        for t in track(config.pod_topologies, "pod sizes")
+    ]
     thresholds = _thresholds(sweep, chip, config)
-    benchmark = _compile_benchmark(config.benchmark_preset, config.benchmark_topology) if config.benchmark_preset else None
+    benchmark = (
+        _compile_benchmark(config.benchmark_preset, config.benchmark_topology) if config.benchmark_preset else None
+    )
     checks = _checks(sweep, thresholds, tensor, chip, config)
     return Result(
         name="scaling_thresholds",
@@ -83,12 +95,27 @@ def run(config: Config) -> Result:
         question=QUESTION,
         summary=_summary(thresholds, topology, chip),
         theory=THEORY,
-        tables=[_sweep_table(sweep), _threshold_table(thresholds), _tensor_table(tensor, chip, config), _pod_table(pods, sweep["FSDP"], config), _collectives_table(sweep), *([_benchmark_table(benchmark)] if benchmark else [])],
+        tables=[
+            _sweep_table(sweep),
+            _threshold_table(thresholds),
+            _tensor_table(tensor, chip, config),
+            _pod_table(pods, sweep["FSDP"], config),
+            _collectives_table(sweep),
+            *([_benchmark_table(benchmark)] if benchmark else []),
+        ],
         checks=checks,
         plots={"ratio": _plot(sweep, thresholds, topology)},
         notes=_notes(sweep),
-        provenance=provenance(target=f"tpu:{topology}", devices=chips, mesh=", ".join(f"{k}: {v}" for k, v in STRATEGIES.items())),
-        data={"sweep": {k: [_plain(r) for r in v] for k, v in sweep.items()}, "tensor": [_plain(r) for r in tensor], "pods": [_plain(r) for r in pods], "thresholds": thresholds, "benchmark": benchmark},
+        provenance=provenance(
+            target=f"tpu:{topology}", devices=chips, mesh=", ".join(f"{k}: {v}" for k, v in STRATEGIES.items())
+        ),
+        data={
+            "sweep": {k: [_plain(r) for r in v] for k, v in sweep.items()},
+            "tensor": [_plain(r) for r in tensor],
+            "pods": [_plain(r) for r in pods],
+            "thresholds": thresholds,
+            "benchmark": benchmark,
+        },
     )
 
 
@@ -116,7 +143,9 @@ def _mlp_step(mesh, strategy_axes: dict):
     live (in/out shardings, sharding constraints) and leaves the partitioning
     to GSPMD, as production JAX training code does.
     """
-    batch, stored_in, stored_out, used_in, used_out, hidden = (strategy_axes[k] for k in ("batch", "w_in", "w_out", "use_in", "use_out", "hidden"))
+    batch, stored_in, stored_out, used_in, used_out, hidden = (
+        strategy_axes[k] for k in ("batch", "w_in", "w_out", "use_in", "use_out", "hidden")
+    )
 
     def loss(w_in_DF, w_out_FD, x_BD):
         w_in_DF = jax.lax.with_sharding_constraint(w_in_DF, NamedSharding(mesh, used_in))
@@ -130,7 +159,10 @@ def _mlp_step(mesh, strategy_axes: dict):
     # value_and_grad: the loss keeps the forward's second matmul alive (grad alone lets XLA drop it);
     # the input's gradient too, as for any layer but the first (tensor parallelism reduces it in the backward)
     batch_sharding = NamedSharding(mesh, batch)
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), out_shardings=(NamedSharding(mesh, P()), (*shardings, batch_sharding)))
+    step = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1, 2)),
+        out_shardings=(NamedSharding(mesh, P()), (*shardings, batch_sharding)),
+    )
     return step, shardings, batch_sharding
 
 
@@ -142,8 +174,10 @@ def _axes_for(mesh) -> dict:
     tp = "tensor" if sizes["tensor"] > 1 else None
     return {
         "batch": P(batch_axes, None),
-        "w_in": P(fsdp, tp), "w_out": P(tp, fsdp),  # stored: sharded over fsdp (and tensor)
-        "use_in": P(None, tp), "use_out": P(tp, None),  # used: gathered over fsdp, still split over tensor
+        "w_in": P(fsdp, tp),
+        "w_out": P(tp, fsdp),  # stored: sharded over fsdp (and tensor)
+        "use_in": P(None, tp),
+        "use_out": P(tp, None),  # used: gathered over fsdp, still split over tensor
         "hidden": P(batch_axes, tp),
     }
 
@@ -159,14 +193,32 @@ def _step(spec: str, chips, config: Config, batch_per_chip: int) -> dict:
     )
     inspection = hlo.inspect(step, *args, mesh=mesh)
     roof = roofline(inspection, mesh)
-    return {"spec": spec, "mesh": mesh, "chips": n, "batch_per_chip": batch_per_chip, "roofline": roof,
-            "ratio": roof.communication_s / roof.compute_s, "expected_flops": 12 * batch_per_chip * config.embed * config.mlp}
+    return {
+        "spec": spec,
+        "mesh": mesh,
+        "chips": n,
+        "batch_per_chip": batch_per_chip,
+        "roofline": roof,
+        "ratio": roof.communication_s / roof.compute_s,
+        "expected_flops": 12 * batch_per_chip * config.embed * config.mlp,
+    }
 
 
 def _plain(row: dict) -> dict:
     roof = row["roofline"]
-    return {"spec": row["spec"], "chips": row["chips"], "batch_per_chip": row["batch_per_chip"], "compute_s": roof.compute_s, "memory_s": roof.memory_s,
-            "communication_s": roof.communication_s, "flops": roof.flops, "collectives": [(c.collective.kind, c.collective.axes, c.collective.size_bytes, str(c.where), c.seconds) for c in roof.collectives]}
+    return {
+        "spec": row["spec"],
+        "chips": row["chips"],
+        "batch_per_chip": row["batch_per_chip"],
+        "compute_s": roof.compute_s,
+        "memory_s": roof.memory_s,
+        "communication_s": roof.communication_s,
+        "flops": roof.flops,
+        "collectives": [
+            (c.collective.kind, c.collective.axes, c.collective.size_bytes, str(c.where), c.seconds)
+            for c in roof.collectives
+        ],
+    }
 
 
 def _axes_spanned(mesh, axis: str) -> int:
@@ -179,10 +231,17 @@ def _thresholds(sweep, chip, config: Config) -> dict:
     for name, rows in sweep.items():
         mesh = rows[0]["mesh"]
         if name == "FSDP x TP":
-            predicted = theory.fsdp_tp_min_batch_per_chip(chip, config.mlp, _axes_spanned(mesh, "fsdp"), _axes_spanned(mesh, "tensor"))
+            predicted = theory.fsdp_tp_min_batch_per_chip(
+                chip, config.mlp, _axes_spanned(mesh, "fsdp"), _axes_spanned(mesh, "tensor")
+            )
         else:
-            predicted = theory.data_parallel_min_batch_per_chip(chip, _axes_spanned(mesh, "data" if name == "data parallel" else "fsdp"))
-        out[name] = {"theory": predicted, "xla": crossover([r["batch_per_chip"] for r in rows], [r["ratio"] for r in rows])}
+            predicted = theory.data_parallel_min_batch_per_chip(
+                chip, _axes_spanned(mesh, "data" if name == "data parallel" else "fsdp")
+            )
+        out[name] = {
+            "theory": predicted,
+            "xla": crossover([r["batch_per_chip"] for r in rows], [r["ratio"] for r in rows]),
+        }
     return out
 
 
@@ -190,16 +249,40 @@ def _checks(sweep, thresholds, tensor, chip, config: Config) -> list:
     checks = []
     for name, rows in sweep.items():
         row = rows[-1]
-        checks.append(check(f"{name}: FLOPs per chip at B/N={row['batch_per_chip']} (12·B·D·F/N)", row["expected_flops"], row["roofline"].flops, rtol=0.05))
+        checks.append(
+            check(
+                f"{name}: FLOPs per chip at B/N={row['batch_per_chip']} (12·B·D·F/N)",
+                row["expected_flops"],
+                row["roofline"].flops,
+                rtol=0.05,
+            )
+        )
         t = thresholds[name]
-        checks.append(check(f"{name}: tokens per chip where compute = communication (within 2x)", round(t["theory"]), round(t["xla"]) if t["xla"] else "no crossing in the sweep", rtol=0.5, explained=_why_refined(name, rows)))
+        checks.append(
+            check(
+                f"{name}: tokens per chip where compute = communication (within 2x)",
+                round(t["theory"]),
+                round(t["xla"]) if t["xla"] else "no crossing in the sweep",
+                rtol=0.5,
+                explained=_why_refined(name, rows),
+            )
+        )
     alpha = theory.ici_arithmetic_intensity(chip)
     for row in tensor:
         mesh = row["mesh"]
         y = dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"]
         limit = theory.tensor_parallel_max_ways(chip, config.mlp, _axes_spanned(mesh, "tensor"))
-        tp_comm = sum(c.seconds for c in row["roofline"].collectives if c.collective.axes and "tensor" in c.collective.axes)
-        checks.append(check(f"tensor parallel Y={y}: compute-bound on the tensor axis (theory: Y < {limit:.1f} = M_Y·F/α, α={alpha:.0f})", y < limit, tp_comm < row["roofline"].compute_s))
+        tp_comm = sum(
+            c.seconds for c in row["roofline"].collectives if c.collective.axes and "tensor" in c.collective.axes
+        )
+        checks.append(
+            check(
+                f"tensor parallel Y={y}: compute-bound on the tensor axis (theory: "
+                f"Y < {limit:.1f} = M_Y·F/α, α={alpha:.0f})",
+                y < limit,
+                tp_comm < row["roofline"].compute_s,
+            )
+        )
     return checks
 
 
@@ -207,8 +290,13 @@ def _why_refined(name: str, rows) -> str | None:
     """Explain a crossover that moved, from the collectives XLA actually wrote."""
     kinds = [c.collective.kind for c in rows[-1]["roofline"].collectives]
     if name == "FSDP" and "all-gather" not in kinds and kinds.count("all-reduce") >= 2:
-        return ("the TPU compiler gathered the weights with all-reduces (each chip contributes its shard of a zero buffer) and reduced the gradients "
-                "with all-reduces too: 2(N-1)/N·S per collective instead of (N-1)/N·S, so communication doubles and the threshold moves up")
+        return (
+            "the TPU compiler gathered the weights with all-reduces (each "
+            "chip contributes its shard of a zero buffer) and reduced the "
+            "gradients "
+            "with all-reduces too: 2(N-1)/N·S per collective instead of (N-1)/N·S, "
+            "so communication doubles and the threshold moves up"
+        )
     return None
 
 
@@ -217,7 +305,7 @@ def _compile_benchmark(preset_name: str, topology: str) -> dict:
     from time import perf_counter
 
     from lab.model import preset
-    from lab.train import TrainConfig, Trainer
+    from lab.training.step import TrainConfig, Trainer
 
     model = preset(preset_name)
     mesh = MeshSpec(fsdp=-1).build(topology_devices(topology))
@@ -228,13 +316,34 @@ def _compile_benchmark(preset_name: str, topology: str) -> dict:
     inspection = hlo.inspect_compiled(compiled, mesh)
     roof = roofline(inspection, mesh)
     found = inspection.collectives
-    return {"preset": preset_name, "parameters": model.parameters, "topology": topology, "chips": mesh.devices.size,
-            "compile_s": compiled_at - started, "analysis_s": perf_counter() - compiled_at, "collectives": len(found), "bound": roof.bound}
+    return {
+        "preset": preset_name,
+        "parameters": model.parameters,
+        "topology": topology,
+        "chips": mesh.devices.size,
+        "compile_s": compiled_at - started,
+        "analysis_s": perf_counter() - compiled_at,
+        "collectives": len(found),
+        "bound": roof.bound,
+    }
 
 
 def _benchmark_table(b: dict) -> Table:
-    rows = [[f"compile one ZeRO-3 training step of the {b['preset']} preset ({b['parameters'] / 1e9:.2f} B parameters) for tpu:{b['topology']} ({b['chips']} chips)", f"{b['compile_s']:.1f} s", "under 60 s"],
-            [f"analyse it: parse {b['collectives']} collectives, map them to axes, predict the roofline ({b['bound']}-bound)", f"{b['analysis_s']:.2f} s", "under 2 s"]]
+    rows = [
+        [
+            f"compile one ZeRO-3 training step of the {b['preset']} preset "
+            f"({b['parameters'] / 1e9:.2f} B parameters) for tpu:{b['topology']} "
+            f"({b['chips']} chips)",
+            f"{b['compile_s']:.1f} s",
+            "under 60 s",
+        ],
+        [
+            f"analyse it: parse {b['collectives']} collectives, map them to "
+            f"axes, predict the roofline ({b['bound']}-bound)",
+            f"{b['analysis_s']:.2f} s",
+            "under 2 s",
+        ],
+    ]
     return Table("Performance: pod-scale compile on this machine", ["what", "measured", "goal"], rows)
 
 
@@ -243,13 +352,33 @@ def _sweep_table(sweep) -> Table:
     for name, points in sweep.items():
         for r in points:
             roof = r["roofline"]
-            rows.append([name, r["spec"].replace("-1", str(r["chips"] // (4 if "tensor=4" in r["spec"] else 1))), r["batch_per_chip"], f"{roof.compute_s * 1e3:.2f}", f"{roof.memory_s * 1e3:.2f}", f"{roof.communication_s * 1e3:.2f}", f"{r['ratio']:.2f}", roof.bound])
-    return Table("Predicted time per step (ms) of the compiled MLP step", ["strategy", "mesh", "tokens per chip", "compute", "HBM", "communication", "comm / compute", "bound by"], rows)
+            rows.append(
+                [
+                    name,
+                    r["spec"].replace("-1", str(r["chips"] // (4 if "tensor=4" in r["spec"] else 1))),
+                    r["batch_per_chip"],
+                    f"{roof.compute_s * 1e3:.2f}",
+                    f"{roof.memory_s * 1e3:.2f}",
+                    f"{roof.communication_s * 1e3:.2f}",
+                    f"{r['ratio']:.2f}",
+                    roof.bound,
+                ]
+            )
+    return Table(
+        "Predicted time per step (ms) of the compiled MLP step",
+        ["strategy", "mesh", "tokens per chip", "compute", "HBM", "communication", "comm / compute", "bound by"],
+        rows,
+    )
 
 
 def _threshold_table(thresholds) -> Table:
-    rows = [[name, f"{t['theory']:.0f}", f"{t['xla']:.0f}" if t["xla"] else "none in the sweep"] for name, t in thresholds.items()]
-    return Table("Tokens per chip needed to be compute-bound", ["strategy", "theory (book)", "XLA's program (crossover)"], rows)
+    rows = [
+        [name, f"{t['theory']:.0f}", f"{t['xla']:.0f}" if t["xla"] else "none in the sweep"]
+        for name, t in thresholds.items()
+    ]
+    return Table(
+        "Tokens per chip needed to be compute-bound", ["strategy", "theory (book)", "XLA's program (crossover)"], rows
+    )
 
 
 def _tensor_table(tensor, chip, config: Config) -> Table:
@@ -258,16 +387,52 @@ def _tensor_table(tensor, chip, config: Config) -> Table:
         mesh = row["mesh"]
         y = dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"]
         tp = sum(c.seconds for c in row["roofline"].collectives if c.collective.axes and "tensor" in c.collective.axes)
-        rows.append([y, str(placement(mesh, ("tensor",))), f"{theory.tensor_parallel_max_ways(chip, config.mlp, _axes_spanned(mesh, 'tensor')):.1f}", f"{row['roofline'].compute_s * 1e3:.2f}", f"{tp * 1e3:.2f}"])
-    return Table(f"Tensor parallelism at {tensor[0]['batch_per_chip']} tokens per chip", ["Y", "tensor axis on", "theory: Y must stay below", "compute (ms)", "tensor-axis communication (ms)"], rows)
+        rows.append(
+            [
+                y,
+                str(placement(mesh, ("tensor",))),
+                f"{theory.tensor_parallel_max_ways(chip, config.mlp, _axes_spanned(mesh, 'tensor')):.1f}",
+                f"{row['roofline'].compute_s * 1e3:.2f}",
+                f"{tp * 1e3:.2f}",
+            ]
+        )
+    return Table(
+        f"Tensor parallelism at {tensor[0]['batch_per_chip']} tokens per chip",
+        ["Y", "tensor axis on", "theory: Y must stay below", "compute (ms)", "tensor-axis communication (ms)"],
+        rows,
+    )
 
 
 def _pod_table(pods, fsdp64, config: Config) -> Table:
     base = next((r for r in fsdp64 if r["batch_per_chip"] == 2048), None)
-    rows = [[f"tpu:{Config.target.split(':', 1)[1]}", base["chips"], f"{base['roofline'].compute_s * 1e3:.2f}", f"{base['roofline'].communication_s * 1e3:.2f}", str(placement(base["mesh"], ("fsdp",)))]] if base else []
+    rows = (
+        [
+            [
+                f"tpu:{Config.target.split(':', 1)[1]}",
+                base["chips"],
+                f"{base['roofline'].compute_s * 1e3:.2f}",
+                f"{base['roofline'].communication_s * 1e3:.2f}",
+                str(placement(base["mesh"], ("fsdp",))),
+            ]
+        ]
+        if base
+        else []
+    )
     for r in pods:
-        rows.append([f"tpu:{r['topology']}", r["chips"], f"{r['roofline'].compute_s * 1e3:.2f}", f"{r['roofline'].communication_s * 1e3:.2f}", str(placement(r["mesh"], ("fsdp",)))])
-    return Table("FSDP at 2048 tokens per chip on larger slices", ["target", "chips", "compute (ms)", "communication (ms)", "fsdp axis on"], rows)
+        rows.append(
+            [
+                f"tpu:{r['topology']}",
+                r["chips"],
+                f"{r['roofline'].compute_s * 1e3:.2f}",
+                f"{r['roofline'].communication_s * 1e3:.2f}",
+                str(placement(r["mesh"], ("fsdp",))),
+            ]
+        )
+    return Table(
+        "FSDP at 2048 tokens per chip on larger slices",
+        ["target", "chips", "compute (ms)", "communication (ms)", "fsdp axis on"],
+        rows,
+    )
 
 
 def _collectives_table(sweep) -> Table:
@@ -275,15 +440,36 @@ def _collectives_table(sweep) -> Table:
     for name, points in sweep.items():
         for c in points[-1]["roofline"].collectives:
             col = c.collective
-            rows.append([name, col.kind, col.form, ",".join(col.axes or ("?",)), ",".join(col.dtypes), format_bytes(col.size_bytes), str(c.where), f"{c.seconds * 1e6:.0f}"])
-    return Table("What the TPU compiler wrote (largest batch)", ["strategy", "kind", "as written", "axes", "dtype", "S per chip", "on", "predicted us"], rows)
+            rows.append(
+                [
+                    name,
+                    col.kind,
+                    col.form,
+                    ",".join(col.axes or ("?",)),
+                    ",".join(col.dtypes),
+                    format_bytes(col.size_bytes),
+                    str(c.where),
+                    f"{c.seconds * 1e6:.0f}",
+                ]
+            )
+    return Table(
+        "What the TPU compiler wrote (largest batch)",
+        ["strategy", "kind", "as written", "axes", "dtype", "S per chip", "on", "predicted us"],
+        rows,
+    )
 
 
 def _plot(sweep, thresholds, topology):
     figure, axes = plt.subplots(figsize=(7.5, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for color, (name, rows) in zip(colors, sweep.items()):
-        axes.plot([r["batch_per_chip"] for r in rows], [r["ratio"] for r in rows], marker="o", color=color, label=f"{name} (XLA's program)")
+        axes.plot(
+            [r["batch_per_chip"] for r in rows],
+            [r["ratio"] for r in rows],
+            marker="o",
+            color=color,
+            label=f"{name} (XLA's program)",
+        )
         axes.axvline(thresholds[name]["theory"], color=color, linestyle=":", alpha=0.8, label=f"{name}: book threshold")
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xscale("log", base=2)
@@ -301,12 +487,19 @@ def _summary(thresholds, topology, chip) -> str:
     parts = [f"On tpu:{topology} (α = C/W_ici = {alpha:.0f})"]
     for name, t in thresholds.items():
         xla = f"{t['xla']:.0f}" if t["xla"] else "no crossing in the sweep"
-        parts.append(f"{name} needs B/N > {t['theory']:.0f} tokens per chip by the book and {xla} in the compiled program")
+        parts.append(
+            f"{name} needs B/N > {t['theory']:.0f} tokens per chip by the book and {xla} in the compiled program"
+        )
     text = "; ".join(parts) + "."
     fsdp, mixed = thresholds["FSDP"]["xla"], thresholds["FSDP x TP"]["xla"]
     if fsdp and mixed:
-        text += (f" In XLA's own program adding 4-way tensor parallelism cut the tokens each chip needs by {fsdp / mixed:.1f}x: "
-                 "that is why TP inside the fast domain with FSDP across it keeps a pod compute-bound at batch sizes where a very large FSDP is not.")
+        text += (
+            " In XLA's own program adding 4-way tensor parallelism cut the "
+            f"tokens each chip needs by {fsdp / mixed:.1f}x: "
+            "that is why TP inside the fast domain with FSDP across it keeps "
+            "a pod compute-bound at batch sizes where a very large FSDP is "
+            "not."
+        )
     return text
 
 
@@ -314,7 +507,11 @@ def _notes(sweep) -> list[str]:
     notes = [why for name, rows in sweep.items() if (why := _why_refined(name, rows))]
     for name, rows in sweep.items():
         kinds = [c.collective.kind for c in rows[-1]["roofline"].collectives]
-        notes.append(f"{name}: the compiled step holds {', '.join(f'{kinds.count(k)} {k}' for k in dict.fromkeys(kinds)) or 'no collectives'}.")
-    notes.append("HBM time is listed but not part of the threshold: at these sizes the matmuls are compute-bound on HBM as well.")
+        notes.append(
+            f"{name}: the compiled step holds "
+            f"{', '.join(f'{kinds.count(k)} {k}' for k in dict.fromkeys(kinds)) or 'no collectives'}."
+        )
+    notes.append(
+        "HBM time is listed but not part of the threshold: at these sizes the matmuls are compute-bound on HBM as well."
+    )
     return notes
-

@@ -25,11 +25,11 @@ import matplotlib.pyplot as plt
 
 from experiments.q50_scaling_thresholds import _step
 from lab import theory
-from lab.bench import format_bytes
 from lab.devices import parse_target, topology_devices
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.topology import placement
+from lab.units import format_bytes
 from lab.verdict import check
 
 QUESTION = "#50"
@@ -59,7 +59,12 @@ def run(config: Config) -> Result:
     generation = target.generation if target.compile_only else parse_target(Config.target).generation
     machines = [(f"{generation}:{t}", topology_devices(f"{generation}:{t}")) for t in config.topologies]
     if config.dcn_topology:
-        machines.append((f"{generation}:{config.dcn_topology} x{config.dcn_slices} slices", topology_devices(f"{generation}:{config.dcn_topology}", config.dcn_slices)))
+        machines.append(
+            (
+                f"{generation}:{config.dcn_topology} x{config.dcn_slices} slices",
+                topology_devices(f"{generation}:{config.dcn_topology}", config.dcn_slices),
+            )
+        )
     rows = [row for name, chips in track(machines, "topologies") for row in _compare(name, chips, config)]
     return Result(
         name="tp_fsdp_vs_fsdp",
@@ -106,8 +111,19 @@ def _compare(name: str, chips, config: Config) -> list[dict]:
     for strategy, spec in (("FSDP", "fsdp=-1"), (f"FSDP x TP (Y={y})", f"fsdp=-1,tensor={y}")):
         row = _step(spec, chips, config, config.global_tokens // n)
         roof = row["roofline"]
-        out.append(row | {"machine": name, "strategy": strategy, "tensor": y if "tensor" in spec else 1, "compute_s": roof.compute_s,
-                          "communication_s": roof.communication_s, "step_s": roof.overlapped_s, "bound": roof.bound, "per_axis": _per_axis(roof)})
+        out.append(
+            row
+            | {
+                "machine": name,
+                "strategy": strategy,
+                "tensor": y if "tensor" in spec else 1,
+                "compute_s": roof.compute_s,
+                "communication_s": roof.communication_s,
+                "step_s": roof.overlapped_s,
+                "bound": roof.bound,
+                "per_axis": _per_axis(roof),
+            }
+        )
     return out
 
 
@@ -126,15 +142,34 @@ def _checks(rows, config: Config) -> list:
     checks = []
     for fsdp, tp in zip(rows[::2], rows[1::2]):
         n = fsdp["chips"]
-        checks.append(check(f"{fsdp['machine']}: FLOPs per chip equal under both splits (12·B·D·F/N)", 12 * config.global_tokens * config.embed * config.mlp / n,
-                            tp["roofline"].flops, rtol=0.05))
+        checks.append(
+            check(
+                f"{fsdp['machine']}: FLOPs per chip equal under both splits (12·B·D·F/N)",
+                12 * config.global_tokens * config.embed * config.mlp / n,
+                tp["roofline"].flops,
+                rtol=0.05,
+            )
+        )
         fsdp_ax = _axes_spanned(fsdp["mesh"], "fsdp")
         threshold = theory.data_parallel_min_batch_per_chip(_chip(fsdp), fsdp_ax)
         expected = "communication" if config.global_tokens / n < threshold else "compute"
-        checks.append(check(f"{fsdp['machine']}: pure FSDP at B/N={config.global_tokens // n} is bound by (threshold α/M_X = {threshold:.0f})", expected, _bound(fsdp),
-                            explained=_WHY_DCN if "slices" in fsdp["machine"] else None))
-        checks.append(check(f"{fsdp['machine']}: FSDP x TP at least as fast as pure FSDP", "yes", "yes" if tp["step_s"] <= fsdp["step_s"] * 1.001 else "no",
-                            explained=_WHY_SMALL if n <= 64 else None))
+        checks.append(
+            check(
+                f"{fsdp['machine']}: pure FSDP at B/N={config.global_tokens // n} "
+                f"is bound by (threshold α/M_X = {threshold:.0f})",
+                expected,
+                _bound(fsdp),
+                explained=_WHY_DCN if "slices" in fsdp["machine"] else None,
+            )
+        )
+        checks.append(
+            check(
+                f"{fsdp['machine']}: FSDP x TP at least as fast as pure FSDP",
+                "yes",
+                "yes" if tp["step_s"] <= fsdp["step_s"] * 1.001 else "no",
+                explained=_WHY_SMALL if n <= 64 else None,
+            )
+        )
     return checks
 
 
@@ -160,16 +195,41 @@ def _optimum_table(rows, config: Config) -> Table:
     body = []
     for r in rows[1::2]:
         x_opt = theory.fsdp_tp_optimal_fsdp_ways(config.global_tokens, config.mlp, r["chips"])
-        body.append([r["machine"], r["chips"], f"{x_opt:.1f}", f"{r['chips'] / x_opt:.1f}", r["tensor"], r["chips"] // r["tensor"]])
-    return Table("How large TP should be: X_opt = sqrt((B/F)·(M_X/M_Y)·N), with M_X = M_Y",
-                 ["machine", "chips N", "X_opt (FSDP ways)", "N / X_opt", "TP ways Y used (power of 2)", "FSDP ways used"], body)
+        body.append(
+            [
+                r["machine"],
+                r["chips"],
+                f"{x_opt:.1f}",
+                f"{r['chips'] / x_opt:.1f}",
+                r["tensor"],
+                r["chips"] // r["tensor"],
+            ]
+        )
+    return Table(
+        "How large TP should be: X_opt = sqrt((B/F)·(M_X/M_Y)·N), with M_X = M_Y",
+        ["machine", "chips N", "X_opt (FSDP ways)", "N / X_opt", "TP ways Y used (power of 2)", "FSDP ways used"],
+        body,
+    )
 
 
 def _step_table(rows) -> Table:
-    return Table("Predicted step of the compiled MLP block (roofline of the TPU compiler's program)",
-                 ["machine", "chips", "strategy", "tokens per chip", "compute", "communication", "step (overlapped)", "bound"],
-                 [[r["machine"], r["chips"], r["strategy"], r["batch_per_chip"], f"{r['compute_s'] * 1e3:.2f} ms", f"{r['communication_s'] * 1e3:.2f} ms",
-                   f"{r['step_s'] * 1e3:.2f} ms", _bound(r)] for r in rows])
+    return Table(
+        "Predicted step of the compiled MLP block (roofline of the TPU compiler's program)",
+        ["machine", "chips", "strategy", "tokens per chip", "compute", "communication", "step (overlapped)", "bound"],
+        [
+            [
+                r["machine"],
+                r["chips"],
+                r["strategy"],
+                r["batch_per_chip"],
+                f"{r['compute_s'] * 1e3:.2f} ms",
+                f"{r['communication_s'] * 1e3:.2f} ms",
+                f"{r['step_s'] * 1e3:.2f} ms",
+                _bound(r),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _axis_table(rows) -> Table:
@@ -177,22 +237,64 @@ def _axis_table(rows) -> Table:
     for r in rows:
         for axes, (count, size, seconds) in sorted(r["per_axis"].items()):
             body.append([r["machine"], r["strategy"], axes, count, format_bytes(size), f"{seconds * 1e3:.2f} ms"])
-    return Table("Collectives per mesh axis, from the compiled HLO", ["machine", "strategy", "mesh axes", "collectives", "bytes per device (S, summed)", "predicted time"], body,
-                 note="A multi-slice program is compiled per slice; its collectives over fsdp include the DCN hop.")
+    return Table(
+        "Collectives per mesh axis, from the compiled HLO",
+        ["machine", "strategy", "mesh axes", "collectives", "bytes per device (S, summed)", "predicted time"],
+        body,
+        note="A multi-slice program is compiled per slice; its collectives over fsdp include the DCN hop.",
+    )
 
 
 def _plot(rows, config: Config):
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label, style in (("FSDP", "o-"), ("FSDP x TP", "s-")):
-        picked = [r for r in rows if r["strategy"].startswith(label) and (label != "FSDP" or "TP" not in r["strategy"]) and "slices" not in r["machine"]]
-        ax.plot([r["chips"] for r in picked], [r["communication_s"] / r["compute_s"] for r in picked], style, label=f"{label}: communication / compute (ICI)")
-        dcn = [r for r in rows if r["strategy"].startswith(label) and (label != "FSDP" or "TP" not in r["strategy"]) and "slices" in r["machine"]]
-        ax.plot([r["chips"] for r in dcn], [r["communication_s"] / r["compute_s"] for r in dcn], style[0], markersize=10, fillstyle="none", label=f"{label}: {config.dcn_slices} slices over DCN")
+        picked = [
+            r
+            for r in rows
+            if r["strategy"].startswith(label)
+            and (label != "FSDP" or "TP" not in r["strategy"])
+            and "slices" not in r["machine"]
+        ]
+        ax.plot(
+            [r["chips"] for r in picked],
+            [r["communication_s"] / r["compute_s"] for r in picked],
+            style,
+            label=f"{label}: communication / compute (ICI)",
+        )
+        dcn = [
+            r
+            for r in rows
+            if r["strategy"].startswith(label)
+            and (label != "FSDP" or "TP" not in r["strategy"])
+            and "slices" in r["machine"]
+        ]
+        ax.plot(
+            [r["chips"] for r in dcn],
+            [r["communication_s"] / r["compute_s"] for r in dcn],
+            style[0],
+            markersize=10,
+            fillstyle="none",
+            label=f"{label}: {config.dcn_slices} slices over DCN",
+        )
     single = sorted({r["chips"] for r in rows if "slices" not in r["machine"]})
-    fsdp_threshold = theory.data_parallel_min_batch_per_chip(_chip(rows[0]), 3)  # α / M_X, FSDP over all three torus axes
-    ax.plot(single, [fsdp_threshold / (config.global_tokens / n) for n in single], ":", color="tab:blue", label="FSDP theory: (α/M_X) / (B/N), M_X = 3")
+    fsdp_threshold = theory.data_parallel_min_batch_per_chip(
+        _chip(rows[0]), 3
+    )  # α / M_X, FSDP over all three torus axes
+    ax.plot(
+        single,
+        [fsdp_threshold / (config.global_tokens / n) for n in single],
+        ":",
+        color="tab:blue",
+        label="FSDP theory: (α/M_X) / (B/N), M_X = 3",
+    )
     ax.axhline(1.0, color="grey", linestyle="--", label="compute = communication")
-    ax.set(xscale="log", yscale="log", xlabel="chips N (fixed global batch)", ylabel="communication / compute", title=f"B = {config.global_tokens} tokens, D={config.embed}, F={config.mlp}")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="chips N (fixed global batch)",
+        ylabel="communication / compute",
+        title=f"B = {config.global_tokens} tokens, D={config.embed}, F={config.mlp}",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
@@ -207,10 +309,19 @@ def _summary(rows, config: Config) -> str:
     big_fsdp, big_tp = [r for r in single if r["chips"] == biggest["chips"]]
     return (
         f"At a fixed {config.global_tokens} tokens per step, pure FSDP's communication / compute ratio goes from "
-        f"{fsdp[0]['communication_s'] / fsdp[0]['compute_s']:.2f} on {fsdp[0]['chips']} chips to {fsdp[-1]['communication_s'] / fsdp[-1]['compute_s']:.2f} on {fsdp[-1]['chips']}"
-        + (f"; it is communication-bound from {first_bad['chips']} chips" if first_bad else "; it stays compute-bound in this sweep")
-        + f" (theory: past N = B·M_X/α = {config.global_tokens / theory.data_parallel_min_batch_per_chip(_chip(fsdp[0]), 3):.0f} chips on a 3-axis torus)"
-        + f". On {biggest['chips']} chips FSDP x TP with Y={big_tp['tensor']} (N/X_opt) predicts {big_tp['step_s'] * 1e3:.2f} ms against FSDP's {big_fsdp['step_s'] * 1e3:.2f} ms "
+        f"{fsdp[0]['communication_s'] / fsdp[0]['compute_s']:.2f} on {fsdp[0]['chips']} "
+        f"chips to {fsdp[-1]['communication_s'] / fsdp[-1]['compute_s']:.2f} "
+        f"on {fsdp[-1]['chips']}"
+        + (
+            f"; it is communication-bound from {first_bad['chips']} chips"
+            if first_bad
+            else "; it stays compute-bound in this sweep"
+        )
+        + " (theory: past N = B·M_X/α = "
+        f"{config.global_tokens / theory.data_parallel_min_batch_per_chip(_chip(fsdp[0]), 3):.0f} "
+        "chips on a 3-axis torus)" + f". On {biggest['chips']} chips FSDP x TP with Y={big_tp['tensor']} "
+        f"(N/X_opt) predicts {big_tp['step_s'] * 1e3:.2f} ms against FSDP's "
+        f"{big_fsdp['step_s'] * 1e3:.2f} ms "
         f"({big_fsdp['step_s'] / big_tp['step_s']:.1f}x). TP degrees tried: {', '.join(str(r['tensor']) for r in tp)}."
     )
 
@@ -219,8 +330,14 @@ def _notes(rows, config: Config) -> list[str]:
     notes = []
     for r in rows:
         if "slices" in r["machine"]:
-            notes.append(f"{r['machine']}, {r['strategy']}: predicted {r['step_s'] * 1e3:.2f} ms, {_bound(r)}-bound; collectives by axes: "
-                         + "; ".join(f"{a}: {c} ({format_bytes(s)})" for a, (c, s, _) in sorted(r["per_axis"].items())))
-    notes.append("Compared with `scaling_thresholds` (per-chip batch sweep on one 64-chip slice), this page holds B fixed and grows N: "
-                 "the per-chip batch falls as 1/N, which is what ends FSDP's scaling.")
+            notes.append(
+                f"{r['machine']}, {r['strategy']}: predicted {r['step_s'] * 1e3:.2f} "
+                f"ms, {_bound(r)}-bound; collectives by axes: "
+                + "; ".join(f"{a}: {c} ({format_bytes(s)})" for a, (c, s, _) in sorted(r["per_axis"].items()))
+            )
+    notes.append(
+        "Compared with `scaling_thresholds` (per-chip batch sweep on one "
+        "64-chip slice), this page holds B fixed and grows N: "
+        "the per-chip batch falls as 1/N, which is what ends FSDP's scaling."
+    )
     return notes

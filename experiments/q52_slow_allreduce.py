@@ -28,23 +28,29 @@ from dataclasses import dataclass, replace
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lab import bucketing, hlo, overlap, theory
-from lab.bench import format_bytes, parse_size, time_interleaved
+from lab import hlo, overlap, theory
+from lab.bench import time_interleaved
 from lab.devices import devices_for, quiet_native_stderr, topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import profile, profile_for_device_kind
 from lab.mesh import MeshSpec
 from lab.model import preset
+from lab.parallel import bucketing
 from lab.progress import track
 from lab.report import Result, Table, provenance
+from lab.units import format_bytes, parse_size
 from lab.verdict import check
 
 QUESTION = "#52"
 CHAIN = 64
 # libtpu options that let the gradient all-reduces run asynchronously, overlapped with compute
 # (the flags MaxText passes for data parallelism), plus one all-reduce per gradient tensor.
-ASYNC_ALL_REDUCE = {"xla_tpu_enable_async_collective_fusion": True, "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
-                    "xla_enable_async_all_reduce": True, "xla_jf_crs_combiner_threshold_in_bytes": 0}
+ASYNC_ALL_REDUCE = {
+    "xla_tpu_enable_async_collective_fusion": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
+    "xla_enable_async_all_reduce": True,
+    "xla_jf_crs_combiner_threshold_in_bytes": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -83,8 +89,12 @@ def run(config: Config) -> Result:
         plots={"slow_allreduce": _plot(scenarios, tpu)},
         notes=_notes(measured, tpu),
         provenance=provenance(target=config.target, devices=devices, mesh=f"data={len(devices)}"),
-        data={"scenarios": [{k: (str(v) if hasattr(v, "median") else v) for k, v in s.items()} for s in scenarios],
-              "alpha_AR_s": measured["alpha_AR_s"], "beta_Bps": measured["beta_Bps"], "tpu": tpu},
+        data={
+            "scenarios": [{k: (str(v) if hasattr(v, "median") else v) for k, v in s.items()} for s in scenarios],
+            "alpha_AR_s": measured["alpha_AR_s"],
+            "beta_Bps": measured["beta_Bps"],
+            "tpu": tpu,
+        },
     )
 
 
@@ -118,20 +128,34 @@ def _measure(problem, small_bucket: int, repeats: int) -> dict:
     calls = {
         "isolation": (bucketing.reduce_program(None, mesh, axis).lower(stacked).compile(), (stacked,)),
         "backward": (gradients, (problem.params, problem.tokens)),
-        "step": (bucketing.step_program(problem, None).lower(problem.params, problem.tokens).compile(), (problem.params, problem.tokens)),
+        "step": (
+            bucketing.step_program(problem, None).lower(problem.params, problem.tokens).compile(),
+            (problem.params, problem.tokens),
+        ),
         "small buckets": (bucketing.reduce_program(small, mesh, axis).lower(stacked).compile(), (stacked,)),
         "same-axis traffic": (bucketing.reduce_program(None, mesh, axis).lower(twice).compile(), (twice,)),
         **bucketing.launch_cost_programs(mesh, axis, CHAIN),
     }
-    seen = {name: hlo.parse_collectives(calls[name][0].as_text(), mesh.devices.shape, mesh.axis_names)[0] for name in ("isolation", "step", "same-axis traffic")}
+    seen = {
+        name: hlo.parse_collectives(calls[name][0].as_text(), mesh.devices.shape, mesh.axis_names)[0]
+        for name in ("isolation", "step", "same-axis traffic")
+    }
     timings = time_interleaved(dict(track(calls.items(), "slow all-reduce programs")), repeats=repeats)
     n, total = mesh.shape[axis], sum(leaf.size * leaf.dtype.itemsize for leaf in problem.leaves)
     alpha = (timings["chain"].median - timings["single"].median) / (CHAIN - 1)
     transfer = max(timings["isolation"].median - alpha, 1e-9)
-    return {"timings": timings, "bytes": total, "devices": n, "small_buckets": small.count, "small_bucket": small_bucket, "alpha_AR_s": alpha,
-            "beta_Bps": total * theory.bus_bandwidth_factor("all-reduce", n) / transfer, "copy_Bps": profile("cpu").hbm_bandwidth,
-            "hlo": {name: [(c.kind, len(c.result_shapes)) for c in found] for name, found in seen.items()},
-            "step_async": sum(c.is_async for c in seen["step"])}
+    return {
+        "timings": timings,
+        "bytes": total,
+        "devices": n,
+        "small_buckets": small.count,
+        "small_bucket": small_bucket,
+        "alpha_AR_s": alpha,
+        "beta_Bps": total * theory.bus_bandwidth_factor("all-reduce", n) / transfer,
+        "copy_Bps": profile("cpu").hbm_bandwidth,
+        "hlo": {name: [(c.kind, len(c.result_shapes)) for c in found] for name, found in seen.items()},
+        "step_async": sum(c.is_async for c in seen["step"]),
+    }
 
 
 def _scenarios(measured) -> list[dict]:
@@ -140,13 +164,34 @@ def _scenarios(measured) -> list[dict]:
     # a bucket is packed and unpacked: two copies of the gradients on each of the N emulated devices, through one memory bus
     packing = 2 * n * total / measured["copy_Bps"]
     return [
-        {"scenario": "isolation (nccl-tests style)", "cause": "-", "allreduce_s": iso, "model_s": iso, "timing": t["isolation"]},
-        {"scenario": "inside the step (step - backward, noisy: a difference of two medians)", "cause": "none on a synchronous target",
-         "allreduce_s": t["step"].median - t["backward"].median, "model_s": iso, "timing": t["step"]},
-        {"scenario": f"{measured['small_buckets']} buckets of {format_bytes(measured['small_bucket'])}", "cause": "bucket size", "allreduce_s": t["small buckets"].median,
-         "model_s": iso + (measured["small_buckets"] - 1) * alpha + packing, "timing": t["small buckets"]},
-        {"scenario": "+ an equal all-reduce on the same axis", "cause": "other traffic on the axis", "allreduce_s": t["same-axis traffic"].median,
-         "model_s": iso + total * theory.bus_bandwidth_factor("all-reduce", n) / measured["beta_Bps"], "timing": t["same-axis traffic"]},
+        {
+            "scenario": "isolation (nccl-tests style)",
+            "cause": "-",
+            "allreduce_s": iso,
+            "model_s": iso,
+            "timing": t["isolation"],
+        },
+        {
+            "scenario": "inside the step (step - backward, noisy: a difference of two medians)",
+            "cause": "none on a synchronous target",
+            "allreduce_s": t["step"].median - t["backward"].median,
+            "model_s": iso,
+            "timing": t["step"],
+        },
+        {
+            "scenario": f"{measured['small_buckets']} buckets of {format_bytes(measured['small_bucket'])}",
+            "cause": "bucket size",
+            "allreduce_s": t["small buckets"].median,
+            "model_s": iso + (measured["small_buckets"] - 1) * alpha + packing,
+            "timing": t["small buckets"],
+        },
+        {
+            "scenario": "+ an equal all-reduce on the same axis",
+            "cause": "other traffic on the axis",
+            "allreduce_s": t["same-axis traffic"].median,
+            "model_s": iso + total * theory.bus_bandwidth_factor("all-reduce", n) / measured["beta_Bps"],
+            "timing": t["same-axis traffic"],
+        },
     ]
 
 
@@ -163,21 +208,45 @@ def _tpu(config: Config, model_config) -> dict | None:
     chip = profile_for_device_kind(chips[0].device_kind)
     dims = topology_shape(config.tpu_topology)
     mesh = MeshSpec(data=len(chips)).build(chips)
-    problem = bucketing.gradient_problem(model_config, mesh, sequences_per_device=config.tpu_sequences_per_chip, placed=False)
+    problem = bucketing.gradient_problem(
+        model_config, mesh, sequences_per_device=config.tpu_sequences_per_chip, placed=False
+    )
     compiles = {"default compile": {}, "async collective fusion, one all-reduce per tensor": ASYNC_ALL_REDUCE}
-    reports = {name: _tpu_schedule(problem, options, chip, dims) for name, options in track(compiles.items(), "TPU schedules")}
+    reports = {
+        name: _tpu_schedule(problem, options, chip, dims) for name, options in track(compiles.items(), "TPU schedules")
+    }
     return {"topology": config.tpu_topology, "chip": chip.name, "chips": len(chips), "schedules": reports}
 
 
 def _tpu_schedule(problem, options: dict, chip, dims) -> dict:
     with quiet_native_stderr():
-        compiled = bucketing.step_program(problem, None).lower(problem.params, problem.tokens).compile(compiler_options=options)
+        compiled = (
+            bucketing.step_program(problem, None)
+            .lower(problem.params, problem.tokens)
+            .compile(compiler_options=options)
+        )
     text = compiled.as_text()
     report = overlap.overlap_report(text, chip, dims, problem.mesh.devices.shape, problem.mesh.axis_names)
-    windows = [{"collective": f"{w.collective.kind} {format_bytes(w.collective.size_bytes)} {list(w.collective.result_shapes[0])}", "async": w.is_async, "compute_s": w.compute_s,
-                "comm_s": w.comm_s, "hidden": w.hidden_fraction, "exposed_s": w.exposed_s} for w in report.windows]
-    return {"timeline": overlap.timeline(text), "compute_s": report.compute_s, "comm_s": report.communication_s, "exposed_s": report.exposed_s,
-            "step_s": report.step_s, "windows": windows}
+    windows = [
+        {
+            "collective": f"{w.collective.kind} {format_bytes(w.collective.size_bytes)} "
+            f"{list(w.collective.result_shapes[0])}",
+            "async": w.is_async,
+            "compute_s": w.compute_s,
+            "comm_s": w.comm_s,
+            "hidden": w.hidden_fraction,
+            "exposed_s": w.exposed_s,
+        }
+        for w in report.windows
+    ]
+    return {
+        "timeline": overlap.timeline(text),
+        "compute_s": report.compute_s,
+        "comm_s": report.communication_s,
+        "exposed_s": report.exposed_s,
+        "step_s": report.step_s,
+        "windows": windows,
+    }
 
 
 # ------------------------------------------------------------------ the page
@@ -185,67 +254,165 @@ def _tpu_schedule(problem, options: dict, chip, dims) -> dict:
 
 def _checks(measured, scenarios, tpu) -> list:
     t = measured["timings"]
-    checks = [check("step = backward + the isolated all-reduce, nothing overlaps here (ms)", (t["backward"].median + t["isolation"].median) * 1e3, t["step"].median * 1e3, rtol=0.5)]
-    checks += [check(f"{s['scenario']}: all-reduce time vs model (ms)", s["model_s"] * 1e3, s["allreduce_s"] * 1e3, rtol=0.5) for s in scenarios[2:]]
+    checks = [
+        check(
+            "step = backward + the isolated all-reduce, nothing overlaps here (ms)",
+            (t["backward"].median + t["isolation"].median) * 1e3,
+            t["step"].median * 1e3,
+            rtol=0.5,
+        )
+    ]
+    checks += [
+        check(f"{s['scenario']}: all-reduce time vs model (ms)", s["model_s"] * 1e3, s["allreduce_s"] * 1e3, rtol=0.5)
+        for s in scenarios[2:]
+    ]
     checks.append(check("asynchronous collectives in the CPU step", 0, measured["step_async"]))
-    checks.append(check("gradients and the other traffic on the same axis: all-reduces in HLO", len(measured["hlo"]["isolation"]) * 2, len(measured["hlo"]["same-axis traffic"]),
-                        explained="XLA's combiner merged the independent all-reduces into one tuple all-reduce: the other traffic rides in the same collective"))
+    checks.append(
+        check(
+            "gradients and the other traffic on the same axis: all-reduces in HLO",
+            len(measured["hlo"]["isolation"]) * 2,
+            len(measured["hlo"]["same-axis traffic"]),
+            explained="XLA's combiner merged the independent all-reduces into "
+            "one tuple all-reduce: the other traffic rides in the same "
+            "collective",
+        )
+    )
     if tpu and "schedules" in tpu:
         default = tpu["schedules"]["default compile"]
-        checks.append(check(f"tpu:{tpu['topology']} default compile: gradient communication exposed (fraction)", 1.0, default["exposed_s"] / default["comm_s"], rtol=0.01))
+        checks.append(
+            check(
+                f"tpu:{tpu['topology']} default compile: gradient communication exposed (fraction)",
+                1.0,
+                default["exposed_s"] / default["comm_s"],
+                rtol=0.01,
+            )
+        )
     return checks
 
 
 def _scenario_table(scenarios, measured) -> Table:
     iso = scenarios[0]["allreduce_s"]
-    rows = [[s["scenario"], s["cause"], f"{s['allreduce_s'] * 1e3:.1f}", f"{s['allreduce_s'] / iso:.2f}x", f"{s['model_s'] * 1e3:.1f}", str(s["timing"])] for s in scenarios]
-    return Table(f"One all-reduce of {format_bytes(measured['bytes'])} over data={measured['devices']}, alone and in a step",
-                 ["scenario", "cause", "all-reduce time (ms)", "vs isolation", "model (ms)", "program time (median [min, max])"], rows,
-                 note=f"Model from this run: α_AR = {measured['alpha_AR_s'] * 1e6:.0f} µs (chain of {CHAIN} one-element all-reduces), "
-                      f"busbw β = {measured['beta_Bps'] / 1e9:.2f} GB/s (the isolated all-reduce). Backward alone: {measured['timings']['backward']}.")
+    rows = [
+        [
+            s["scenario"],
+            s["cause"],
+            f"{s['allreduce_s'] * 1e3:.1f}",
+            f"{s['allreduce_s'] / iso:.2f}x",
+            f"{s['model_s'] * 1e3:.1f}",
+            str(s["timing"]),
+        ]
+        for s in scenarios
+    ]
+    return Table(
+        f"One all-reduce of {format_bytes(measured['bytes'])} over data={measured['devices']}, alone and in a step",
+        ["scenario", "cause", "all-reduce time (ms)", "vs isolation", "model (ms)", "program time (median [min, max])"],
+        rows,
+        note=f"Model from this run: α_AR = {measured['alpha_AR_s'] * 1e6:.0f} "
+        f"µs (chain of {CHAIN} one-element all-reduces), "
+        f"busbw β = {measured['beta_Bps'] / 1e9:.2f} GB/s (the isolated all-reduce). "
+        f"Backward alone: {measured['timings']['backward']}.",
+    )
 
 
 def _tpu_tables(tpu) -> list[Table]:
     if "skipped" in tpu:
         return [Table("TPU (compile-only)", ["skipped"], [[tpu["skipped"]]])]
-    summary = [[name, f"`{s['timeline']}`", f"{s['compute_s'] * 1e3:.3f}", f"{s['comm_s'] * 1e3:.3f}", f"{s['exposed_s'] * 1e3:.3f}", f"{s['step_s'] * 1e3:.3f}"]
-               for name, s in tpu["schedules"].items()]
-    tables = [Table(f"The same step scheduled by the TPU compiler, tpu:{tpu['topology']} ({tpu['chips']} x {tpu['chip']}), compile-only",
-                    ["compile", "schedule", "compute (ms)", "gradient all-reduces (ms)", "exposed (ms)", "step (ms)"], summary)]
+    summary = [
+        [
+            name,
+            f"`{s['timeline']}`",
+            f"{s['compute_s'] * 1e3:.3f}",
+            f"{s['comm_s'] * 1e3:.3f}",
+            f"{s['exposed_s'] * 1e3:.3f}",
+            f"{s['step_s'] * 1e3:.3f}",
+        ]
+        for name, s in tpu["schedules"].items()
+    ]
+    tables = [
+        Table(
+            f"The same step scheduled by the TPU compiler, tpu:{tpu['topology']} "
+            f"({tpu['chips']} x {tpu['chip']}), compile-only",
+            ["compile", "schedule", "compute (ms)", "gradient all-reduces (ms)", "exposed (ms)", "step (ms)"],
+            summary,
+        )
+    ]
     for name, s in tpu["schedules"].items():
-        tables.append(Table(f"Windows, {name}", ["collective", "async", "compute in window (µs)", "transfer (µs)", "hidden", "exposed (µs)"],
-                            [[w["collective"], w["async"], f"{w['compute_s'] * 1e6:.1f}", f"{w['comm_s'] * 1e6:.1f}", f"{w['hidden']:.0%}", f"{w['exposed_s'] * 1e6:.1f}"] for w in s["windows"]]))
+        tables.append(
+            Table(
+                f"Windows, {name}",
+                ["collective", "async", "compute in window (µs)", "transfer (µs)", "hidden", "exposed (µs)"],
+                [
+                    [
+                        w["collective"],
+                        w["async"],
+                        f"{w['compute_s'] * 1e6:.1f}",
+                        f"{w['comm_s'] * 1e6:.1f}",
+                        f"{w['hidden']:.0%}",
+                        f"{w['exposed_s'] * 1e6:.1f}",
+                    ]
+                    for w in s["windows"]
+                ],
+            )
+        )
     return tables
 
 
 def _summary(measured, scenarios, tpu) -> str:
     iso = scenarios[0]["allreduce_s"]
     parts = ", ".join(f"{s['cause']} {s['allreduce_s'] / iso:.2f}x" for s in scenarios[2:])
-    text = (f"Alone, the all-reduce of {format_bytes(measured['bytes'])} took {iso * 1e3:.1f} ms on this target; inside the step it added "
-            f"{scenarios[1]['allreduce_s'] * 1e3:.1f} ms to the backward pass (no overlap is possible here). The causes the lab can see each made the same bytes slower "
-            f"without any change to the collective itself: {parts}.")
+    text = (
+        f"Alone, the all-reduce of {format_bytes(measured['bytes'])} took "
+        f"{iso * 1e3:.1f} ms on this target; inside the step it added "
+        f"{scenarios[1]['allreduce_s'] * 1e3:.1f} ms to the backward pass "
+        "(no overlap is possible here). The causes the lab can see each "
+        "made the same bytes slower "
+        f"without any change to the collective itself: {parts}."
+    )
     if tpu and "schedules" in tpu:
         default = tpu["schedules"]["default compile"]
         fused = tpu["schedules"]["async collective fusion, one all-reduce per tensor"]
-        text += (f" On tpu:{tpu['topology']} the default compile leaves the gradient all-reduce synchronous after the whole backward: all "
-                 f"{default['comm_s'] * 1e3:.3f} ms exposed; with asynchronous collective fusion {fused['exposed_s'] * 1e3:.3f} of {fused['comm_s'] * 1e3:.3f} ms stay exposed.")
+        text += (
+            f" On tpu:{tpu['topology']} the default compile leaves the gradient "
+            "all-reduce synchronous after the whole backward: all "
+            f"{default['comm_s'] * 1e3:.3f} ms exposed; with asynchronous "
+            f"collective fusion {fused['exposed_s'] * 1e3:.3f} of {fused['comm_s'] * 1e3:.3f} "
+            "ms stay exposed."
+        )
     return text
 
 
 def _notes(measured, tpu) -> list[str]:
     hlo_seen = measured["hlo"]
-    notes = [(f"The gradients' per-tensor psums compiled to {hlo_seen['isolation']} (kind, tensors) alone and to {hlo_seen['step']} in the step: the same collective, "
-              f"so isolation and step compare like for like. With the other traffic: {hlo_seen['same-axis traffic']}: XLA combined both into one collective, whose bytes simply add."),
-             (f"Buckets are packed and unpacked: on this target that is {2 * measured['devices']} copies of the gradients through one memory bus "
-              f"(measured copy bandwidth {measured['copy_Bps'] / 1e9:.1f} GB/s), part of the bucket scenario's model."),
-             "On XLA:CPU the step's all-reduce runs after the backward, never during it: the benchmark's time is what the step pays."]
+    notes = [
+        (
+            f"The gradients' per-tensor psums compiled to {hlo_seen['isolation']} "
+            f"(kind, tensors) alone and to {hlo_seen['step']} in the step: "
+            "the same collective, "
+            "so isolation and step compare like for like. With the other "
+            f"traffic: {hlo_seen['same-axis traffic']}: XLA combined both "
+            "into one collective, whose bytes simply add."
+        ),
+        (
+            f"Buckets are packed and unpacked: on this target that is {2 * measured['devices']} "
+            "copies of the gradients through one memory bus "
+            f"(measured copy bandwidth {measured['copy_Bps'] / 1e9:.1f} GB/s), part of the bucket scenario's model."
+        ),
+        "On XLA:CPU the step's all-reduce runs after the backward, never "
+        "during it: the benchmark's time is what the step pays.",
+    ]
     if tpu and "schedules" in tpu:
         fused = tpu["schedules"]["async collective fusion, one all-reduce per tensor"]
         hidden = [w for w in fused["windows"] if w["async"]]
-        notes.append(f"With asynchronous collective fusion only {len(hidden)} of {len(fused['windows'])} gradient all-reduces became asynchronous "
-                     f"({', '.join(w['collective'] for w in hidden)}), and their windows hold "
-                     f"{sum(w['compute_s'] for w in hidden) * 1e6:.1f} µs of compute. The stacked block weights' gradients leave the backward scan loop together when it ends, "
-                     "so nothing is left to hide their all-reduces behind: the flag does not move an all-reduce that has no compute after it.")
+        notes.append(
+            f"With asynchronous collective fusion only {len(hidden)} of {len(fused['windows'])} "
+            "gradient all-reduces became asynchronous "
+            f"({', '.join(w['collective'] for w in hidden)}), and their windows hold "
+            f"{sum(w['compute_s'] for w in hidden) * 1e6:.1f} µs of compute. "
+            "The stacked block weights' gradients leave the backward scan "
+            "loop together when it ends, "
+            "so nothing is left to hide their all-reduces behind: the flag "
+            "does not move an all-reduce that has no compute after it."
+        )
     return notes
 
 
@@ -256,7 +423,12 @@ def _plot(scenarios, tpu):
     y = np.arange(len(scenarios))
     left.barh(y - 0.2, [s["allreduce_s"] * 1e3 for s in scenarios], 0.4, label="measured")
     left.barh(y + 0.2, [s["model_s"] * 1e3 for s in scenarios], 0.4, label="model")
-    left.set(yticks=y, yticklabels=["isolation", "in the step", "small buckets", "+ same-axis traffic"][: len(scenarios)], xlabel="ms", title="the same bytes, alone and in a step")
+    left.set(
+        yticks=y,
+        yticklabels=["isolation", "in the step", "small buckets", "+ same-axis traffic"][: len(scenarios)],
+        xlabel="ms",
+        title="the same bytes, alone and in a step",
+    )
     left.invert_yaxis()
     left.legend(fontsize=8)
     if panels == 2:
@@ -265,7 +437,9 @@ def _plot(scenarios, tpu):
         compute = [tpu["schedules"][n]["compute_s"] * 1e3 for n in names]
         labels = ["default", "async collective fusion"][: len(names)]
         right.barh(labels, compute, label="compute")
-        right.barh(labels, [tpu["schedules"][n]["exposed_s"] * 1e3 for n in names], left=compute, label="exposed all-reduce")
+        right.barh(
+            labels, [tpu["schedules"][n]["exposed_s"] * 1e3 for n in names], left=compute, label="exposed all-reduce"
+        )
         right.set(xlabel="ms (predicted)", title=f"tpu:{tpu['topology']} step")
         right.legend(fontsize=8)
     figure.tight_layout()

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 
-from lab.bench import Timing, format_bytes
+from lab.bench import Timing
 from lab.devices import devices_for, parse_target
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
 from lab.progress import track
 from lab.report import Result, Table, provenance
-from lab.train import TrainConfig, Trainer
+from lab.training.step import TrainConfig, Trainer
+from lab.units import format_bytes
 from lab.verdict import check
 
 QUESTION = "#54"
@@ -77,7 +78,8 @@ def run(config: Config) -> Result:
     checks = _checks(points, model, config, len(devices))
     return Result(
         name="fits_vs_trains",
-        title="It fits versus it trains: rematerialization, micro-batching and host offload as memory against step time",
+        title="It fits versus it trains: rematerialization, micro-batching "
+        "and host offload as memory against step time",
         question=QUESTION,
         summary=_summary(points, config),
         theory=THEORY,
@@ -106,7 +108,10 @@ def _point(model: ModelConfig, config: Config, mesh, remat: str, micro: int, sta
     trainer = Trainer(model, TrainConfig(strategy=config.strategy, remat=remat, micro_batches=micro), mesh)
     step = trainer.inspect_step(config.global_batch)
     memory = step.memory
-    device = max(memory["argument_size"] + memory["temp_size"] + memory["output_size"] - memory["alias_size"], memory.get("peak_memory", 0))
+    device = max(
+        memory["argument_size"] + memory["temp_size"] + memory["output_size"] - memory["alias_size"],
+        memory.get("peak_memory", 0),
+    )
     return Point(
         remat=remat,
         micro_batches=micro,
@@ -114,7 +119,9 @@ def _point(model: ModelConfig, config: Config, mesh, remat: str, micro: int, sta
         temp_bytes=memory["temp_size"],
         host_bytes=memory.get("host_temp_size", 0) + memory.get("host_argument_size", 0),
         flops=step.cost.get("flops", 0.0),
-        step=trainer.time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start) if start is not None else None,
+        step=trainer.time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start)
+        if start is not None
+        else None,
     )
 
 
@@ -166,15 +173,29 @@ def _checks(points: list[Point], model: ModelConfig, config: Config, devices: in
     if {("none", 1), ("dots", 1), ("full", 1)} <= set(at):
         order = sorted(("none", "dots", "full"), key=lambda r: -at[r, 1].temp_bytes)
         rows.append(check("temporaries per device, largest first (M=1)", "none, dots, full", ", ".join(order)))
-        rows.append(check("full remat: extra FLOPs per layer and micro-batch", _recompute_flops(model, config, devices), at["full", 1].flops - at["none", 1].flops, rtol=0.15,
-                          explained=None))
+        rows.append(
+            check(
+                "full remat: extra FLOPs per layer and micro-batch",
+                _recompute_flops(model, config, devices),
+                at["full", 1].flops - at["none", 1].flops,
+                rtol=0.15,
+                explained=None,
+            )
+        )
     for remat in config.remat:
         ms = sorted(m for r, m in at if r == remat)
         if len(ms) >= 3:
             first, middle, last = (at[remat, m] for m in (ms[0], ms[1], ms[-1]))
             residuals = (first.temp_bytes - last.temp_bytes) / (1 / ms[0] - 1 / ms[-1])
             predicted = last.temp_bytes - residuals / ms[-1] + residuals / ms[1]
-            rows.append(check(f"{remat}: temporaries at M={ms[1]} from a + r/M fitted at M={ms[0]} and M={ms[-1]}, bytes", predicted, middle.temp_bytes, rtol=0.1))
+            rows.append(
+                check(
+                    f"{remat}: temporaries at M={ms[1]} from a + r/M fitted at M={ms[0]} and M={ms[-1]}, bytes",
+                    predicted,
+                    middle.temp_bytes,
+                    rtol=0.1,
+                )
+            )
     return rows
 
 
@@ -184,10 +205,31 @@ def _checks(points: list[Point], model: ModelConfig, config: Config, devices: in
 def _table(points: list[Point]) -> Table:
     on_frontier = {p.label for p in frontier(points)}
     return Table(
-        "Each configuration: memory per device (XLA's memory analysis), FLOPs (XLA's cost analysis, loop bodies once) and step time",
-        ["remat", "micro-batches", "device memory", "of which temporaries", "host memory", "FLOPs", "step time", "on the frontier"],
-        [[p.remat, p.micro_batches, format_bytes(p.device_bytes), format_bytes(p.temp_bytes), format_bytes(p.host_bytes), f"{p.flops:.4g}",
-          str(p.step) if p.step else "-", "yes" if p.label in on_frontier else ""] for p in points],
+        "Each configuration: memory per device (XLA's memory analysis), "
+        "FLOPs (XLA's cost analysis, loop bodies once) and step time",
+        [
+            "remat",
+            "micro-batches",
+            "device memory",
+            "of which temporaries",
+            "host memory",
+            "FLOPs",
+            "step time",
+            "on the frontier",
+        ],
+        [
+            [
+                p.remat,
+                p.micro_batches,
+                format_bytes(p.device_bytes),
+                format_bytes(p.temp_bytes),
+                format_bytes(p.host_bytes),
+                f"{p.flops:.4g}",
+                str(p.step) if p.step else "-",
+                "yes" if p.label in on_frontier else "",
+            ]
+            for p in points
+        ],
     )
 
 
@@ -195,11 +237,33 @@ def _plot(points: list[Point], config: Config):
     figure, ax = plt.subplots(figsize=(7.5, 4.8))
     markers = {"none": "o", "dots": "s", "full": "^", "offload": "D"}
     for p in points:
-        ax.scatter(p.device_bytes / 2**20, p.step.median * 1e3, marker=markers.get(p.remat, "x"), s=30 + 25 * p.micro_batches, label=p.label)
-        ax.annotate(p.label, (p.device_bytes / 2**20, p.step.median * 1e3), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.scatter(
+            p.device_bytes / 2**20,
+            p.step.median * 1e3,
+            marker=markers.get(p.remat, "x"),
+            s=30 + 25 * p.micro_batches,
+            label=p.label,
+        )
+        ax.annotate(
+            p.label,
+            (p.device_bytes / 2**20, p.step.median * 1e3),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
     line = frontier(points)
-    ax.plot([p.device_bytes / 2**20 for p in line], [p.step.median * 1e3 for p in line], "k--", linewidth=1, label="frontier")
-    ax.set(xlabel="memory per device (MiB, XLA)", ylabel="step time (ms, median)", title=f"{config.strategy}, global batch {config.global_batch}: fits against trains")
+    ax.plot(
+        [p.device_bytes / 2**20 for p in line],
+        [p.step.median * 1e3 for p in line],
+        "k--",
+        linewidth=1,
+        label="frontier",
+    )
+    ax.set(
+        xlabel="memory per device (MiB, XLA)",
+        ylabel="step time (ms, median)",
+        title=f"{config.strategy}, global batch {config.global_batch}: fits against trains",
+    )
     ax.legend(fontsize=6, ncol=2)
     figure.tight_layout()
     return figure
@@ -209,16 +273,22 @@ def _summary(points: list[Point], config: Config) -> str:
     smallest = min(points, key=lambda p: p.device_bytes)
     largest = max(points, key=lambda p: p.device_bytes)
     text = (
-        f"Under {config.strategy} with a global batch of {config.global_batch}, the step needs from {format_bytes(smallest.device_bytes)} per device "
-        f"({smallest.label}) to {format_bytes(largest.device_bytes)} ({largest.label}): {largest.device_bytes / smallest.device_bytes:.1f}x."
+        f"Under {config.strategy} with a global batch of {config.global_batch}, "
+        f"the step needs from {format_bytes(smallest.device_bytes)} per device "
+        f"({smallest.label}) to {format_bytes(largest.device_bytes)} ({largest.label}): "
+        f"{largest.device_bytes / smallest.device_bytes:.1f}x."
     )
     timed = [p for p in points if p.step is not None]
     if timed:
         fastest = min(timed, key=lambda p: p.step.median)
         text += (
-            f" The smallest configuration steps in {smallest.step.median * 1e3:.1f} ms, {smallest.step.median / fastest.step.median:.2f}x the fastest "
-            f"({fastest.label}, {fastest.step.median * 1e3:.1f} ms, {format_bytes(fastest.device_bytes)}). Fitting is a memory question; training is the "
-            f"step time at the memory you can afford, which the frontier below answers: {len(frontier(points))} of {len(timed)} configurations are on it."
+            f" The smallest configuration steps in {smallest.step.median * 1e3:.1f} "
+            f"ms, {smallest.step.median / fastest.step.median:.2f}x the fastest "
+            f"({fastest.label}, {fastest.step.median * 1e3:.1f} ms, {format_bytes(fastest.device_bytes)}). "
+            "Fitting is a memory question; training is the "
+            "step time at the memory you can afford, which the frontier below "
+            f"answers: {len(frontier(points))} of {len(timed)} configurations "
+            "are on it."
         )
     return text
 
@@ -229,20 +299,38 @@ def _notes(points: list[Point], model: ModelConfig, config: Config) -> list[str]
     if ("offload", 1) in at and ("none", 1) in at:
         off = at["offload", 1]
         notes.append(
-            f"offload: XLA reports {format_bytes(off.host_bytes)} of host memory and {format_bytes(off.temp_bytes)} of device temporaries "
+            f"offload: XLA reports {format_bytes(off.host_bytes)} of host "
+            f"memory and {format_bytes(off.temp_bytes)} of device temporaries "
             f"(none: {format_bytes(at['none', 1].temp_bytes)})"
-            + ("; on this CPU target the 'host' is the same memory, so offload can only cost time here." if config.target.startswith("cpu") else ".")
+            + (
+                "; on this CPU target the 'host' is the same memory, so offload can only cost time here."
+                if config.target.startswith("cpu")
+                else "."
+            )
         )
     ms = sorted(m for r, m in at if r == "none")
     if len(ms) > 1:
         notes.append(
-            f"XLA's cost analysis counts a loop body once: the same global batch counts {at['none', ms[0]].flops:.4g} FLOPs with {ms[0]} micro-batch(es) "
-            f"and {at['none', ms[-1]].flops:.4g} with {ms[-1]}, though the work is the same; hence the per-layer, per-micro-batch comparison."
+            "XLA's cost analysis counts a loop body once: the same global "
+            f"batch counts {at['none', ms[0]].flops:.4g} FLOPs with {ms[0]} "
+            "micro-batch(es) "
+            f"and {at['none', ms[-1]].flops:.4g} with {ms[-1]}, though the "
+            "work is the same; hence the per-layer, per-micro-batch comparison."
         )
-    if ("full", 1) in at and ("none", 1) in at and at["full", 1].step and at["full", 1].step.median < at["none", 1].step.median:
+    if (
+        ("full", 1) in at
+        and ("none", 1) in at
+        and at["full", 1].step
+        and at["full", 1].step.median < at["none", 1].step.median
+    ):
         notes.append(
-            f"On this target full recompute is faster than saving everything ({at['full', 1].step.median * 1e3:.1f} ms against {at['none', 1].step.median * 1e3:.1f} ms) "
-            f"although it recomputes each block's forward: writing and reading back {format_bytes(at['none', 1].temp_bytes)} of temporaries instead of "
-            f"{format_bytes(at['full', 1].temp_bytes)} costs this CPU more than the extra arithmetic of so small a model."
+            "On this target full recompute is faster than saving everything "
+            f"({at['full', 1].step.median * 1e3:.1f} ms against {at['none', 1].step.median * 1e3:.1f} "
+            "ms) "
+            "although it recomputes each block's forward: writing and reading "
+            f"back {format_bytes(at['none', 1].temp_bytes)} of temporaries "
+            "instead of "
+            f"{format_bytes(at['full', 1].temp_bytes)} costs this CPU more "
+            "than the extra arithmetic of so small a model."
         )
     return notes

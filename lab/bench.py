@@ -6,23 +6,23 @@ several repeats after warm-up, reported with min and max, and compared with
 others only as a ratio measured in the same run. Tests never assert timings;
 benchmarks measure them.
 
-Sizes for sweeps follow nccl-tests: ``-b 1K -e 64M -f 2`` means from 1 KiB to
-64 MiB, each size twice the previous.
+Sizes for sweeps are read by `lab.units` (nccl-tests' ``-b 1K -e 64M -f 2``).
 """
 
 from __future__ import annotations
 
-import re
+import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
+import numpy as np
 
-from lab.errors import LabError
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+from lab import hlo, theory
+from lab.collectives import build_program
+from lab.mesh import AXES
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,9 @@ def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 10, min_seconds
     return Timing(statistics.median(samples), min(samples), max(samples), len(samples))
 
 
-def time_interleaved(calls: dict[str, tuple[Callable, tuple]], *, repeats: int = 5, warmup: int = 1) -> dict[str, Timing]:
+def time_interleaved(
+    calls: dict[str, tuple[Callable, tuple]], *, repeats: int = 5, warmup: int = 1
+) -> dict[str, Timing]:
     """Time several programs round-robin: one call of each per round, `repeats` rounds.
 
     On a shared machine the load drifts during a measurement; taking turns
@@ -74,40 +76,6 @@ def time_interleaved(calls: dict[str, tuple[Callable, tuple]], *, repeats: int =
         for name, (fn, args) in calls.items():
             samples[name].append(time_fn(fn, *args, warmup=0, repeats=1).median)
     return {name: Timing(statistics.median(s), min(s), max(s), len(s)) for name, s in samples.items()}
-
-
-def parse_size(text: str | int) -> int:
-    """``"64M"`` -> 67108864 bytes (K, M, G are powers of 1024, as in nccl-tests)."""
-    if isinstance(text, int):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", str(text), flags=re.IGNORECASE)
-        if not match:
-            raise LabError(f"size {text!r}: write bytes as a number with an optional K, M or G suffix, e.g. 1K or 64M")
-        value = int(match[1]) * _UNITS[match[2].upper()]
-    if value <= 0:
-        raise LabError(f"size {text!r}: sizes must be positive")
-    return value
-
-
-def size_sweep(begin: str | int, end: str | int, factor: int = 2) -> list[int]:
-    """Sizes from `begin` to `end` (inclusive), each `factor` times the previous."""
-    low, high = parse_size(begin), parse_size(end)
-    if factor < 2:
-        raise LabError(f"sweep factor {factor}: must be an integer >= 2 (as in nccl-tests -f 2)")
-    if low > high:
-        raise LabError(f"sweep from {begin} to {end}: the first size must not exceed the last")
-    sizes = [low]
-    while sizes[-1] * factor <= high:
-        sizes.append(sizes[-1] * factor)
-    return sizes
-
-
-def format_bytes(n: float) -> str:
-    """Binary units, the way nccl-tests and XLA print sizes: 1.5 MiB."""
-    import humanize
-
-    return humanize.naturalsize(n, binary=True, format="%.3g")
 
 
 @dataclass(frozen=True)
@@ -126,13 +94,10 @@ class SweepPoint:
     collectives: tuple  # lab.hlo.Collective found in the compiled program
 
 
-def measure_collective(op: str, mesh, axes, size: int, *, dtype: str = "float32", warmup: int = 1, repeats: int = 5) -> SweepPoint:
+def measure_collective(
+    op: str, mesh, axes, size: int, *, dtype: str = "float32", warmup: int = 1, repeats: int = 5
+) -> SweepPoint:
     """Compile collective `op` over `axes` for S = `size` bytes, check every element, time it."""
-    import numpy as np
-
-    from lab import hlo, theory
-    from lab.collectives import build_program
-
     program = build_program(op, mesh, axes)
     compiled = program.fn.lower(program.abstract_input(size, np.dtype(dtype))).compile()
     found, _ = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
@@ -142,8 +107,16 @@ def measure_collective(op: str, mesh, axes, size: int, *, dtype: str = "float32"
     timing = time_fn(compiled, placed, warmup=warmup, repeats=repeats, min_seconds=0.02)
     n = program.group_size
     return SweepPoint(
-        op, size, size // np.dtype(dtype).itemsize, dtype, n, timing,
-        theory.algorithm_bandwidth(size, timing.median), theory.bus_bandwidth(op, size, timing.median, n), wrong, found,
+        op,
+        size,
+        size // np.dtype(dtype).itemsize,
+        dtype,
+        n,
+        timing,
+        theory.algorithm_bandwidth(size, timing.median),
+        theory.bus_bandwidth(op, size, timing.median, n),
+        wrong,
+        found,
     )
 
 
@@ -153,13 +126,34 @@ def crossover(xs, ratios) -> float | None:
     The crossover of two measured curves a(x), b(x) is ``crossover(xs, a / b)``:
     where b overtakes a.
     """
-    import math
-
-    import numpy as np
-
     logs = np.log(np.asarray(ratios, dtype=float))
     for i in range(1, len(xs)):
         if logs[i - 1] >= 0 > logs[i]:
             w = logs[i - 1] / (logs[i - 1] - logs[i])
             return float(math.exp(math.log(xs[i - 1]) + w * (math.log(xs[i]) - math.log(xs[i - 1]))))
     return None
+
+
+def parse_benchmark(lines: int = 100_000) -> float:
+    """Seconds `parse_collectives` takes on a synthetic TPU-like module of about `lines` lines."""
+    block = [
+        "  %fusion.{i} = bf16[64,2048]{{1,0:T(8,128)(2,1)}} fusion(%copy-done.{i}, "
+        "%all-gather.{i}), kind=kOutput, calls=%fused_computation.{i}, "
+        'metadata={{op_name="jit(step)/dot_general"}}',
+        "  %all-gather.{i} = bf16[1024,2048]{{1,0:T(8,128)(2,1)}} all-gather(%param.{i}), "
+        "channel_id={i}, replica_groups=[4,2]<=[4,2]T(1,0), dimensions={{0}}, "
+        'use_global_device_ids=true, metadata={{op_name="jit(step)/all_gather"}}',
+        "  %copy-start.{i} = (bf16[64,1024]{{1,0}}, bf16[64,1024]{{1,0}}, u32[]{{:S(2)}}) copy-start(%param.{i})",
+        "  %copy-done.{i} = bf16[64,1024]{{1,0}} copy-done(%copy-start.{i})",
+        "  %all-reduce.{i} = (bf16[2048,512]{{1,0}}, bf16[512,2048]{{1,0}}) "
+        "all-reduce(%fusion.{i}, %copy-done.{i}), channel_id={i}, replica_groups=mesh['axis_0'=4,'axis_1'=2] "
+        "{{'axis_1'}}, use_global_device_ids=true, to_apply=%add",
+    ] + [
+        "  %add.{i}" + f"_{k}" + ' = f32[128,128]{{1,0}} add(%p.{i}, %q.{i}), metadata={{op_name="jit(step)/add"}}'
+        for k in range(15)
+    ]
+    body = "\n".join(line.format(i=i) for i in range(max(1, lines // len(block))) for line in block)
+    text = f"HloModule bench, num_partitions=8\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n{body}\n}}\n"
+    start = time.perf_counter()
+    hlo.parse_collectives(text, (2, 1, 2, 1, 2), AXES)
+    return time.perf_counter() - start

@@ -24,7 +24,7 @@ from lab.devices import DEFAULT_TARGET
 from lab.errors import LabError
 
 # `lab train`'s options, which `lab doctor` shares; importing jax starts no backend
-from lab.training_run import RunConfig
+from lab.training.run import RunConfig
 
 _out = Console() if sys.stdout.isatty() else Console(width=160)  # piped output: do not squeeze tables
 _err = Console(stderr=True)
@@ -156,8 +156,14 @@ def _parse(argv: list[str]):
 
 def _one_line(box: str) -> str:
     """The message lines of a tyro error box, joined: "Unrecognized options: x; Available subcommands: ..."."""
-    lines = [line.strip(" │╰╯─").strip() for line in box.splitlines() if not line.startswith("╭")]  # ╭ carries the title
-    keep = [line for line in lines if line and not line.startswith(("For full helptext", "Argument helptext")) and set(line) - set("─-")]
+    lines = [
+        line.strip(" │╰╯─").strip() for line in box.splitlines() if not line.startswith("╭")
+    ]  # ╭ carries the title
+    keep = [
+        line
+        for line in lines
+        if line and not line.startswith(("For full helptext", "Argument helptext")) and set(line) - set("─-")
+    ]
     return "; ".join(keep[:2]) + " (see lab --help)" if keep else "could not parse the command line (see lab --help)"
 
 
@@ -182,28 +188,37 @@ def inspect(command: Inspect) -> int:
     import numpy as np
 
     from lab import hlo
-    from lab.bench import parse_size
     from lab.collectives import build_program
     from lab.devices import devices_for
     from lab.mesh import MeshSpec, describe, slice_local_shape
     from lab.topology import describe_axes
+    from lab.units import parse_size
 
     if command.hlo is not None:
         return _inspect_dump(command)
     devices = devices_for(command.target)
     mesh = MeshSpec.parse(command.mesh).build(devices)
     program = build_program(command.program, mesh, command.axes)
-    found = hlo.inspect(program.fn, program.abstract_input(parse_size(command.size), np.dtype(command.dtype)), mesh=mesh)
-    _out.print(f"{command.program} over {','.join(command.axes)} on {command.target}\n{describe(mesh)}", highlight=False)
+    found = hlo.inspect(
+        program.fn, program.abstract_input(parse_size(command.size), np.dtype(command.dtype)), mesh=mesh
+    )
+    _out.print(
+        f"{command.program} over {','.join(command.axes)} on {command.target}\n{describe(mesh)}", highlight=False
+    )
     predicted = None
     if devices[0].platform == "tpu":
         _out.print("where each axis runs:\n" + describe_axes(mesh), highlight=False)
         if slice_local_shape(mesh) != tuple(mesh.devices.shape):
-            _out.print("multi-slice: libtpu compiles the program of one slice, so its HLO numbers devices within a slice "
-                       "and holds only the ICI part of a collective; the DCN part across slices is not in this module.", highlight=False)
+            _out.print(
+                "multi-slice: libtpu compiles the program of one slice, so its HLO numbers devices within a slice "
+                "and holds only the ICI part of a collective; the DCN part across slices is not in this module.",
+                highlight=False,
+            )
         predicted = [_predicted_time(c, mesh) for c in found.collectives]
     _print_inspection(found.collectives, found.skipped, predicted)
-    _out.print(f"memory per device: {hlo.format_memory(found.memory)}\ncost: {hlo.format_cost(found.cost)}", highlight=False)
+    _out.print(
+        f"memory per device: {hlo.format_memory(found.memory)}\ncost: {hlo.format_cost(found.cost)}", highlight=False
+    )
     if command.dump is not None:
         before, after = found.dump(command.dump)
         _out.print(f"HLO written: {before}, {after}")
@@ -221,7 +236,9 @@ def _inspect_dump(command: Inspect) -> int:
     try:
         text = command.hlo.read_text()
     except OSError as err:
-        raise LabError(f"cannot read HLO file {str(command.hlo)!r}: {err.strerror}; give the path of an HLO text dump") from None
+        raise LabError(
+            f"cannot read HLO file {str(command.hlo)!r}: {err.strerror}; give the path of an HLO text dump"
+        ) from None
     header = re.search(r"num_partitions=(\d+)", text)
     devices = int(header[1]) if header else MeshSpec.parse(command.mesh).size
     spec = MeshSpec.parse(command.mesh).resolve(devices)
@@ -230,10 +247,15 @@ def _inspect_dump(command: Inspect) -> int:
     else:  # ids are devices, not mesh positions: map them through the order the user gave
         order = list(command.device_order)
         if sorted(order) != list(range(spec.size)):
-            raise LabError(f"--device-order must list each of the {spec.size} device ids 0..{spec.size - 1} once, in mesh order")
+            raise LabError(
+                f"--device-order must list each of the {spec.size} device ids 0..{spec.size - 1} once, in mesh order"
+            )
         position = {device: index for index, device in enumerate(order)}
         found, skipped = hlo.parse_collectives(text)
-        found = tuple(replace(c, axes=axes_of_groups(spec.shape, AXES, [[position[d] for d in g] for g in c.replica_groups])) for c in found)
+        found = tuple(
+            replace(c, axes=axes_of_groups(spec.shape, AXES, [[position[d] for d in g] for g in c.replica_groups]))
+            for c in found
+        )
     _out.print(f"{command.hlo}: mesh {spec} ({spec.size} devices)", highlight=False)
     _print_inspection(found, skipped)
     return 0
@@ -256,19 +278,33 @@ def _print_inspection(collectives, skipped, predicted: list[str] | None = None) 
     from rich.table import Table
 
     from lab import hlo
-    from lab.bench import format_bytes
+    from lab.units import format_bytes
 
-    columns = ["kind", "as written", "dtype", "S per device", "N", "axes", "op name"] + (["predicted"] if predicted else [])
+    columns = ["kind", "as written", "dtype", "S per device", "N", "axes", "op name"] + (
+        ["predicted"] if predicted else []
+    )
     table = Table(*columns, title="collectives in the optimized HLO")
     for i, c in enumerate(collectives):
         axes = "?" if c.axes is None else ",".join(c.axes) or "-"
         written = ("" if c.form == c.kind else c.form) + (" (async)" if c.is_async else "")
-        cells = [c.kind, written, ",".join(c.dtypes), format_bytes(c.size_bytes), str(c.group_size or "?"), axes, (c.op_name or "").rsplit("/", 1)[-1]]
+        cells = [
+            c.kind,
+            written,
+            ",".join(c.dtypes),
+            format_bytes(c.size_bytes),
+            str(c.group_size or "?"),
+            axes,
+            (c.op_name or "").rsplit("/", 1)[-1],
+        ]
         table.add_row(*cells, *([predicted[i]] if predicted else []))
     _out.print(table)
     _out.print(hlo.summary_table(hlo.summarize(collectives)))
     if skipped:
-        _out.print(f"{len(skipped)} line(s) not understood and skipped, e.g. line {skipped[0].line_number}: {skipped[0].reason}", highlight=False)
+        _out.print(
+            f"{len(skipped)} line(s) not understood and skipped, e.g. line "
+            f"{skipped[0].line_number}: {skipped[0].reason}",
+            highlight=False,
+        )
 
 
 def bench(command: Bench) -> int:
@@ -276,27 +312,50 @@ def bench(command: Bench) -> int:
     from rich.table import Table
 
     from lab import progress
-    from lab.bench import format_bytes, measure_collective, size_sweep
+    from lab.bench import measure_collective
     from lab.devices import devices_for
     from lab.mesh import MeshSpec
+    from lab.units import format_bytes, size_sweep
 
     sizes = size_sweep(command.begin, command.end, command.factor)
     mesh = MeshSpec.parse(command.mesh).build(devices_for(command.target))
-    table = Table("size", "count", "type", "op", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "#wrong", title=f"collectives over {','.join(command.axes)} on {command.target}")
+    table = Table(
+        "size",
+        "count",
+        "type",
+        "op",
+        "time (us)",
+        "algbw (GB/s)",
+        "busbw (GB/s)",
+        "#wrong",
+        title=f"collectives over {','.join(command.axes)} on {command.target}",
+    )
     with progress.session():
         for op, size in progress.track([(op, s) for op in command.ops for s in sizes], "bench"):
-            p = measure_collective(op, mesh, command.axes, size, dtype=command.dtype, warmup=command.warmup, repeats=command.iters)
-            table.add_row(format_bytes(size), str(p.count), command.dtype, op, f"{p.timing.median * 1e6:.1f}", f"{p.algbw / 1e9:.2f}", f"{p.busbw / 1e9:.2f}", str(p.wrong))
+            p = measure_collective(
+                op, mesh, command.axes, size, dtype=command.dtype, warmup=command.warmup, repeats=command.iters
+            )
+            table.add_row(
+                format_bytes(size),
+                str(p.count),
+                command.dtype,
+                op,
+                f"{p.timing.median * 1e6:.1f}",
+                f"{p.algbw / 1e9:.2f}",
+                f"{p.busbw / 1e9:.2f}",
+                str(p.wrong),
+            )
     _out.print(table)
     return 0
 
 
 def train(command) -> int:
-    """``lab train``: the loop of `lab.training_run`, its progress bar, then the page (process 0 writes it)."""
+    """``lab train``: the loop of `lab.training.run`, its progress bar, then the page (process 0 writes it)."""
     import jax
 
-    from lab import progress, training_run
+    from lab import progress
     from lab import report as pages
+    from lab.training import run as training_run
 
     with progress.session():
         log = training_run.run(command)
@@ -313,22 +372,41 @@ def doctor(command: Doctor) -> int:
     from rich.table import Table
 
     from lab import progress
-    from lab.bench import parse_size
-    from lab.doctor import diagnose
+    from lab.doctor.diagnosis import diagnose
+    from lab.units import parse_size
 
     capacity = parse_size(command.capacity) if command.capacity is not None else None
     with progress.session():
         diagnosis = diagnose(command.train, capacity_bytes=capacity)
     colour = {"problem": "red", "warning": "yellow", "ok": "green", "not applicable": "dim"}
-    table = Table("#", "severity", "layer", "check", "verdict", "evidence", "fix",
-                  title=f"lab doctor: {command.train.model} with {command.train.strategy} on {command.train.mesh} ({command.train.target})")
+    table = Table(
+        "#",
+        "severity",
+        "layer",
+        "check",
+        "verdict",
+        "evidence",
+        "fix",
+        title=f"lab doctor: {command.train.model} with {command.train.strategy} "
+        f"on {command.train.mesh} ({command.train.target})",
+    )
     for rank, f in enumerate(diagnosis.ranked, 1):
-        table.add_row(str(rank), f"[{colour[f.severity]}]{f.severity}[/]", f.layer, f.check, f.verdict, "\n".join(f.evidence), f.fix)
+        table.add_row(
+            str(rank),
+            f"[{colour[f.severity]}]{f.severity}[/]",
+            f.layer,
+            f.check,
+            f.verdict,
+            "\n".join(f.evidence),
+            f.fix,
+        )
     _out.print(table)
     if diagnosis.not_run:
         _out.print(f"no steps run: {diagnosis.not_run}", highlight=False)
     start = diagnosis.start_here
-    _out.print(f"start here: {start.layer}, {start.check}: {start.verdict}" if start else "no problems found", highlight=False)
+    _out.print(
+        f"start here: {start.layer}, {start.check}: {start.verdict}" if start else "no problems found", highlight=False
+    )
     return 0
 
 
@@ -383,7 +461,9 @@ def report(command: Report) -> int:
             _print_result(result, command.results / experiment.name / "README.md")
     if command.only:
         results = _merge_existing(results, command.results)
-    index = pages.write_index(results, command.results, elapsed_s=time.perf_counter() - started, only=tuple(command.only))
+    index = pages.write_index(
+        results, command.results, elapsed_s=time.perf_counter() - started, only=tuple(command.only)
+    )
     _out.print(f"index: {index}  ({time.perf_counter() - started:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command
 
@@ -400,7 +480,12 @@ def _check_target(experiment, target: str) -> None:
     from lab.devices import parse_target
 
     if parse_target(target).compile_only and not getattr(experiment.module, "COMPILE_ONLY", False):
-        raise LabError(f"experiment {experiment.name} executes programs, so it cannot run on the compile-only target {target}; use cpu:N, gpu or tpu (and `lab inspect --target {target}` to see what the TPU compiler does)")
+        raise LabError(
+            f"experiment {experiment.name} executes programs, so it cannot "
+            f"run on the compile-only target {target}; use cpu:N, gpu or tpu "
+            f"(and `lab inspect --target {target}` to see what the TPU compiler "
+            "does)"
+        )
 
 
 def _merge_existing(results, folder: Path):
@@ -416,7 +501,16 @@ def _merge_existing(results, folder: Path):
         if data.get("name") in fresh:
             continue
         checks = [Check(**c) for c in data.get("checks", [])]
-        results.append(Result(data["name"], data["title"], data["question"], data["summary"], checks=checks, provenance=data.get("provenance", {})))
+        results.append(
+            Result(
+                data["name"],
+                data["title"],
+                data["question"],
+                data["summary"],
+                checks=checks,
+                provenance=data.get("provenance", {}),
+            )
+        )
     return results
 
 

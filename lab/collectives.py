@@ -234,7 +234,11 @@ def recursive_doubling_all_reduce(x: jax.Array, axes) -> jax.Array:
 def require_power_of_two(n: int, axes) -> None:
     """Recursive halving-doubling pairs devices by bits: N must be a power of two."""
     if n < 1 or n & (n - 1):
-        raise LabError(f"halving-doubling all-reduce needs a power-of-two number of devices, but {_named(axes)} spans {n}; use ring-all-reduce, or a mesh whose axes multiply to 2, 4, 8, ...")
+        raise LabError(
+            "halving-doubling all-reduce needs a power-of-two number of devices, "
+            f"but {_named(axes)} spans {n}; use ring-all-reduce, or a mesh "
+            "whose axes multiply to 2, 4, 8, ..."
+        )
 
 
 def _require_divisible(x: jax.Array, parts: int, axes, why: str | None = None) -> None:
@@ -242,7 +246,10 @@ def _require_divisible(x: jax.Array, parts: int, axes, why: str | None = None) -
     if x.ndim == 0 or x.shape[0] % parts:
         size = x.shape[0] if x.ndim else "a scalar"
         reason = why or f"{parts}, the number of devices along {_named(axes)}"
-        raise LabError(f"dimension 0 of the per-device block (size {size}) is not divisible by {reason}; make it a multiple of {parts}")
+        raise LabError(
+            f"dimension 0 of the per-device block (size {size}) is not divisible "
+            f"by {reason}; make it a multiple of {parts}"
+        )
 
 
 def _split(x: jax.Array, parts: int, axes, why: str | None = None) -> jax.Array:
@@ -257,7 +264,7 @@ def _piece(pieces_ND: jax.Array, index) -> jax.Array:
 
 
 def _named(axes) -> str:
-    """"axis 'fsdp'" or "axes ('data', 'tensor')", for messages."""
+    """ "axis 'fsdp'" or "axes ('data', 'tensor')", for messages."""
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     return f"axis {axes[0]!r}" if len(axes) == 1 else "axes (" + ", ".join(map(repr, axes)) + ")"
 
@@ -342,19 +349,77 @@ RECIPES: dict[str, Recipe] = {
     recipe.name: recipe
     for recipe in [
         Recipe("all-reduce", all_reduce, _sum_everywhere, "all-reduce", "all-reduce", _one, parts=_one),
-        Recipe("all-gather", all_gather, _gather_everywhere, "all-gather", "all-gather", _one, parts=_one, gathers=True),
+        Recipe(
+            "all-gather", all_gather, _gather_everywhere, "all-gather", "all-gather", _one, parts=_one, gathers=True
+        ),
         Recipe("reduce-scatter", reduce_scatter, _sum_scattered, "reduce-scatter", "reduce-scatter", _one),
         Recipe("all-to-all", all_to_all, _transposed, "all-to-all", "all-to-all", _one),
-        Recipe("collective-permute", collective_permute, _shifted, "collective-permute", "collective-permute", _one, parts=_one),
+        Recipe(
+            "collective-permute",
+            collective_permute,
+            _shifted,
+            "collective-permute",
+            "collective-permute",
+            _one,
+            parts=_one,
+        ),
         Recipe("broadcast", broadcast, _root_everywhere, "broadcast", "all-reduce", _one, parts=_one, rooted=True),
         Recipe("reduce", reduce, _sum_on_root, "reduce", "all-reduce", _one, parts=_one, rooted=True),
-        Recipe("ring-reduce-scatter", ring_reduce_scatter, _sum_scattered, "reduce-scatter", "collective-permute", lambda n: n - 1),
-        Recipe("ring-all-gather", ring_all_gather, _gather_everywhere, "all-gather", "collective-permute", lambda n: n - 1, parts=_one, gathers=True),
-        Recipe("ring-all-reduce", ring_all_reduce, _sum_everywhere, "all-reduce", "collective-permute", lambda n: 2 * (n - 1)),
+        Recipe(
+            "ring-reduce-scatter",
+            ring_reduce_scatter,
+            _sum_scattered,
+            "reduce-scatter",
+            "collective-permute",
+            lambda n: n - 1,
+        ),
+        Recipe(
+            "ring-all-gather",
+            ring_all_gather,
+            _gather_everywhere,
+            "all-gather",
+            "collective-permute",
+            lambda n: n - 1,
+            parts=_one,
+            gathers=True,
+        ),
+        Recipe(
+            "ring-all-reduce",
+            ring_all_reduce,
+            _sum_everywhere,
+            "all-reduce",
+            "collective-permute",
+            lambda n: 2 * (n - 1),
+        ),
         # Two rings, each 2(N-1) steps; XLA keeps the two directions as separate permutes.
-        Recipe("bidirectional-ring-all-reduce", bidirectional_ring_all_reduce, _sum_everywhere, "all-reduce", "collective-permute", lambda n: 4 * (n - 1), parts=lambda n: 2 * n),
-        Recipe("halving-doubling-all-reduce", halving_doubling_all_reduce, _sum_everywhere, "all-reduce", "collective-permute", lambda n: 2 * (n.bit_length() - 1), check_group=require_power_of_two),
-        Recipe("recursive-doubling-all-reduce", recursive_doubling_all_reduce, _sum_everywhere, "all-reduce", "collective-permute", lambda n: n.bit_length() - 1, parts=_one, check_group=require_power_of_two),
+        Recipe(
+            "bidirectional-ring-all-reduce",
+            bidirectional_ring_all_reduce,
+            _sum_everywhere,
+            "all-reduce",
+            "collective-permute",
+            lambda n: 4 * (n - 1),
+            parts=lambda n: 2 * n,
+        ),
+        Recipe(
+            "halving-doubling-all-reduce",
+            halving_doubling_all_reduce,
+            _sum_everywhere,
+            "all-reduce",
+            "collective-permute",
+            lambda n: 2 * (n.bit_length() - 1),
+            check_group=require_power_of_two,
+        ),
+        Recipe(
+            "recursive-doubling-all-reduce",
+            recursive_doubling_all_reduce,
+            _sum_everywhere,
+            "all-reduce",
+            "collective-permute",
+            lambda n: n.bit_length() - 1,
+            parts=_one,
+            check_group=require_power_of_two,
+        ),
     ]
 }
 NAMES: tuple[str, ...] = tuple(RECIPES)
@@ -397,9 +462,19 @@ class CollectiveProgram:
         """Raise LabError unless `shape` is a stack of N blocks whose dim 0 splits as this collective needs."""
         n, parts = self.group_size, self.recipe.parts(self.group_size)
         if len(shape) < 2 or shape[0] != n:
-            raise LabError(f"{self.name} over {_named(self.axes)}: the input must be a stack (N, D, ...) with N={n} per-device blocks, got shape {tuple(shape)}; stack one block per device along dimension 0")
+            raise LabError(
+                f"{self.name} over {_named(self.axes)}: the input must be a "
+                f"stack (N, D, ...) with N={n} per-device blocks, got shape "
+                f"{tuple(shape)}; stack one block per device along dimension "
+                "0"
+            )
         if shape[1] % parts:
-            raise LabError(f"{self.name} over {_named(self.axes)}: dimension 1 of the input (size {shape[1]}) is not divisible by {parts} (it cuts each block into {parts} pieces for {n} devices); make it a multiple of {parts}")
+            raise LabError(
+                f"{self.name} over {_named(self.axes)}: dimension 1 of the input "
+                f"(size {shape[1]}) is not divisible by {parts} (it cuts each "
+                f"block into {parts} pieces for {n} devices); make it a multiple "
+                f"of {parts}"
+            )
 
     def place(self, x) -> jax.Array:
         """Put the stack on the mesh as ``fn`` expects: row i on the i-th device along the axes."""
@@ -421,7 +496,12 @@ class CollectiveProgram:
         n, dtype = self.group_size, np.dtype(dtype)
         unit = dtype.itemsize * (n if self.recipe.gathers else 1)  # a gathered D is N blocks
         if bytes_per_device % unit or bytes_per_device < unit:
-            raise LabError(f"{self.name} over {_named(self.axes)}: D={bytes_per_device} bytes per device is not a positive multiple of {unit} bytes ({dtype.name}{f' x {n} blocks' if self.recipe.gathers else ''}); choose a multiple of {unit}")
+            raise LabError(
+                f"{self.name} over {_named(self.axes)}: D={bytes_per_device} "
+                f"bytes per device is not a positive multiple of {unit} bytes "
+                f"({dtype.name}{f' x {n} blocks' if self.recipe.gathers else ''}); "
+                f"choose a multiple of {unit}"
+            )
         shape = (n, bytes_per_device // unit)
         self.check_input(shape)
         return shape
@@ -446,13 +526,19 @@ def build_program(name: str, mesh: Mesh, axes: str | Sequence[str], *, root: int
     n = _group_size(mesh, axes)
     recipe.check_group(n, axes)
     if recipe.rooted and not 0 <= root < n:
-        raise LabError(f"{name} over {_named(axes)}: root {root} is not a device index along those axes; choose 0..{n - 1}")
+        raise LabError(
+            f"{name} over {_named(axes)}: root {root} is not a device index along those axes; choose 0..{n - 1}"
+        )
     options = {"root": root} if recipe.rooted else {}
 
     def per_device(row_1D: jax.Array) -> jax.Array:
         # Local view: exactly one row of the stack, this device's block.
         if row_1D.shape[0] != 1:
-            raise LabError(f"{name} over {_named(axes)}: each device must hold one row of the stack, got {row_1D.shape[0]}; give the input N={n} rows")
+            raise LabError(
+                f"{name} over {_named(axes)}: each device must hold one row "
+                f"of the stack, got {row_1D.shape[0]}; give the input N={n} "
+                "rows"
+            )
         return recipe.local(row_1D[0], axes, **options)[None]
 
     program = jax.shard_map(per_device, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
@@ -464,7 +550,9 @@ def _mesh_axes(mesh: Mesh, axes: str | Sequence[str]) -> Axes:
     unknown = [a for a in axes if a not in mesh.axis_names]
     if unknown or not axes:
         problem = f"unknown axis {unknown[0]!r}" if unknown else "no axis given"
-        raise LabError(f"collective over {axes!r}: {problem}; name one or more of the mesh axes {', '.join(mesh.axis_names)}")
+        raise LabError(
+            f"collective over {axes!r}: {problem}; name one or more of the mesh axes {', '.join(mesh.axis_names)}"
+        )
     if len(set(axes)) != len(axes):
         raise LabError(f"collective over {_named(axes)}: an axis is named twice; name each mesh axis once")
     return axes

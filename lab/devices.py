@@ -114,7 +114,11 @@ def _real_devices(platform: str) -> tuple:
     except RuntimeError:
         devices = ()
     if not devices:
-        raise LabError(f"target {platform!r}: JAX finds no {platform.upper()} here; use cpu:8, or tpu:<gen>:<topology> to compile for a TPU without one")
+        raise LabError(
+            f"target {platform!r}: JAX finds no {platform.upper()} here; use "
+            "cpu:8, or tpu:<gen>:<topology> to compile for a TPU without "
+            "one"
+        )
     return devices
 
 
@@ -132,7 +136,9 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
     except ImportError as err:  # pragma: no cover - jax always ships it
         raise LabError(f"this JAX has no compile-only topologies ({err}); upgrade jax") from None
     if not _libtpu_installed():
-        raise LabError(f"target tpu:{topology} needs libtpu; install it with: pip install 'jax[tpu]' (or pip install -e '.[tpu]')")
+        raise LabError(
+            f"target tpu:{topology} needs libtpu; install it with: pip install 'jax[tpu]' (or pip install -e '.[tpu]')"
+        )
     # Compile-only use never touches a chip, so two processes may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": slices} if slices > 1 else {}
@@ -143,7 +149,9 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
             description = topologies.get_topology_desc(topology, "tpu", **kwargs)
         except jax.errors.JaxRuntimeError as err:  # libtpu's message runs to many lines
             detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
-            raise LabError(f"libtpu does not know topology {topology!r} ({detail}); use a form like v5e:4x4, v5p:4x4x4, v6e:16x16") from None
+            raise LabError(
+                f"libtpu does not know topology {topology!r} ({detail}); use a form like v5e:4x4, v5p:4x4x4, v6e:16x16"
+            ) from None
     del noise
     return tuple(description.devices)
 
@@ -188,8 +196,15 @@ def describe_devices(devices: Sequence) -> str:
 # --- Several processes: jax.distributed -----------------------------------------------------------------------------
 
 
-def distributed_devices(target: Target | str, coordinator: str | None = None, num_processes: int | None = None,
-                        process_id: int | None = None, *, timeout_s: int = 60, heartbeat_s: int = 10) -> tuple:
+def distributed_devices(
+    target: Target | str,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout_s: int = 60,
+    heartbeat_s: int = 10,
+) -> tuple:
     """Join the other processes of a run through ``jax.distributed`` and return the devices of all of them.
 
     With no coordinator, process count or id, JAX reads them from the environment a TPU VM slice, SLURM
@@ -201,11 +216,18 @@ def distributed_devices(target: Target | str, coordinator: str | None = None, nu
 
     target = parse_target(target) if isinstance(target, str) else target
     if target.compile_only:
-        raise LabError(f"target {target} is compile-only: nothing runs, so there are no processes to join; use cpu:N, gpu or tpu")
+        raise LabError(
+            f"target {target} is compile-only: nothing runs, so there are no processes to join; use cpu:N, gpu or tpu"
+        )
     if (coordinator is None) != (num_processes is None) or (coordinator is None) != (process_id is None):
-        raise LabError("give --coordinator, --num-processes and --process-id together, or none of them to read them from the TPU/SLURM environment")
+        raise LabError(
+            "give --coordinator, --num-processes and --process-id together, "
+            "or none of them to read them from the TPU/SLURM environment"
+        )
     if process_id is not None and not 0 <= process_id < num_processes:
-        raise LabError(f"--process-id {process_id} must be in 0..{num_processes - 1} for --num-processes {num_processes}")
+        raise LabError(
+            f"--process-id {process_id} must be in 0..{num_processes - 1} for --num-processes {num_processes}"
+        )
     if coordinator is not None and process_id != 0:
         _wait_for_coordinator(coordinator, timeout_s)
     if target.platform == "cpu":
@@ -213,14 +235,25 @@ def distributed_devices(target: Target | str, coordinator: str | None = None, nu
         jax.config.update("jax_num_cpu_devices", target.count or 1)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id, initialization_timeout=timeout_s,
-                                   heartbeat_timeout_seconds=heartbeat_s)
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            initialization_timeout=timeout_s,
+            heartbeat_timeout_seconds=heartbeat_s,
+        )
     except (RuntimeError, ValueError) as err:
         detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
-        raise LabError(f"could not join the distributed run at {coordinator or 'the address the environment gives'} within {timeout_s} s ({detail}); start every process with the same --coordinator and --num-processes") from None
+        raise LabError(
+            f"could not join the distributed run at {coordinator or 'the address the environment gives'} "
+            f"within {timeout_s} s ({detail}); start every process with the "
+            "same --coordinator and --num-processes"
+        ) from None
     devices = tuple(jax.devices())
     if not devices or devices[0].platform != target.platform:
-        raise LabError(f"target {target}: the distributed run found {describe_devices(devices)}; use the platform these hosts have")
+        raise LabError(
+            f"target {target}: the distributed run found {describe_devices(devices)}; use the platform these hosts have"
+        )
     return devices
 
 
@@ -240,5 +273,9 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
                 return
         except OSError:
             if time.monotonic() > deadline:
-                raise LabError(f"the coordinator {address} did not answer within {timeout_s:g} s; start process 0 first, with the same --coordinator, and check that this host can reach it") from None
+                raise LabError(
+                    f"the coordinator {address} did not answer within {timeout_s:g} "
+                    "s; start process 0 first, with the same --coordinator, and "
+                    "check that this host can reach it"
+                ) from None
             time.sleep(0.2)

@@ -33,7 +33,9 @@ import numpy as np
 
 from lab.errors import LabError
 
-SCALING_BOOK_TPUS = "https://jax-ml.github.io/scaling-book/tpus/ (TPU Specs tables; source jax-ml/scaling-book tpus.md @54e2c43)"
+SCALING_BOOK_TPUS = (
+    "https://jax-ml.github.io/scaling-book/tpus/ (TPU Specs tables; source jax-ml/scaling-book tpus.md @54e2c43)"
+)
 SCALING_BOOK_SHARDING = "https://jax-ml.github.io/scaling-book/sharding/ (A note on ICI latency)"
 SCALING_BOOK_GPUS = "https://jax-ml.github.io/scaling-book/gpus/ (Summary of GPU specs; Networking)"
 
@@ -68,10 +70,15 @@ class ChipProfile:
     def wraparound(self, topology: Sequence[int]) -> tuple[bool, ...]:
         """For each axis of a slice `topology` (e.g. (4, 4, 8)), whether it wraps into a ring."""
         if not self.torus_dims:
-            raise LabError(f"{self.name} has no torus (its chips meet through a switch); wraparound applies to TPU slices only")
+            raise LabError(
+                f"{self.name} has no torus (its chips meet through a switch); wraparound applies to TPU slices only"
+            )
         if len(topology) > self.torus_dims or any(size < 1 for size in topology):
             shape = "x".join(map(str, topology))
-            raise LabError(f"topology {shape} does not fit {self.name}'s {self.torus_dims}D torus; give {self.torus_dims} positive sizes")
+            raise LabError(
+                f"topology {shape} does not fit {self.name}'s {self.torus_dims}D "
+                f"torus; give {self.torus_dims} positive sizes"
+            )
         if self.wrap_cube:
             whole_cubes = all(size % self.wrap_cube == 0 for size in topology)
             return tuple(whole_cubes for _ in topology)
@@ -199,7 +206,10 @@ def profile_for_device_kind(device_kind: str) -> ChipProfile:
         if key.startswith(prefix):
             return profile(name)
     known = [*_DEVICE_KINDS, *(f"{prefix}*" for prefix in _GPU_KIND_PREFIXES)]
-    raise LabError(f"no chip profile for device kind {device_kind!r}; known kinds: {', '.join(known)}; or pick one with profile(name)")
+    raise LabError(
+        f"no chip profile for device kind {device_kind!r}; known kinds: {', '.join(known)}; "
+        "or pick one with profile(name)"
+    )
 
 
 # --- The local CPU, measured ------------------------------------------------
@@ -226,7 +236,8 @@ def measure_cpu_profile(copy_bytes: int = 256 * 2**20, matmul_size: int = 1024, 
         hop_latency_s=0.0,  # not measured here: the emulated devices' synchronisation cost is what bench.py times
         chips_per_host=1,
         sources=("measured by lab.hardware.measure_cpu_profile",),
-        note="emulated cpu:N devices share this one memory bus and these cores: N devices do not add bandwidth or FLOP/s",
+        note="emulated cpu:N devices share this one memory bus and these cores: "
+        "N devices do not add bandwidth or FLOP/s",
     )
 
 
@@ -241,7 +252,9 @@ def _median_seconds(job, repeats: int) -> float:
 
 
 def _copy_job(copy_bytes: int):
-    source = np.ones(copy_bytes, dtype=np.uint8)  # ones, not empty: untouched pages would be mapped lazily inside the timing
+    source = np.ones(
+        copy_bytes, dtype=np.uint8
+    )  # ones, not empty: untouched pages would be mapped lazily inside the timing
     target = np.zeros_like(source)
     return lambda: np.copyto(target, source)
 

@@ -39,7 +39,6 @@ import contextlib
 import functools
 import math
 import re
-import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -48,9 +47,9 @@ from typing import Any
 
 import numpy as np
 
-from lab.bench import format_bytes
 from lab.errors import LabError
 from lab.mesh import AXES, axes_of_groups, slice_local_shape
+from lab.units import format_bytes
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -317,7 +316,7 @@ _KEYWORDS = re.compile(
     r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast|AsyncCollective"
 )
 # one HLO instruction line (``%name = shape opcode(operands), attributes``) and a computation's header line:
-# shared by every reader of HLO text in the lab (collectives here, the schedule in lab.overlap, lab.profiling)
+# shared by every reader of HLO text in the lab (collectives here, the schedule in lab.overlap, lab.training.profiling)
 INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$"
 )
@@ -478,7 +477,8 @@ def parse_collectives(
     """
     if mesh_shape is not None and len(mesh_shape) != len(axis_names):
         raise LabError(
-            f"mesh_shape {tuple(mesh_shape)} has {len(mesh_shape)} axes but axis_names has {len(axis_names)}; pass axis_names=mesh.axis_names"
+            f"mesh_shape {tuple(mesh_shape)} has {len(mesh_shape)} axes but "
+            f"axis_names has {len(axis_names)}; pass axis_names=mesh.axis_names"
         )
     scan = _scan(hlo_text)
     mesh = (tuple(mesh_shape), tuple(axis_names)) if mesh_shape is not None else None
@@ -879,25 +879,3 @@ def _cost(compiled) -> dict[str, float]:
         cost = cost[0] if cost else {}
     # keys like "bytes accessed0{}" are per operand; keep the totals
     return {key: float(value) for key, value in (cost or {}).items() if "{" not in key}
-
-
-# --------------------------------------------------------------------------- benchmark
-
-
-def parse_benchmark(lines: int = 100_000) -> float:
-    """Seconds `parse_collectives` takes on a synthetic TPU-like module of about `lines` lines."""
-    block = [
-        '  %fusion.{i} = bf16[64,2048]{{1,0:T(8,128)(2,1)}} fusion(%copy-done.{i}, %all-gather.{i}), kind=kOutput, calls=%fused_computation.{i}, metadata={{op_name="jit(step)/dot_general"}}',
-        '  %all-gather.{i} = bf16[1024,2048]{{1,0:T(8,128)(2,1)}} all-gather(%param.{i}), channel_id={i}, replica_groups=[4,2]<=[4,2]T(1,0), dimensions={{0}}, use_global_device_ids=true, metadata={{op_name="jit(step)/all_gather"}}',
-        "  %copy-start.{i} = (bf16[64,1024]{{1,0}}, bf16[64,1024]{{1,0}}, u32[]{{:S(2)}}) copy-start(%param.{i})",
-        "  %copy-done.{i} = bf16[64,1024]{{1,0}} copy-done(%copy-start.{i})",
-        "  %all-reduce.{i} = (bf16[2048,512]{{1,0}}, bf16[512,2048]{{1,0}}) all-reduce(%fusion.{i}, %copy-done.{i}), channel_id={i}, replica_groups=mesh['axis_0'=4,'axis_1'=2] {{'axis_1'}}, use_global_device_ids=true, to_apply=%add",
-    ] + [
-        "  %add.{i}" + f"_{k}" + ' = f32[128,128]{{1,0}} add(%p.{i}, %q.{i}), metadata={{op_name="jit(step)/add"}}'
-        for k in range(15)
-    ]
-    body = "\n".join(line.format(i=i) for i in range(max(1, lines // len(block))) for line in block)
-    text = f"HloModule bench, num_partitions=8\n\nENTRY %main (p: f32[8]) -> f32[8] {{\n{body}\n}}\n"
-    start = time.perf_counter()
-    parse_collectives(text, (2, 1, 2, 1, 2), AXES)
-    return time.perf_counter() - start

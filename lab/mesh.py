@@ -68,7 +68,9 @@ class MeshSpec:
             name, sep, value = part.partition("=")
             name, value = name.strip(), value.strip()
             if not sep or not name:
-                raise LabError(f"mesh spec {spec!r}: write axis=size pairs separated by commas, e.g. data=2,fsdp=2,tensor=2")
+                raise LabError(
+                    f"mesh spec {spec!r}: write axis=size pairs separated by commas, e.g. data=2,fsdp=2,tensor=2"
+                )
             if name in pairs:
                 raise LabError(f"mesh spec {spec!r}: axis {name!r} is given twice")
             try:
@@ -102,11 +104,18 @@ class MeshSpec:
         known = math.prod(s for s in sizes.values() if s != -1)
         if -1 in sizes.values():
             if device_count % known:
-                raise LabError(f"mesh {self}: the other axes use {known} devices, which does not divide the {device_count} available")
+                raise LabError(
+                    f"mesh {self}: the other axes use {known} devices, which does "
+                    f"not divide the {device_count} available"
+                )
             sizes = {a: (device_count // known if s == -1 else s) for a, s in sizes.items()}
         resolved = MeshSpec(**sizes)
         if resolved.size != device_count:
-            raise LabError(f"mesh {self} uses {resolved.size} devices but the target has {device_count}; make the sizes multiply to {device_count} (or give one axis as -1)")
+            raise LabError(
+                f"mesh {self} uses {resolved.size} devices but the target has "
+                f"{device_count}; make the sizes multiply to {device_count} "
+                "(or give one axis as -1)"
+            )
         return resolved
 
     def build(self, devices: Sequence | None = None, *, explicit: bool = True):
@@ -146,7 +155,11 @@ def _dcn_shape(shape: tuple[int, ...], slices: int) -> tuple[int, ...]:
         dcn.append(factor)
         remaining //= factor
     if remaining != 1:
-        raise LabError(f"mesh shape {dict(zip(AXES, shape))} cannot spread over {slices} slices; make the outer axes (data, stage, ...) a multiple of {slices}")
+        raise LabError(
+            f"mesh shape {dict(zip(AXES, shape))} cannot spread over {slices} "
+            "slices; make the outer axes (data, stage, ...) a multiple of "
+            f"{slices}"
+        )
     return tuple(dcn)
 
 
@@ -178,7 +191,9 @@ def device_groups(shape: Sequence[int], axes: Sequence[int]) -> list[tuple[int, 
     return [tuple(int(p) for p in row) for row in moved.reshape(-1, group_size)]
 
 
-def axes_of_groups(shape: Sequence[int], names: Sequence[str], groups: Sequence[Sequence[int]]) -> tuple[str, ...] | None:
+def axes_of_groups(
+    shape: Sequence[int], names: Sequence[str], groups: Sequence[Sequence[int]]
+) -> tuple[str, ...] | None:
     """The mesh axes whose `device_groups` equal `groups`, or None if no set of axes does.
 
     Groups are compared as sets (XLA may list a group's members in another
@@ -199,7 +214,10 @@ def axes_of_groups(shape: Sequence[int], names: Sequence[str], groups: Sequence[
 def describe(mesh) -> str:
     """A readable description: axis sizes, then which device positions form each group."""
     shape = tuple(mesh.devices.shape)
-    lines = [" x ".join(f"{a}={s}" for a, s in zip(mesh.axis_names, shape)) + f"  ({mesh.devices.size} devices, {mesh.devices.flat[0].device_kind})"]
+    lines = [
+        " x ".join(f"{a}={s}" for a, s in zip(mesh.axis_names, shape))
+        + f"  ({mesh.devices.size} devices, {mesh.devices.flat[0].device_kind})"
+    ]
     for index, (axis, size) in enumerate(zip(mesh.axis_names, shape)):
         if size == 1:
             continue

@@ -2,7 +2,7 @@
 
 Every parameter is declared with the *meaning* of each dimension, e.g.
 ``nnx.Param(w, out_sharding=("embed", "mlp"))``; the model never names a mesh
-axis. A `Layout` (see `lab.parallel.fsdp`) decides at run time where each
+axis. A `Layout` (see `lab.parallel.layout`) decides at run time where each
 weight lives and how it reaches a matmul: `layout.use(param)` is the single
 point where a sharded weight is gathered (ZeRO-3's all-gather) and cast to the
 compute dtype, and `layout.remat_policy` decides what the backward pass keeps.
@@ -17,7 +17,7 @@ The blocks are stacked on a leading ``layers`` axis (``nnx.vmap`` at creation,
 ``nnx.scan`` in the forward pass): XLA compiles one block however deep the
 model, and per-layer collectives appear once in a while loop. `run_blocks`
 runs any such stack, so a pipeline stage runs its L/P layers with the same code
-(`lab.parallel.pipeline_spmd`). Parameter count,
+(`lab.parallel.pipeline.spmd`). Parameter count,
 with V vocab, D embed, H heads of K dims, F mlp, L layers (no biases, untied
 embeddings, RMSNorm scales, rotary positions):
     Ψ = 2VD + L (4DHK + 2DF + 2D) + D.
@@ -30,7 +30,7 @@ Explicit mesh that is the all-reduce over ``tensor``.
 
 An MoE model (``experts > 0``) replaces every MLP by E expert MLPs of width F
 and a top-k router (GShard, Lepikhin et al. 2020; the routing, balancing loss
-and load counts of `lab.parallel.routing`, the buffers of
+and load counts of `lab.moe`, the buffers of
 `lab.parallel.expert`): Ψ = 2VD + L (4DHK + DE + 2EDF + 2D) + D, of which a
 token uses the k experts it is routed to.
 """
@@ -46,8 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lab.errors import LabError
-from lab.parallel.expert import combine, dispatch
-from lab.parallel.routing import Balance, LoadCounts, RouterConfig, balance_loss, load_counts, route
+from lab.moe import Balance, LoadCounts, RouterConfig, balance_loss, combine, dispatch, load_counts, route
 from lab.rules import logical_axes  # noqa: F401 - declared here, read by the Layout there; lab.model.logical_axes stays importable
 
 
@@ -89,7 +88,9 @@ class ModelConfig:
     @property
     def block_parameters(self) -> int:
         """The weights inside the layer scan (attention, MLP or experts and router, the two norms)."""
-        return self.layers * (4 * self.embed * self.heads * self.head_dim + self._feed_forward_parameters + 2 * self.embed)
+        return self.layers * (
+            4 * self.embed * self.heads * self.head_dim + self._feed_forward_parameters + 2 * self.embed
+        )
 
     @property
     def active_parameters(self) -> int:
@@ -101,13 +102,17 @@ class ModelConfig:
     @property
     def _feed_forward_parameters(self) -> int:
         """2DF for the MLP; DE + 2EDF for the router and the experts."""
-        return 2 * self.embed * self.mlp if not self.experts else self.experts * (self.embed + 2 * self.embed * self.mlp)
+        return (
+            2 * self.embed * self.mlp if not self.experts else self.experts * (self.embed + 2 * self.embed * self.mlp)
+        )
 
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(),  # 0.13 M: tests and cpu:8 pages
     "tiny-moe": ModelConfig(mlp=64, experts=8, top_k=2),  # 0.20 M, 8 experts of width 64, top-2: tests and cpu:8 pages
-    "small": ModelConfig(vocab=1024, embed=256, heads=8, head_dim=32, mlp=1024, layers=4, seq=128),  # 3.7 M: cpu timings
+    "small": ModelConfig(
+        vocab=1024, embed=256, heads=8, head_dim=32, mlp=1024, layers=4, seq=128
+    ),  # 3.7 M: cpu timings
     "125m": ModelConfig(vocab=32768, embed=768, heads=12, head_dim=64, mlp=3072, layers=12, seq=1024),
     "350m": ModelConfig(vocab=32768, embed=1024, heads=16, head_dim=64, mlp=4096, layers=24, seq=1024),
     "1b": ModelConfig(vocab=32768, embed=2048, heads=16, head_dim=128, mlp=8192, layers=16, seq=2048),  # compile-only
@@ -121,7 +126,7 @@ def preset(name: str) -> ModelConfig:
 
 
 class Layout(Protocol):
-    """What the model needs from a parallelism strategy (implemented by `lab.parallel.fsdp.Layout`).
+    """What the model needs from a parallelism strategy (implemented by `lab.parallel.layout.Layout`).
 
     A layout may also have ``activation_sharding(axes) -> NamedSharding``, where activations with these logical axes go
     (see `activation_sharding`); one without it (one device, a shard_map body) leaves them where the matmuls put them.
@@ -137,7 +142,6 @@ class Layout(Protocol):
     def remat_policy(self) -> Callable | None:
         """The checkpoint policy for one block (None: save every residual)."""
         ...
-
 
 
 def activation_sharding(layout: Layout, axes: tuple[str, ...]) -> jax.sharding.NamedSharding | None:
@@ -203,7 +207,9 @@ class Attention(nnx.Module):
         weights_BHST = jax.nn.softmax(jnp.where(causal_ST, scores_BHST, -1e30), axis=-1).astype(x_BSD.dtype)
         mixed_BSHK = jnp.einsum("bhst,bthk->bshk", weights_BHST, v_BSHK)
         # row-parallel: heads may be split, so each device may hold a partial sum; out_sharding completes it
-        return jnp.einsum("bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), out_sharding=activation_sharding(layout, _BSD))
+        return jnp.einsum(
+            "bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), out_sharding=activation_sharding(layout, _BSD)
+        )
 
 
 class MLP(nnx.Module):
@@ -215,7 +221,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
         hidden_BSF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in)))  # column-parallel
-        return jnp.einsum("bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BSD))  # row-parallel
+        return jnp.einsum(
+            "bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BSD)
+        )  # row-parallel
 
 
 class MoEStats(NamedTuple):
@@ -239,7 +247,9 @@ class MoE(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         e, d, f = config.experts, config.embed, config.mlp
-        self.router = _param(rngs, nnx.initializers.normal(0.02), (d, e), ("embed", "routing"))  # small: routing starts near uniform
+        self.router = _param(
+            rngs, nnx.initializers.normal(0.02), (d, e), ("embed", "routing")
+        )  # small: routing starts near uniform
         self.w_in = _param(rngs, _fan_in(1, 2), (e, d, f), ("experts", "embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(1, 2), (e, f, d), ("experts", "mlp", "embed"))
         self.config = config
@@ -252,7 +262,12 @@ class MoE(nnx.Module):
         home_BECD = jax.vmap(lambda x_SD, one: dispatch(x_SD, one, experts))(x_BSD, routing)
         x_BECD = _move(home_BECD, layout, _BECD_AT_EXPERTS)  # dispatch: the all-to-all over expert
         hidden_BECF = jax.nn.gelu(jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_in)))
-        y_BECD = jnp.einsum("becf,efd->becd", hidden_BECF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BECD_AT_EXPERTS))
+        y_BECD = jnp.einsum(
+            "becf,efd->becd",
+            hidden_BECF,
+            layout.use(self.w_out),
+            out_sharding=activation_sharding(layout, _BECD_AT_EXPERTS),
+        )
         y_BECD = _move(y_BECD, layout, _BECD_AT_HOME)  # combine: the all-to-all back
         y_BSD = jax.vmap(combine)(y_BECD, routing)
         balance = jax.vmap(balance_loss, in_axes=(0, None))(routing, Balance(aux_loss=self.config.aux_loss))
@@ -290,7 +305,12 @@ class Block(nnx.Module):
 _LAYERS = {nnx.PARTITION_NAME: "layers"}  # nnx.vmap/scan add and remove this logical axis on the stacked weights
 _BSD = ("batch", "sequence", "embed")
 _BECD_AT_HOME = ("batch", "routing", "capacity", "embed")  # each device: its sequences' slots for every expert
-_BECD_AT_EXPERTS = ("batch", "experts", "capacity", "embed")  # each device: its experts' slots from a share of the sequences
+_BECD_AT_EXPERTS = (
+    "batch",
+    "experts",
+    "capacity",
+    "embed",
+)  # each device: its experts' slots from a share of the sequences
 
 
 class Transformer(nnx.Module):
@@ -337,7 +357,9 @@ def run_blocks(blocks: Block, x_BSD: jax.Array, layout: Layout) -> tuple[jax.Arr
         return one_block.forward(x_BSD, layout)
 
     if layout.remat_policy is not None:
-        block = nnx.remat(block, policy=layout.remat_policy, prevent_cse=False)  # scan already keeps XLA from CSE-ing the recompute
+        block = nnx.remat(
+            block, policy=layout.remat_policy, prevent_cse=False
+        )  # scan already keeps XLA from CSE-ing the recompute
     scan = nnx.scan(block, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS)
     return scan(x_BSD, blocks)
 

@@ -140,11 +140,36 @@ def _columns(axis: str) -> P:
 VARIANTS: dict[str, MatmulVariant] = {
     v.name: v
     for v in (
-        MatmulVariant("all-gather then matmul", plain_allgather_matmul, _rows, _columns, _columns, "all-gather then matmul"),
-        MatmulVariant("ring all-gather matmul", ring_allgather_matmul, _rows, _columns, _columns, "all-gather then matmul"),
-        MatmulVariant("bidirectional all-gather matmul", bidirectional_allgather_matmul, _rows, _columns, _columns, "all-gather then matmul"),
-        MatmulVariant("matmul then reduce-scatter", plain_matmul_reduce_scatter, _columns, _rows, _rows, "matmul then reduce-scatter"),
-        MatmulVariant("ring matmul reduce-scatter", ring_matmul_reduce_scatter, _columns, _rows, _rows, "matmul then reduce-scatter"),
+        MatmulVariant(
+            "all-gather then matmul", plain_allgather_matmul, _rows, _columns, _columns, "all-gather then matmul"
+        ),
+        MatmulVariant(
+            "ring all-gather matmul", ring_allgather_matmul, _rows, _columns, _columns, "all-gather then matmul"
+        ),
+        MatmulVariant(
+            "bidirectional all-gather matmul",
+            bidirectional_allgather_matmul,
+            _rows,
+            _columns,
+            _columns,
+            "all-gather then matmul",
+        ),
+        MatmulVariant(
+            "matmul then reduce-scatter",
+            plain_matmul_reduce_scatter,
+            _columns,
+            _rows,
+            _rows,
+            "matmul then reduce-scatter",
+        ),
+        MatmulVariant(
+            "ring matmul reduce-scatter",
+            ring_matmul_reduce_scatter,
+            _columns,
+            _rows,
+            _rows,
+            "matmul then reduce-scatter",
+        ),
     )
 }
 
@@ -164,12 +189,17 @@ class MatmulProgram:
         m, k, f = self.shape_MKF
         x_sharding = NamedSharding(self.mesh, self.variant.x_spec(self.axis))
         w_sharding = NamedSharding(self.mesh, self.variant.w_spec(self.axis))
-        return (jax.ShapeDtypeStruct((m, k), self.dtype, sharding=x_sharding), jax.ShapeDtypeStruct((k, f), self.dtype, sharding=w_sharding))
+        return (
+            jax.ShapeDtypeStruct((m, k), self.dtype, sharding=x_sharding),
+            jax.ShapeDtypeStruct((k, f), self.dtype, sharding=w_sharding),
+        )
 
     def example_inputs(self, seed: int = 0) -> tuple[jax.Array, jax.Array]:
         """Random X and W placed as `fn` expects."""
         rng = np.random.default_rng(seed)
-        return tuple(jax.device_put(rng.standard_normal(a.shape).astype(self.dtype), a.sharding) for a in self.abstract_inputs())
+        return tuple(
+            jax.device_put(rng.standard_normal(a.shape).astype(self.dtype), a.sharding) for a in self.abstract_inputs()
+        )
 
     @property
     def flops(self) -> int:
@@ -187,7 +217,12 @@ def build_matmul(variant: str, mesh: Mesh, axis: str, shape_MKF: Sequence[int], 
     chosen, n = VARIANTS[variant], mesh.shape[axis]
     m, k, f = (int(d) for d in shape_MKF)
     _check_divides(chosen, n, axis, (m, k, f))
-    program = jax.shard_map(partial(chosen.local, axis=axis), mesh=mesh, in_specs=(chosen.x_spec(axis), chosen.w_spec(axis)), out_specs=chosen.out_spec(axis))
+    program = jax.shard_map(
+        partial(chosen.local, axis=axis),
+        mesh=mesh,
+        in_specs=(chosen.x_spec(axis), chosen.w_spec(axis)),
+        out_specs=chosen.out_spec(axis),
+    )
     return MatmulProgram(chosen, mesh, axis, (m, k, f), np.dtype(dtype), jax.jit(program))
 
 
@@ -197,7 +232,11 @@ def _check_divides(variant: MatmulVariant, n: int, axis: str, shape_MKF: tuple[i
     needs = {"M": m, "F": f} if variant.x_spec(axis) == _rows(axis) else {"M": m, "K": k}
     for name, size in needs.items():
         if size < 1 or size % n:
-            raise LabError(f"{variant.name}: {name}={size} is not a positive multiple of {n}, the size of the ring axis {axis!r}; choose {name} divisible by {n}")
+            raise LabError(
+                f"{variant.name}: {name}={size} is not a positive multiple of "
+                f"{n}, the size of the ring axis {axis!r}; choose {name} divisible "
+                f"by {n}"
+            )
 
 
 # ------------------------------------------------------------------ scheduled HLO
@@ -206,11 +245,33 @@ def _check_divides(variant: MatmulVariant, n: int, axis: str, shape_MKF: tuple[i
 
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]")
 _CALLEES = re.compile(r"\b(?:calls|body)=%?([\w.\-]+)")
-_COLLECTIVE_OPCODES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast", "ragged-all-to-all")
+_COLLECTIVE_OPCODES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
 # No compute time: bookkeeping and addressing; asynchronous copies (DMA engines, not the compute units);
 # custom calls, which are opaque to this analysis (on TPU here: buffer concatenations and collective markers).
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
-         "copy-start", "copy-done", "slice-start", "slice-done", "opt-barrier", "custom-call"}
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "partition-id",
+    "replica-id",
+    "after-all",
+    "copy-start",
+    "copy-done",
+    "slice-start",
+    "slice-done",
+    "opt-barrier",
+    "custom-call",
+}
 
 
 @dataclass(frozen=True)
@@ -241,7 +302,10 @@ class Schedule:
 
     def contains(self, computation: str, predicate: Callable[[Instruction], bool]) -> bool:
         """Whether `computation`, or anything it calls, has an instruction matching `predicate`."""
-        return any(predicate(i) or any(self.contains(c, predicate) for c in i.callees) for i in self.computations.get(computation, ()))
+        return any(
+            predicate(i) or any(self.contains(c, predicate) for c in i.callees)
+            for i in self.computations.get(computation, ())
+        )
 
 
 def parse_schedule(hlo_text: str) -> Schedule:
@@ -282,7 +346,12 @@ def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 
 def _nbytes(shape: str) -> int:
     width = {"pred": 8}
-    return sum(math.prod(dims) * width.get(dtype, int(re.search(r"\d+", dtype).group()) if re.search(r"\d+", dtype) else 0) // 8 for dtype, dims in _arrays(shape))
+    return sum(
+        math.prod(dims)
+        * width.get(dtype, int(re.search(r"\d+", dtype).group()) if re.search(r"\d+", dtype) else 0)
+        // 8
+        for dtype, dims in _arrays(shape)
+    )
 
 
 # ------------------------------------------------------------------ pricing compute
@@ -297,7 +366,9 @@ def flops(schedule: Schedule, computation: str, instruction: Instruction) -> flo
         return 2.0 * _elements(instruction.shape) * inner
     if instruction.opcode == "convolution":
         return 2.0 * _elements(instruction.shape) * _kernel_inputs(schedule, computation, instruction)
-    inside = sum(flops(schedule, callee, i) for callee in instruction.callees for i in schedule.computations.get(callee, ()))
+    inside = sum(
+        flops(schedule, callee, i) for callee in instruction.callees for i in schedule.computations.get(callee, ())
+    )
     return inside * _trips(instruction)
 
 
@@ -338,7 +409,11 @@ def _in_place_updates(schedule: Schedule, instruction: Instruction) -> int | Non
     """Bytes a fusion writes through dynamic-update-slice into a buffer it updates in place, or None."""
     for callee in instruction.callees:
         shapes = schedule.shapes(callee)
-        written = [_nbytes(shapes.get(i.operands[1], "")) for i in schedule.computations.get(callee, ()) if i.opcode == "dynamic-update-slice"]
+        written = [
+            _nbytes(shapes.get(i.operands[1], ""))
+            for i in schedule.computations.get(callee, ())
+            if i.opcode == "dynamic-update-slice"
+        ]
         if written:
             return sum(written)
     return None
@@ -354,18 +429,28 @@ def compute_seconds(schedule: Schedule, computation: str, instruction: Instructi
     """
     if instruction.opcode == "while":
         body = [c for c in instruction.callees if c == instruction.attr(r"\bbody=%?([\w.\-]+)")]
-        return _trips(instruction) * sum(compute_seconds(schedule, c, i, chip) for c in body for i in schedule.computations.get(c, ()))
+        return _trips(instruction) * sum(
+            compute_seconds(schedule, c, i, chip) for c in body for i in schedule.computations.get(c, ())
+        )
     matmul_flops = flops(schedule, computation, instruction)
     if instruction.opcode in _FREE or _communicates(schedule, instruction):
         return matmul_flops / chip.peak_bf16_flops
-    return max(matmul_flops / chip.peak_bf16_flops, bytes_accessed(schedule, computation, instruction) / chip.hbm_bandwidth)
+    return max(
+        matmul_flops / chip.peak_bf16_flops, bytes_accessed(schedule, computation, instruction) / chip.hbm_bandwidth
+    )
 
 
 def _communicates(schedule: Schedule, instruction: Instruction) -> bool:
     """A collective, an async wrapper of one, or a fusion with a collective inside."""
-    if _base(instruction.opcode) in _COLLECTIVE_OPCODES or instruction.opcode in ("async-start", "async-update", "async-done"):
+    if _base(instruction.opcode) in _COLLECTIVE_OPCODES or instruction.opcode in (
+        "async-start",
+        "async-update",
+        "async-done",
+    ):
         return True
-    return any(schedule.contains(callee, lambda i: _base(i.opcode) in _COLLECTIVE_OPCODES) for callee in instruction.callees)
+    return any(
+        schedule.contains(callee, lambda i: _base(i.opcode) in _COLLECTIVE_OPCODES) for callee in instruction.callees
+    )
 
 
 def _base(opcode: str) -> str:
@@ -373,7 +458,7 @@ def _base(opcode: str) -> str:
 
 
 def _async_marker(schedule: Schedule, computation: str) -> str | None:
-    """"start"/"done" for the computation of a TPU async collective fusion's first/last fusion."""
+    """ "start"/"done" for the computation of a TPU async collective fusion's first/last fusion."""
     for i in schedule.computations.get(computation, ()):
         target = i.attr(r'custom_call_target="(AsyncCollective(?:Start|Done))"')
         if target:
@@ -445,7 +530,13 @@ class OverlapReport:
         return self.compute_s + self.exposed_s
 
 
-def overlap_report(hlo_text: str, chip, topology: Sequence[int] = (), mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] | None = None) -> OverlapReport:
+def overlap_report(
+    hlo_text: str,
+    chip,
+    topology: Sequence[int] = (),
+    mesh_shape: Sequence[int] | None = None,
+    axis_names: Sequence[str] | None = None,
+) -> OverlapReport:
     """Windows of every collective in `hlo_text` (scheduled HLO), priced on `chip` (a lab.hardware.ChipProfile).
 
     `topology` is the TPU slice's torus, e.g. (4, 4); without it (or on a
@@ -467,7 +558,15 @@ def _window(schedule: Schedule, collective, chip, topology: tuple[int, ...]) -> 
     inside = schedule.computations[computation][order.index(start) + 1 : order.index(done)]
     priced = [(i.name, compute_seconds(schedule, computation, i, chip)) for i in inside]
     busy = tuple(name for name, seconds in priced if seconds > 0)
-    return Window(collective, computation, start, done, busy, sum(s for _, s in priced), predict_seconds(collective, chip, topology))
+    return Window(
+        collective,
+        computation,
+        start,
+        done,
+        busy,
+        sum(s for _, s in priced),
+        predict_seconds(collective, chip, topology),
+    )
 
 
 def _bounds(schedule: Schedule, collective) -> tuple[str, str, str]:
@@ -480,7 +579,11 @@ def _bounds(schedule: Schedule, collective) -> tuple[str, str, str]:
     if collective.is_async:
         return collective.computation, collective.name, _done_of(schedule, collective.computation, collective.name)
     if collective.fused:  # a synchronous collective inside a fusion (the TPU's reduce-scatter): the fusion is the step
-        caller, fusion = _caller(schedule, collective.computation) if collective.computation in _callees(schedule) else (collective.computation, None)
+        caller, fusion = (
+            _caller(schedule, collective.computation)
+            if collective.computation in _callees(schedule)
+            else (collective.computation, None)
+        )
         name = fusion.name if fusion is not None else collective.name
         return caller, name, name
     return collective.computation, collective.name, collective.name
@@ -507,7 +610,9 @@ def _done_of(schedule: Schedule, computation: str, start: str) -> str:
                 return instruction.name
             if instruction.opcode.endswith("-update"):
                 names.add(instruction.name)
-    raise LabError(f"async collective {start!r} has no matching -done in {computation!r}; pass the whole scheduled module")
+    raise LabError(
+        f"async collective {start!r} has no matching -done in {computation!r}; pass the whole scheduled module"
+    )
 
 
 def _chain_bounds(schedule: Schedule, start_callee: str) -> tuple[str, str, str]:
@@ -518,11 +623,20 @@ def _chain_bounds(schedule: Schedule, start_callee: str) -> tuple[str, str, str]
         for callee in instruction.callees:
             if _async_marker(schedule, callee) == "done" and _chain_id(schedule, callee) == chain:
                 return computation, start.name, instruction.name
-    raise LabError(f"async collective fusion {start.name!r} has no done fusion with chain {chain}; pass the whole scheduled module")
+    raise LabError(
+        f"async collective fusion {start.name!r} has no done fusion with chain {chain}; pass the whole scheduled module"
+    )
 
 
 def _chain_id(schedule: Schedule, computation: str) -> str | None:
-    return next((i.attr(r'chain_id="(\d+)"') for i in schedule.computations.get(computation, ()) if i.attr(r'chain_id="(\d+)"')), None)
+    return next(
+        (
+            i.attr(r'chain_id="(\d+)"')
+            for i in schedule.computations.get(computation, ())
+            if i.attr(r'chain_id="(\d+)"')
+        ),
+        None,
+    )
 
 
 def predict_seconds(collective, chip, topology: tuple[int, ...] = ()) -> float:

@@ -24,8 +24,13 @@ def session() -> Iterator[Progress]:
     """One live display for everything run inside it."""
     global _session
     progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=_console, transient=False, disable=not _console.is_terminal,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=_console,
+        transient=False,
+        disable=not _console.is_terminal,
     )
     _session = progress
     try:

@@ -58,7 +58,9 @@ class Result:
     notes: list[str] = field(default_factory=list)
     provenance: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # raw numbers for result.json
-    files: dict[str, Any] = field(default_factory=dict)  # extra files beside the page: name -> text, or an object written as JSON
+    files: dict[str, Any] = field(
+        default_factory=dict
+    )  # extra files beside the page: name -> text, or an object written as JSON
 
     @property
     def passed(self) -> bool:
@@ -118,13 +120,20 @@ def render(result: Result) -> str:
     return "\n".join(parts)
 
 
-def write_index(results: list[Result], results_dir: Path | str = "results", *, elapsed_s: float | None = None,
-                only: tuple[str, ...] = ()) -> Path:
+def write_index(
+    results: list[Result],
+    results_dir: Path | str = "results",
+    *,
+    elapsed_s: float | None = None,
+    only: tuple[str, ...] = (),
+) -> Path:
     """results/README.md: one line per experiment with its verdicts; with `only`, the pages that run regenerated."""
     lines = [
         "# Results\n",
-        ("Written by `lab report`; every number comes from that run. Verdicts: *agrees* = theory within tolerance, "
-         "*refined* = XLA differs from the textbook for a reason the page explains, *differs* = unexplained.\n"),
+        (
+            "Written by `lab report`; every number comes from that run. Verdicts: *agrees* = theory within tolerance, "
+            "*refined* = XLA differs from the textbook for a reason the page explains, *differs* = unexplained.\n"
+        ),
         "| experiment | question | verdicts |",
         "|---|---|---|",
     ]
@@ -133,10 +142,19 @@ def write_index(results: list[Result], results_dir: Path | str = "results", *, e
         lines.append(f"| [{r.title}]({r.name}/README.md) | {r.question} | {verdict} |")
     if results:
         prov = results[0].provenance  # the run that wrote this index (with --only, its first fresh page)
-        devices = next((r.provenance["devices"] for r in results if r.provenance.get("devices")), "devices on each page")
-        lines.append(f"\nTarget `{prov.get('target')}`, {devices}, jax {prov.get('jax')}, commit `{prov.get('git_commit')}`, {prov.get('date')}.")
+        devices = next(
+            (r.provenance["devices"] for r in results if r.provenance.get("devices")), "devices on each page"
+        )
+        lines.append(
+            f"\nTarget `{prov.get('target')}`, {devices}, jax {prov.get('jax')}, "
+            f"commit `{prov.get('git_commit')}`, {prov.get('date')}."
+        )
     if elapsed_s is not None and only:
-        lines.append(f"`lab report --only {' '.join(only)}` took {elapsed_s:.0f} s; the other pages are from earlier runs (each page's provenance says which).")
+        lines.append(
+            f"`lab report --only {' '.join(only)}` took {elapsed_s:.0f} s; "
+            "the other pages are from earlier runs (each page's provenance "
+            "says which)."
+        )
     elif elapsed_s is not None:
         lines.append(f"`lab report` took {elapsed_s:.0f} s.")
     path = Path(results_dir) / "README.md"
@@ -153,7 +171,8 @@ def _question_order(result: Result) -> tuple[int, str]:
 
 def _checks_table(checks: list[Check]) -> str:
     rows = "".join(
-        f"| {c.quantity} | {_cell(c.theory)} | {_cell(c.observed)} | {c.rtol:g} | **{c.verdict}** | {c.note} |\n" for c in checks
+        f"| {c.quantity} | {_cell(c.theory)} | {_cell(c.observed)} | {c.rtol:g} | **{c.verdict}** | {c.note} |\n"
+        for c in checks
     )
     return "| quantity | theory | XLA / measured | rtol | verdict | why |\n|---|---|---|---|---|---|\n" + rows
 
@@ -174,10 +193,24 @@ def _as_json(result: Result) -> dict[str, Any]:
 
 def _git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+            check=False,
+        )
         # the pages a running report has already rewritten do not make the code dirty
         code_only = ["--", ":/", ":(top,exclude)results"]
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *code_only], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent, check=False)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", *code_only],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).parent,
+            check=False,
+        )
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

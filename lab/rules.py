@@ -27,7 +27,7 @@ over ``tensor`` (Megatron, Shoeybi et al. 2019, arXiv:1909.08053, Section 3:
 column-parallel Q/K/V and W_in, row-parallel output projections), experts over
 ``expert`` (GShard, Lepikhin et al. 2020, arXiv:2006.16668), and the stacked
 blocks' ``layers`` over ``stage`` in contiguous runs, one per pipeline stage
-(GPipe, `lab.parallel.pipeline_spmd`). Parameters, their
+(GPipe, `lab.parallel.pipeline.spmd`). Parameters, their
 gradients, optimizer state and the matmuls all keep that split; the data
 tables only add ``fsdp`` on ``embed``. A ZeRO-3 weight is thus stored split
 over ``fsdp`` and ``tensor`` and gathered over ``fsdp`` alone.
@@ -49,7 +49,19 @@ from jax.sharding import PartitionSpec as P
 from lab.errors import LabError
 from lab.mesh import AXES
 
-LOGICAL_AXES = ("batch", "sequence", "embed", "heads", "head_dim", "mlp", "vocab", "layers", "experts", "routing", "capacity")
+LOGICAL_AXES = (
+    "batch",
+    "sequence",
+    "embed",
+    "heads",
+    "head_dim",
+    "mlp",
+    "vocab",
+    "layers",
+    "experts",
+    "routing",
+    "capacity",
+)
 # the mesh axes the batch is split over: the data-parallel ones, and `expert`, which splits tokens like a data
 # axis everywhere but inside the experts (lab.parallel.expert.TOKEN_AXES)
 DATA_AXES = ("data", "fsdp", "expert")
@@ -64,10 +76,14 @@ class Rules:
     def __post_init__(self) -> None:
         for logical, mesh_axes in self.table:
             if logical not in LOGICAL_AXES:
-                raise LabError(f"rules map unknown logical axis {logical!r}; the logical axes are {', '.join(LOGICAL_AXES)}")
+                raise LabError(
+                    f"rules map unknown logical axis {logical!r}; the logical axes are {', '.join(LOGICAL_AXES)}"
+                )
             unknown = [a for a in mesh_axes if a not in AXES]
             if unknown:
-                raise LabError(f"rules map {logical!r} to unknown mesh axis {unknown[0]!r}; the mesh axes are {', '.join(AXES)}")
+                raise LabError(
+                    f"rules map {logical!r} to unknown mesh axis {unknown[0]!r}; the mesh axes are {', '.join(AXES)}"
+                )
 
     @classmethod
     def of(cls, mapping: Mapping[str, str | Sequence[str]]) -> Rules:
@@ -93,7 +109,8 @@ class Rules:
             for axis in axes:
                 if axis in owner:
                     raise LabError(
-                        f"rules collide on {name}: dimensions {owner[axis][0]} ({owner[axis][1]}) and {dim} ({logical}) "
+                        f"rules collide on {name}: dimensions {owner[axis][0]} "
+                        f"({owner[axis][1]}) and {dim} ({logical}) "
                         f"both map to mesh axis {axis!r}; map one of {owner[axis][1]!r}, {logical!r} elsewhere"
                     )
                 owner[axis] = (dim, logical)
@@ -113,7 +130,11 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_sizes: Mappin
         ways = math.prod(mesh_sizes[a] for a in axes)
         if size % ways:
             shown = ",".join(f"{a}={mesh_sizes[a]}" for a in axes)
-            raise LabError(f"parameter {name} dimension {dim} (size {size}) is not divisible by mesh axis {shown}; choose a model size divisible by {ways} or a smaller {'/'.join(axes)} axis")
+            raise LabError(
+                f"parameter {name} dimension {dim} (size {size}) is not divisible "
+                f"by mesh axis {shown}; choose a model size divisible by {ways} "
+                f"or a smaller {'/'.join(axes)} axis"
+            )
 
 
 BATCH_OVER_DATA_AXES = Rules.of({"batch": DATA_AXES})  # activations of every data-parallel strategy
@@ -139,7 +160,9 @@ class Strategy:
     activations: Rules = BATCH_OVER_DATA_AXES
     model_parallel: Rules = MODEL_PARALLEL
     reshard_after_forward: bool = True  # ZeRO-3: drop gathered weights after the forward, gather again in the backward
-    persist_below: int = 0  # parameters with fewer elements stay replicated (DeepSpeed's stage3_param_persistence_threshold)
+    persist_below: int = (
+        0  # parameters with fewer elements stay replicated (DeepSpeed's stage3_param_persistence_threshold)
+    )
     max_unsharded_fraction: float = 0.05  # the sufficiently-sharded guard, for strategies that shard parameters
 
     @property
@@ -180,14 +203,29 @@ _REPLICATED = Rules()
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
     for s in (
-        Strategy("ddp", "DDP: replicated params, grads and Adam state; gradients all-reduced", _REPLICATED, _REPLICATED, _REPLICATED),
+        Strategy(
+            "ddp",
+            "DDP: replicated params, grads and Adam state; gradients all-reduced",
+            _REPLICATED,
+            _REPLICATED,
+            _REPLICATED,
+        ),
         Strategy("zero1", "ZeRO-1: Adam state (and fp32 master weights) sharded", _REPLICATED, _REPLICATED, _SHARDED),
         Strategy("zero2", "ZeRO-2: + gradients sharded (reduce-scatter)", _REPLICATED, _SHARDED, _SHARDED),
-        Strategy("zero3", "ZeRO-3 / FSDP: + params sharded, gathered before use, resharded after the forward", _SHARDED, _SHARDED, _SHARDED),
+        Strategy(
+            "zero3",
+            "ZeRO-3 / FSDP: + params sharded, gathered before use, resharded after the forward",
+            _SHARDED,
+            _SHARDED,
+            _SHARDED,
+        ),
         Strategy(
             "zero3-keep",
             "ZeRO-3 keeping gathered weights from forward to backward (FSDP reshard_after_forward=False)",
-            _SHARDED, _SHARDED, _SHARDED, reshard_after_forward=False,
+            _SHARDED,
+            _SHARDED,
+            _SHARDED,
+            reshard_after_forward=False,
         ),
     )
 }

@@ -71,7 +71,10 @@ class _Schedule:
 
 def _exact_log2(n: int) -> int:
     if n & (n - 1):
-        raise LabError(f"halving-doubling and recursive-doubling need a power-of-two device count, not {n}; use ring (or pad the group)")
+        raise LabError(
+            "halving-doubling and recursive-doubling need a power-of-two "
+            f"device count, not {n}; use ring (or pad the group)"
+        )
     return n.bit_length() - 1
 
 
@@ -139,7 +142,9 @@ def algorithms_for(kind: str) -> tuple[str, ...]:
     return tuple(algorithm for known_kind, algorithm in _SCHEDULES if known_kind == kind)
 
 
-def collective_cost(kind: str, size_bytes: float, devices: int, *, algorithm: str, alpha: float, beta: float) -> CollectiveCost:
+def collective_cost(
+    kind: str, size_bytes: float, devices: int, *, algorithm: str, alpha: float, beta: float
+) -> CollectiveCost:
     """Alpha-beta cost of `kind` on `devices` devices: steps * alpha + bytes_sent / (links * beta).
 
     `size_bytes` is the nccl-tests size S; `alpha` is seconds per message and
@@ -154,7 +159,18 @@ def collective_cost(kind: str, size_bytes: float, devices: int, *, algorithm: st
     schedule = _SCHEDULES[kind, algorithm](devices)
     bytes_sent = schedule.bytes_per_size * size_bytes
     latency_s, transfer_s = schedule.steps * alpha, bytes_sent / (schedule.links * beta)
-    return CollectiveCost(kind, algorithm, devices, size_bytes, schedule.steps, bytes_sent, schedule.links, latency_s, transfer_s, latency_s + transfer_s)
+    return CollectiveCost(
+        kind,
+        algorithm,
+        devices,
+        size_bytes,
+        schedule.steps,
+        bytes_sent,
+        schedule.links,
+        latency_s,
+        transfer_s,
+        latency_s + transfer_s,
+    )
 
 
 def _check_kind(kind: str) -> None:
@@ -207,7 +223,9 @@ def bus_bandwidth(kind: str, size_bytes: float, seconds: float, devices: int) ->
 # --- 3. The latency-bandwidth crossover --------------------------------------
 
 
-def crossover_bytes(kind: str, few_steps: str, bandwidth_optimal: str, devices: int, *, alpha: float, beta: float) -> float:
+def crossover_bytes(
+    kind: str, few_steps: str, bandwidth_optimal: str, devices: int, *, alpha: float, beta: float
+) -> float:
     """The size S* below which algorithm `few_steps` is faster than `bandwidth_optimal`.
 
     Both costs are lines in S: k*alpha + c*S/beta, with c = bytes_per_size / links.
@@ -236,7 +254,9 @@ def crossover_bytes(kind: str, few_steps: str, bandwidth_optimal: str, devices: 
 _NETWORK_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def predict_on_torus(kind: str, size_bytes: float, chip: ChipProfile, topology: Sequence[int], dims: Sequence[int]) -> CollectiveCost:
+def predict_on_torus(
+    kind: str, size_bytes: float, chip: ChipProfile, topology: Sequence[int], dims: Sequence[int]
+) -> CollectiveCost:
     """A collective over torus dimensions `dims` of a TPU slice `topology`, e.g. (4, 4, 4) and (0,).
 
     After the scaling book, Part 3 ("Sharded Matrices"): a dimension that wraps
@@ -257,7 +277,9 @@ def predict_on_torus(kind: str, size_bytes: float, chip: ChipProfile, topology: 
     return predict_on_rings(kind, size_bytes, chip, extents, wraps)
 
 
-def predict_on_rings(kind: str, size_bytes: float, chip: ChipProfile, extents: Sequence[int], wraps: Sequence[bool]) -> CollectiveCost:
+def predict_on_rings(
+    kind: str, size_bytes: float, chip: ChipProfile, extents: Sequence[int], wraps: Sequence[bool]
+) -> CollectiveCost:
     """The same, for a group spanning `extents` chips along torus dimensions that wrap or not.
 
     A group covering part of a dimension (2 of its 4 chips, say) is a line
@@ -273,10 +295,22 @@ def predict_on_rings(kind: str, size_bytes: float, chip: ChipProfile, extents: S
         longest_path = sum(extent // 2 if wrap else extent - 1 for extent, wrap in zip(extents, wraps))
         steps = longest_path * (2 if kind == "all-reduce" else 1)  # all-reduce: reduce-scatter, then all-gather
     bytes_sent = _SCHEDULES[kind, algorithm](devices).bytes_per_size * size_bytes
-    return _overlapped(kind, f"torus {algorithm}", devices, size_bytes, steps, bytes_sent, links, chip.hop_latency_s, chip.link_bandwidth)
+    return _overlapped(
+        kind,
+        f"torus {algorithm}",
+        devices,
+        size_bytes,
+        steps,
+        bytes_sent,
+        links,
+        chip.hop_latency_s,
+        chip.link_bandwidth,
+    )
 
 
-def predict_on_switch(kind: str, size_bytes: float, chip: ChipProfile, devices: int, *, network: str = "link") -> CollectiveCost:
+def predict_on_switch(
+    kind: str, size_bytes: float, chip: ChipProfile, devices: int, *, network: str = "link"
+) -> CollectiveCost:
     """A collective among `devices` chips through a switch: NVLink in a node, or DCN / InfiniBand.
 
     `network="link"` uses the chip's own link (a GPU's NVLink egress; the CPU's
@@ -290,22 +324,49 @@ def predict_on_switch(kind: str, size_bytes: float, chip: ChipProfile, devices: 
     _check_network_kind(kind)
     _check_count_and_size(devices, size_bytes)
     if network not in ("link", "dcn"):
-        raise LabError(f"unknown network {network!r}; use 'link' (NVLink, ICI, memory bus) or 'dcn' (between slices or nodes)")
+        raise LabError(
+            f"unknown network {network!r}; use 'link' (NVLink, ICI, memory bus) or 'dcn' (between slices or nodes)"
+        )
     bandwidth = chip.link_bandwidth if network == "link" else chip.dcn_bandwidth
     if bandwidth is None:
         raise LabError(f"{chip.name} has no data-centre network; use network='link'")
     hop_latency = chip.hop_latency_s if network == "link" else 0.0
     algorithm = "ring" if kind in ("all-reduce", "all-gather", "reduce-scatter") else "direct"
     schedule = _SCHEDULES[kind, algorithm](devices)
-    return _overlapped(kind, algorithm, devices, size_bytes, schedule.steps, schedule.bytes_per_size * size_bytes, 1, hop_latency, bandwidth)
+    return _overlapped(
+        kind,
+        algorithm,
+        devices,
+        size_bytes,
+        schedule.steps,
+        schedule.bytes_per_size * size_bytes,
+        1,
+        hop_latency,
+        bandwidth,
+    )
 
 
-def _overlapped(kind, algorithm, devices, size_bytes, steps, bytes_sent, links, hop_latency, bandwidth) -> CollectiveCost:
+def _overlapped(
+    kind, algorithm, devices, size_bytes, steps, bytes_sent, links, hop_latency, bandwidth
+) -> CollectiveCost:
     latency_s, transfer_s = steps * hop_latency, bytes_sent / (links * bandwidth)
-    return CollectiveCost(kind, algorithm, devices, size_bytes, steps, bytes_sent, links, latency_s, transfer_s, max(latency_s, transfer_s))
+    return CollectiveCost(
+        kind,
+        algorithm,
+        devices,
+        size_bytes,
+        steps,
+        bytes_sent,
+        links,
+        latency_s,
+        transfer_s,
+        max(latency_s, transfer_s),
+    )
 
 
-def _torus_span(kind: str, chip: ChipProfile, topology: Sequence[int], dims: Sequence[int]) -> tuple[list[int], list[bool]]:
+def _torus_span(
+    kind: str, chip: ChipProfile, topology: Sequence[int], dims: Sequence[int]
+) -> tuple[list[int], list[bool]]:
     _check_network_kind(kind)
     if not chip.torus_dims:
         raise LabError(f"{chip.name} has no torus; use predict_on_switch for a switched network")
@@ -318,7 +379,10 @@ def _torus_span(kind: str, chip: ChipProfile, topology: Sequence[int], dims: Seq
 def _check_network_kind(kind: str) -> None:
     _check_kind(kind)
     if kind not in _NETWORK_KINDS:
-        raise LabError(f"no network formula for {kind} (XLA emits none); use collective_cost, or one of {', '.join(_NETWORK_KINDS)}")
+        raise LabError(
+            f"no network formula for {kind} (XLA emits none); use collective_cost, "
+            f"or one of {', '.join(_NETWORK_KINDS)}"
+        )
 
 
 # --- 5. Mixture of experts: capacity, all-to-all traffic, balance loss -------
@@ -341,7 +405,10 @@ def expert_capacity(tokens: int, experts: int, top_k: int, capacity_factor: floa
     """
     _check_moe(tokens, experts, top_k)
     if not capacity_factor > 0:
-        raise LabError(f"capacity factor {capacity_factor}: must be > 0 (1.0 = exactly the mean load; use None in the layer for no dropping)")
+        raise LabError(
+            f"capacity factor {capacity_factor}: must be > 0 (1.0 = exactly "
+            "the mean load; use None in the layer for no dropping)"
+        )
     return math.ceil(tokens * top_k / experts * capacity_factor)
 
 
@@ -385,7 +452,9 @@ class AllToAllTraffic:
         return self.padded_elements / self.elements
 
 
-def moe_traffic(tokens: int, d_model: int, experts: int, top_k: int, devices: int, capacity_factor: float | None = None) -> AllToAllTraffic:
+def moe_traffic(
+    tokens: int, d_model: int, experts: int, top_k: int, devices: int, capacity_factor: float | None = None
+) -> AllToAllTraffic:
     """Dispatch + combine traffic per device for `tokens` tokens per device on an EP group of `devices`.
 
     `capacity_factor=None` means no dropping: every expert's buffer must hold
@@ -395,7 +464,9 @@ def moe_traffic(tokens: int, d_model: int, experts: int, top_k: int, devices: in
     _check_count_and_size(devices, 0)
     if experts % devices:
         raise LabError(f"{experts} experts do not split over {devices} devices; use a multiple of {devices} experts")
-    capacity = tokens if capacity_factor is None else min(tokens, expert_capacity(tokens, experts, top_k, capacity_factor))
+    capacity = (
+        tokens if capacity_factor is None else min(tokens, expert_capacity(tokens, experts, top_k, capacity_factor))
+    )
     return AllToAllTraffic(tokens, d_model, experts, top_k, devices, capacity)
 
 
@@ -422,7 +493,9 @@ def dropped_share(loads: Sequence[float], capacity: float) -> float:
     """
     total = sum(loads)
     if total <= 0 or capacity < 0:
-        raise LabError(f"dropped share needs a positive load and a capacity >= 0, got {total} assignments and capacity {capacity}")
+        raise LabError(
+            f"dropped share needs a positive load and a capacity >= 0, got {total} assignments and capacity {capacity}"
+        )
     return sum(max(0.0, n - capacity) for n in loads) / total
 
 
@@ -501,7 +574,15 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def zero_model_states(stage: int, parameters: float, devices: int, *, param_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12) -> ModelStateBytes:
+def zero_model_states(
+    stage: int,
+    parameters: float,
+    devices: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> ModelStateBytes:
     """Model-state memory per device under ZeRO stage 0-3 (ZeRO paper, Section 5 and Figure 1).
 
     Mixed-precision Adam keeps bf16/fp16 parameters and gradients (2Ψ + 2Ψ
@@ -644,8 +725,17 @@ class BucketedTime:
         return self.backward_s + self.exposed_s
 
 
-def bucketed_allreduce_time(grad_bytes: float, bucket_bytes: float, devices: int, *, alpha: float, beta: float,
-                            backward_s: float = 0.0, overlap: bool = True, algorithm: str = "ring") -> BucketedTime:
+def bucketed_allreduce_time(
+    grad_bytes: float,
+    bucket_bytes: float,
+    devices: int,
+    *,
+    alpha: float,
+    beta: float,
+    backward_s: float = 0.0,
+    overlap: bool = True,
+    algorithm: str = "ring",
+) -> BucketedTime:
     """Gradients of G bytes all-reduced in buckets of b, during a backward pass of `backward_s`.
 
     Each bucket is one all-reduce (`collective_cost`), so communication is
@@ -667,7 +757,9 @@ def bucketed_allreduce_time(grad_bytes: float, bucket_bytes: float, devices: int
     comm_s, latency_s = sum(seconds), sum(c.latency_s for c in costs)
     if not overlap:
         return BucketedTime(count, bucket_bytes, comm_s, latency_s, backward_s, comm_s)
-    ready = [backward_s * min(1.0, (k + 1) * bucket_bytes / grad_bytes) if grad_bytes else backward_s for k in range(count)]
+    ready = [
+        backward_s * min(1.0, (k + 1) * bucket_bytes / grad_bytes) if grad_bytes else backward_s for k in range(count)
+    ]
     end, after = 0.0, 0.0  # after = sum_{j >= i} t_j, built from the last bucket back
     for k in reversed(range(count)):
         after += seconds[k]
@@ -695,7 +787,7 @@ def optimal_bucket_bytes(grad_bytes: float, backward_s: float, bucket_latency_s:
 # P stages, m micro-batches, v chunks (virtual stages) per device, F and B the
 # forward and backward time of one micro-batch on one whole stage. The
 # schedules themselves, and a simulator that checks every formula here, are in
-# lab.parallel.pipeline.
+# lab.parallel.pipeline.schedules.
 
 
 def _check_pipeline(stages: int, micro_batches: int, chunks: int = 1) -> None:
@@ -745,7 +837,9 @@ def imbalanced_step_time(forward: Sequence[float], backward: Sequence[float], mi
     return sum(forward) + sum(backward) + (micro_batches - 1) * (max(forward) + max(backward))
 
 
-def zero_bubble_h1_step_time(stages: int, micro_batches: int, forward: float, input_grad: float, weight_grad: float) -> float:
+def zero_bubble_h1_step_time(
+    stages: int, micro_batches: int, forward: float, input_grad: float, weight_grad: float
+) -> float:
     """ZB-H1: m(F+I+W) + (P-1)(F+I-W), for m >= P (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", Sec. 3.1).
 
     I is the input-gradient half of the backward and W the weight-gradient
@@ -753,11 +847,15 @@ def zero_bubble_h1_step_time(stages: int, micro_batches: int, forward: float, in
     """
     _check_pipeline(stages, micro_batches)
     if micro_batches < stages:
-        raise LabError(f"the ZB-H1 formula assumes m >= P; got m={micro_batches}, P={stages} (simulate the schedule instead)")
+        raise LabError(
+            f"the ZB-H1 formula assumes m >= P; got m={micro_batches}, P={stages} (simulate the schedule instead)"
+        )
     return micro_batches * (forward + input_grad + weight_grad) + (stages - 1) * (forward + input_grad - weight_grad)
 
 
-def peak_micro_batches_in_flight(schedule: str, stages: int, micro_batches: int, stage: int = 0, chunks: int = 1) -> float:
+def peak_micro_batches_in_flight(
+    schedule: str, stages: int, micro_batches: int, stage: int = 0, chunks: int = 1
+) -> float:
     """Micro-batches whose activations stage `stage` holds at once, in units of one whole stage's activations.
 
     * gpipe: all m (every forward runs before the first backward);
@@ -811,8 +909,16 @@ def optimal_micro_batches(stages: int, work_s: float, overhead_s: float) -> floa
 # and in the MLP) and 5 -> 2, and TP's unsplit 10 -> 8.
 
 
-def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, tensor: int = 1, *,
-                               sequence_parallel: bool = False, dropout: bool = True) -> float:
+def activation_bytes_per_layer(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    tensor: int = 1,
+    *,
+    sequence_parallel: bool = False,
+    dropout: bool = True,
+) -> float:
     """Korthikanti et al. 2022: sbh(34 + 5as/h) alone, sbh(10 + 24/t + 5as/(ht)) with TP, sbh(34 + 5as/h)/t with TP+SP.
 
     With TP alone the 10sbh of the layer norms, the inputs of the first
@@ -820,7 +926,9 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, te
     along the sequence too, so everything is divided by t.
     """
     if min(seq, batch, hidden, heads, tensor) < 1:
-        raise LabError(f"activation memory needs positive sizes, got s={seq}, b={batch}, h={hidden}, a={heads}, t={tensor}")
+        raise LabError(
+            f"activation memory needs positive sizes, got s={seq}, b={batch}, h={hidden}, a={heads}, t={tensor}"
+        )
     whole, split, attention = (10, 24, 5) if dropout else (8, 24, 2)
     sbh = seq * batch * hidden
     if sequence_parallel:

@@ -48,7 +48,10 @@ class Placement:
             return f"DCN across {self.devices} slices" if self.devices else "DCN"
         if self.network == "chip":
             return "within one chip"
-        spans = [f"{DIMENSION_NAMES[d]}:{e}{' ring' if w else ' line'}" for d, e, w in zip(self.torus_dims, self.extents, self.wraps)]
+        spans = [
+            f"{DIMENSION_NAMES[d]}:{e}{' ring' if w else ' line'}"
+            for d, e, w in zip(self.torus_dims, self.extents, self.wraps)
+        ]
         return "ICI " + " x ".join(spans)
 
 

@@ -37,4 +37,11 @@ def mesh222(devices):
 def run_python(code: str, *, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (its own JAX, its own device count)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )

@@ -3,8 +3,9 @@
 import jax.numpy as jnp
 import pytest
 
-from lab.bench import format_bytes, parse_size, size_sweep, time_fn
+from lab.bench import time_fn
 from lab.errors import LabError
+from lab.units import format_bytes, parse_size, size_sweep
 
 
 def test_sizes_use_binary_units():

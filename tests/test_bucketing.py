@@ -1,4 +1,4 @@
-"""lab.bucketing: bucket plans, bucketed all-reduces against per-tensor psums, and the transformer's gradients."""
+"""lab.parallel.bucketing: bucket plans, bucketed all-reduces against per-tensor psums, and the transformer's gradients."""
 
 import itertools
 import math
@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab import bucketing, hlo
+from lab import hlo
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import preset
+from lab.parallel import bucketing
 
 SHAPES = [(6, 5), (7,), (3, 4, 2)]  # 30 + 7 + 24 = 61 float32 elements
 
@@ -24,7 +25,10 @@ def leaves(shapes=SHAPES, dtype=jnp.float32):
     return [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
 
 
-@given(shapes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=3), min_size=1, max_size=5), elements=st.integers(1, 200))
+@given(
+    shapes=st.lists(st.lists(st.integers(1, 6), min_size=1, max_size=3), min_size=1, max_size=5),
+    elements=st.integers(1, 200),
+)
 @settings(max_examples=60, deadline=None)
 def test_a_plan_cuts_every_gradient_once_into_full_buckets(shapes, elements):
     plan = bucketing.plan_buckets(leaves([tuple(s) for s in shapes]), 4 * elements)
@@ -44,12 +48,23 @@ def test_a_plan_cuts_every_gradient_once_into_full_buckets(shapes, elements):
 
 def test_the_last_gradient_goes_first_and_a_huge_bucket_is_one():
     plan = bucketing.plan_buckets(leaves(), 4 * 10)
-    assert plan.buckets[0].segments[0].leaf == len(SHAPES) - 1  # backward order: the last layer's gradient is ready first
+    assert (
+        plan.buckets[0].segments[0].leaf == len(SHAPES) - 1
+    )  # backward order: the last layer's gradient is ready first
     everything = bucketing.plan_buckets(leaves(), bucketing.DDP_BUCKET_BYTES)
     assert everything.count == 1 and everything.holds_everything
 
 
-@pytest.mark.parametrize("size, words", [(0, "positive whole number"), (-4, "positive whole number"), (True, "positive whole number"), (2.5, "positive whole number"), (2, "smaller than one float32")])
+@pytest.mark.parametrize(
+    "size, words",
+    [
+        (0, "positive whole number"),
+        (-4, "positive whole number"),
+        (True, "positive whole number"),
+        (2.5, "positive whole number"),
+        (2, "smaller than one float32"),
+    ],
+)
 def test_bad_bucket_sizes_are_refused(size, words):
     with pytest.raises(LabError, match=words):
         bucketing.plan_buckets(leaves(), size)
@@ -71,7 +86,10 @@ def data_mesh(devices):
 @pytest.fixture(scope="module")
 def stacked(data_mesh):
     rng = np.random.default_rng(0)
-    return [jax.device_put(rng.standard_normal((8, *s)).astype(np.float32), NamedSharding(data_mesh, P("data"))) for s in SHAPES]
+    return [
+        jax.device_put(rng.standard_normal((8, *s)).astype(np.float32), NamedSharding(data_mesh, P("data")))
+        for s in SHAPES
+    ]
 
 
 def _all_reduces(compiled, mesh) -> int:
@@ -109,7 +127,9 @@ def test_summed_local_gradients_are_n_times_the_global_batch_gradient(data_mesh)
 
     config = preset("tiny")
     problem = bucketing.gradient_problem(config, data_mesh)
-    reduced = bucketing.step_program(problem, bucketing.plan_buckets(problem.leaves, 64 * 1024))(problem.params, problem.tokens)
+    reduced = bucketing.step_program(problem, bucketing.plan_buckets(problem.leaves, 64 * 1024))(
+        problem.params, problem.tokens
+    )
     graphdef, _ = abstract_model(config)
 
     class Whole:
@@ -120,7 +140,9 @@ def test_summed_local_gradients_are_n_times_the_global_batch_gradient(data_mesh)
 
     tokens = np.asarray(problem.tokens)
     params = jax.tree.map(np.asarray, problem.params)
-    expected = jax.jit(jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p)(tokens[:, :-1], Whole()), tokens[:, 1:])))(params)
+    expected = jax.jit(
+        jax.grad(lambda p: next_token_loss(nnx.merge(graphdef, p)(tokens[:, :-1], Whole()), tokens[:, 1:]))
+    )(params)
     for got, want in zip(reduced, jax.tree.leaves(expected)):
         np.testing.assert_allclose(np.asarray(got), 8 * np.asarray(want), rtol=2e-4, atol=2e-6)
     assert len(problem.leaves) == 11

@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab.checkpoint import CheckpointPolicy, Checkpoints, flat_names, unflatten_like
 from lab.errors import LabError
 from lab.mesh import MeshSpec
+from lab.training.checkpoint import CheckpointPolicy, Checkpoints, flat_names, unflatten_like
 from tests.conftest import run_python
 
 
@@ -22,14 +22,18 @@ def _state(mesh, spec_w, spec_b, scale=1.0):
 
 
 def _abstract(state, mesh, specs):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), state, specs)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), state, specs
+    )
 
 
 def test_names_round_trip(devices):
     state = _state(MeshSpec.parse("fsdp=8").build(devices), P("fsdp"), P())
     names = flat_names(state)
     assert sorted(names) == ["count", "params.b", "params.w"]
-    assert unflatten_like(state, names) is not state and jax.tree.structure(unflatten_like(state, names)) == jax.tree.structure(state)
+    assert unflatten_like(state, names) is not state and jax.tree.structure(
+        unflatten_like(state, names)
+    ) == jax.tree.structure(state)
 
 
 def test_saved_with_fsdp8_restores_onto_data2_tensor4(devices, tmp_path):
@@ -62,22 +66,27 @@ def test_periodic_policy_saves_only_every_k_steps(devices, tmp_path):
 
 def test_killed_during_save_keeps_the_previous_checkpoint(devices, tmp_path):
     """A process dies right after an asynchronous save starts; the earlier step stays the latest and restores."""
-    done = run_python(textwrap.dedent(f"""
+    done = run_python(
+        textwrap.dedent(f"""
         import os
         import jax, numpy as np
         jax.config.update("jax_num_cpu_devices", 8)
-        from lab.checkpoint import CheckpointPolicy, Checkpoints
+        from lab.training.checkpoint import CheckpointPolicy, Checkpoints
         checkpoints = Checkpoints(CheckpointPolicy({str(tmp_path)!r}, every=1, asynchronous=True))
         checkpoints.save(1, {{"w": jax.numpy.ones((64, 16))}})
         checkpoints.wait()
         checkpoints.save(2, {{"w": jax.numpy.zeros((64, 16))}})
         os._exit(9)  # no finalize: the step-2 write is cut off
-    """), timeout=120)
+    """),
+        timeout=120,
+    )
     assert done.returncode == 9, done.stderr[-2000:]
     mesh = MeshSpec.parse("fsdp=8").build(devices)
     checkpoints = Checkpoints(CheckpointPolicy(tmp_path))
     assert checkpoints.latest_step() == 1
-    step, restored = checkpoints.restore({"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=NamedSharding(mesh, P("fsdp")))})
+    step, restored = checkpoints.restore(
+        {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=NamedSharding(mesh, P("fsdp")))}
+    )
     assert step == 1 and float(restored["w"].sum()) == 64 * 16
 
 

@@ -13,7 +13,10 @@ from lab.cli import main
         (["inspect", "--mesh", "dta=2"], "unknown axis 'dta'"),
         (["inspect", "--mesh", "data=3"], "uses 3 devices but the target has 8"),
         (["inspect", "--target", "tpu:v9z:banana"], "unknown target"),
-        (["inspect", "--program", "ring-all-reduce", "--axes", "fsdp", "--size", "3"], "not a positive multiple of 4 bytes"),
+        (
+            ["inspect", "--program", "ring-all-reduce", "--axes", "fsdp", "--size", "3"],
+            "not a positive multiple of 4 bytes",
+        ),
         (["inspect", "--hlo", "/no/such/file", "--mesh", "data=8"], "cannot read HLO file"),
         (["bench", "-b", "0"], "sizes must be positive"),
         (["report", "--only", "nope"], "unknown experiment 'nope'"),
@@ -37,7 +40,22 @@ def test_list_names_every_experiment_and_its_question(capsys):
 
 
 def test_inspect_prints_the_collectives_with_their_axes(capsys, devices, tmp_path):
-    assert main(["inspect", "--program", "ring-all-reduce", "--axes", "fsdp", "--mesh", "fsdp=4,tensor=2", "--dump", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "inspect",
+                "--program",
+                "ring-all-reduce",
+                "--axes",
+                "fsdp",
+                "--mesh",
+                "fsdp=4,tensor=2",
+                "--dump",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "collective-permute" in out and "fsdp" in out and "memory per device" in out
     after = next(tmp_path.glob("*.after_optimizations.hlo"))
@@ -58,14 +76,19 @@ def test_inspect_dump_with_a_device_order(capsys, tmp_path):
 
 
 def test_bench_prints_an_nccl_tests_table(capsys, devices):
-    assert main(["bench", "collectives", "-b", "1K", "-e", "2K", "-f", "2", "-n", "2", "-w", "1", "--ops", "all-reduce"]) == 0
+    assert (
+        main(["bench", "collectives", "-b", "1K", "-e", "2K", "-f", "2", "-n", "2", "-w", "1", "--ops", "all-reduce"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "busbw" in out and out.count("all-reduce") >= 2
 
 
 def test_report_only_writes_the_page_and_keeps_the_index(capsys, devices, tmp_path):
     (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "result.json").write_text(json.dumps({"name": "old", "title": "Old", "question": "#1", "summary": "", "checks": []}))
+    (tmp_path / "old" / "result.json").write_text(
+        json.dumps({"name": "old", "title": "Old", "question": "#1", "summary": "", "checks": []})
+    )
     assert main(["report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
     index = (tmp_path / "README.md").read_text()
     assert "allreduce_equivalence/README.md" in index and "[Old](old/README.md)" in index
@@ -78,8 +101,13 @@ def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    for argv in (["inspect", "--axes", "fsdp", "--mesh", "fsdp=4", "--target", "tpu:v5e:2x2"], ["inspect", "--size", "1K"]):
-        done = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=300, env=env, check=False)
+    for argv in (
+        ["inspect", "--axes", "fsdp", "--mesh", "fsdp=4", "--target", "tpu:v5e:2x2"],
+        ["inspect", "--size", "1K"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=300, env=env, check=False
+        )
         assert done.returncode == 0, done.stderr
         assert done.stderr == "", done.stderr
         assert "all-" in done.stdout

@@ -37,14 +37,18 @@ CASES = [
 CASE_IDS = [f"{spec}-{'+'.join(axes) if isinstance(axes, tuple) else axes}" for spec, axes in CASES]
 
 # An HLO instruction whose opcode is a collective (sync, or the start of an async pair).
-COLLECTIVE_OP = re.compile(r"(?<![%\w.-])(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+COLLECTIVE_OP = re.compile(
+    r"(?<![%\w.-])(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
 SOURCE_TARGET_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)+)\}")
 PERMUTE_SIZE = re.compile(r"= f32\[(\d+)\]\{0\} collective-permute(?:-start)?\(")
 
 
 @pytest.fixture(scope="module")
 def meshes(devices, mesh222):
-    return {"data=2,fsdp=2,tensor=2": mesh222} | {spec: MeshSpec.parse(spec).build(devices) for spec in ("fsdp=4,tensor=2", "fsdp=8")}
+    return {"data=2,fsdp=2,tensor=2": mesh222} | {
+        spec: MeshSpec.parse(spec).build(devices) for spec in ("fsdp=4,tensor=2", "fsdp=8")
+    }
 
 
 @functools.cache
@@ -155,7 +159,10 @@ def test_six_devices_ring_works_and_halving_doubling_refuses():
         """
     )
     assert result.returncode == 0, result.stderr
-    assert "refused: halving-doubling all-reduce needs a power-of-two number of devices, but axis 'fsdp' spans 6" in result.stdout
+    assert (
+        "refused: halving-doubling all-reduce needs a power-of-two number of devices, but axis 'fsdp' spans 6"
+        in result.stdout
+    )
 
 
 def test_undivided_block_names_dimension_size_and_axis(meshes):

@@ -24,7 +24,12 @@ def test_parse_round_trips(text, target):
 
 @pytest.mark.parametrize(
     "text, words",
-    [("cpu:0", "positive integer"), ("cpu:x", "positive integer"), ("tpu:v5e:4x4 slices=0", "slices must be"), ("tpuv5", "unknown target")],
+    [
+        ("cpu:0", "positive integer"),
+        ("cpu:x", "positive integer"),
+        ("tpu:v5e:4x4 slices=0", "slices must be"),
+        ("tpuv5", "unknown target"),
+    ],
 )
 def test_bad_targets_say_what_is_wrong(text, words):
     with pytest.raises(LabError, match=words):

@@ -14,7 +14,7 @@ import pytest
 
 from lab.devices import distributed_devices
 from lab.errors import LabError
-from lab.training_run import RunConfig, run
+from lab.training.run import RunConfig, run
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = RunConfig(target="cpu:4", mesh="data=2,fsdp=2,tensor=2", steps=4, global_batch=8, page=False)
@@ -30,8 +30,13 @@ def _start(code: str, process_id: int, port: int, tmp_path: Path) -> subprocess.
     """One process of the run; its output goes to a file so that a full pipe never blocks it."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     out = open(tmp_path / f"process{process_id}.log", "w")  # noqa: SIM115 - stays open for the child process
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(process_id), f"127.0.0.1:{port}", str(tmp_path)],
-                            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), str(process_id), f"127.0.0.1:{port}", str(tmp_path)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def _finish(processes, timeout: float) -> list[int]:
@@ -50,7 +55,7 @@ TRAIN = f"""
     import json, sys
     from dataclasses import replace
     from pathlib import Path
-    from lab.training_run import RunConfig, run
+    from lab.training.run import RunConfig, run
     process_id, coordinator, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
     config = RunConfig(**{ {k: getattr(RUN, k) for k in ("target", "mesh", "steps", "global_batch", "page")}!r})
     log = run(replace(config, coordinator=coordinator, num_processes=2, process_id=process_id, results=folder))
@@ -61,7 +66,9 @@ TRAIN = f"""
 def test_two_processes_of_four_devices_match_one_process_of_eight(devices, tmp_path):
     port = _free_port()
     processes = [_start(TRAIN, i, port, tmp_path) for i in (0, 1)]
-    single = run(RunConfig(mesh=RUN.mesh, steps=RUN.steps, global_batch=RUN.global_batch, results=tmp_path / "single"), devices)
+    single = run(
+        RunConfig(mesh=RUN.mesh, steps=RUN.steps, global_batch=RUN.global_batch, results=tmp_path / "single"), devices
+    )
     codes = _finish(processes, timeout=240)
     assert codes == [0, 0], (tmp_path / "process0.log").read_text()[-3000:]
     for process_id in (0, 1):
@@ -102,11 +109,14 @@ def test_unreachable_coordinator_is_a_clear_error_after_a_bounded_wait():
         distributed_devices("cpu:4", f"127.0.0.1:{_free_port()}", 2, 1, timeout_s=1)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (("127.0.0.1:1", None, None), "together"),
-    (("127.0.0.1:1", 2, 2), "must be in 0..1"),
-    (("127.0.0.1", 2, 1), "give host:port"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (("127.0.0.1:1", None, None), "together"),
+        (("127.0.0.1:1", 2, 2), "must be in 0..1"),
+        (("127.0.0.1", 2, 1), "give host:port"),
+    ],
+)
 def test_bad_distributed_flags_are_clear_errors(arguments, message):
     with pytest.raises(LabError, match=message):
         distributed_devices("cpu:4", *arguments, timeout_s=1)

@@ -1,22 +1,30 @@
-"""lab.doctor and lab.doctor_checks: each threshold at its edge (made-up numbers), the ranking, a compile-only
+"""lab.doctor.diagnosis and lab.doctor.checks: each threshold at its edge (made-up numbers), the ranking, a compile-only
 memory problem, and `lab doctor` on the command line."""
 
 import math
 
 import pytest
 
-from lab import doctor_checks as checks
 from lab.cli import main
-from lab.doctor import Diagnosis, diagnose
-from lab.doctor_checks import Finding
+from lab.doctor import checks as checks
+from lab.doctor.checks import Finding
+from lab.doctor.diagnosis import Diagnosis, diagnose
 from lab.rules import ShardingReport, get_strategy
-from lab.training_run import RunConfig
+from lab.training.run import RunConfig
 
 GIB = 2**30
 
 
 def _memory(peak: float, capacity: float = 16 * GIB, **kwargs) -> Finding:
-    evidence = checks.MemoryEvidence(capacity, "test", {"params": GIB, "optimizer": 2 * GIB}, (("w", GIB),), peak_bytes=peak, temp_bytes=peak - 3 * GIB, **kwargs)
+    evidence = checks.MemoryEvidence(
+        capacity,
+        "test",
+        {"params": GIB, "optimizer": 2 * GIB},
+        (("w", GIB),),
+        peak_bytes=peak,
+        temp_bytes=peak - 3 * GIB,
+        **kwargs,
+    )
     return checks.check_memory(evidence)
 
 
@@ -31,9 +39,19 @@ def test_memory_fix_attacks_the_larger_part_first():
     temporaries_dominate = _memory(40 * GIB, devices=4)  # 3 GiB of states, 37 GiB of temporaries
     assert temporaries_dominate.fix.startswith("split the batch") and "zero3" in temporaries_dominate.fix
     assert _memory(GIB).fix == ""
-    evidence = checks.MemoryEvidence(16 * GIB, "test", {"params": 10 * GIB, "optimizer": 10 * GIB}, (), peak_bytes=21 * GIB, temp_bytes=GIB, devices=4)
+    evidence = checks.MemoryEvidence(
+        16 * GIB,
+        "test",
+        {"params": 10 * GIB, "optimizer": 10 * GIB},
+        (),
+        peak_bytes=21 * GIB,
+        temp_bytes=GIB,
+        devices=4,
+    )
     assert checks.check_memory(evidence).fix.startswith("shard the model states")
-    refused = checks.MemoryEvidence(16 * GIB, "test", {"params": GIB}, (), peak_bytes=None, compiler_refused="RESOURCE_EXHAUSTED")
+    refused = checks.MemoryEvidence(
+        16 * GIB, "test", {"params": GIB}, (), peak_bytes=None, compiler_refused="RESOURCE_EXHAUSTED"
+    )
     assert checks.check_memory(refused).severity == "problem"  # the compiler's word, whatever our estimate says
 
 
@@ -54,7 +72,9 @@ def test_idle_axes_and_the_pipeline_bubble():
     assert idle.severity == "problem" and idle.numbers["repeats"] == 2 and "do the work of 4" in idle.evidence[0]
     assert checks.check_idle_axes(sizes, ()).severity == "ok"
     assert checks.check_pipeline_bubble(1, 4, 4).severity == "not applicable"
-    assert checks.check_pipeline_bubble(2, 1, 4).numbers["bubble"] == pytest.approx(0.5)  # (P-1)/(M+P-1) = 1/2: a problem
+    assert checks.check_pipeline_bubble(2, 1, 4).numbers["bubble"] == pytest.approx(
+        0.5
+    )  # (P-1)/(M+P-1) = 1/2: a problem
     assert checks.check_pipeline_bubble(2, 1, 4).severity == "problem"
     assert checks.check_pipeline_bubble(4, 4, 8).severity == "warning"  # 3/7
     assert checks.check_pipeline_bubble(4, 16, 8).severity == "ok"  # 3/19
@@ -74,7 +94,9 @@ def test_unsharded_uses_the_strategys_limit():
     over = ShardingReport(100, math.ceil(100 * zero3.max_unsharded_fraction) + 1, ("embed",))
     assert checks.check_unsharded(zero3, over, 8).severity == "problem"
     assert checks.check_unsharded(zero3, ShardingReport(100, 1, ("norm",)), 8).severity == "ok"
-    assert checks.check_unsharded(get_strategy("ddp"), ShardingReport(100, 100, ("embed",)), 8).severity == "ok"  # by design
+    assert (
+        checks.check_unsharded(get_strategy("ddp"), ShardingReport(100, 100, ("embed",)), 8).severity == "ok"
+    )  # by design
     assert checks.check_unsharded(zero3, over, 1).severity == "not applicable"
 
 
@@ -88,7 +110,9 @@ def test_communication_time_and_volume_edges():
     assert checks.check_comm_volume(checks.VOLUME_PROBLEM * 3.0, 1.0, expected, 8, "zero3").severity == "problem"
     assert checks.check_comm_volume(checks.VOLUME_WARNING * 3.0, 1.0, expected, 2, "zero3").severity == "warning"
     assert checks.check_comm_volume(3.0, 1.0, expected, 1, "zero3").severity == "ok"
-    assert checks.check_comm_volume(3.0, 1.0, expected, 1, "zero3", exact=False).severity == "not applicable"  # a lower bound proves nothing
+    assert (
+        checks.check_comm_volume(3.0, 1.0, expected, 1, "zero3", exact=False).severity == "not applicable"
+    )  # a lower bound proves nothing
     assert checks.check_comm_volume(24.0, 1.0, expected, 8, "zero3", exact=False).severity == "problem"
     assert checks.check_exposed(None).severity == "not applicable"
 
@@ -107,8 +131,13 @@ def test_numerics_edges():
 
 
 def test_ranking_puts_problems_first_in_layer_order():
-    findings = (Finding("memory", "m", "ok", ""), Finding("input", "i", "warning", ""), Finding("numerics", "n", "problem", ""),
-                Finding("layout", "l", "problem", ""), Finding("communication", "c", "not applicable", ""))
+    findings = (
+        Finding("memory", "m", "ok", ""),
+        Finding("input", "i", "warning", ""),
+        Finding("numerics", "n", "problem", ""),
+        Finding("layout", "l", "problem", ""),
+        Finding("communication", "c", "not applicable", ""),
+    )
     diagnosis = Diagnosis(findings, "cpu:8")
     assert [f.check for f in diagnosis.ranked] == ["l", "n", "i", "m", "c"]
     assert diagnosis.start_here.check == "l"
@@ -128,13 +157,36 @@ def test_a_1b_model_with_ddp_does_not_fit_a_v5e(devices):
 
 def test_cli_prints_the_ranked_report_and_exits_0(capsys, devices):
     """A finding is not an error: the doctor ran, so the exit code is 0 (compile-only, so nothing executes)."""
-    assert main(["doctor", "--target", "tpu:v5e:2x2", "--model", "1b", "--strategy", "ddp", "--mesh", "data=4", "--global-batch", "8"]) == 0
+    assert (
+        main(
+            [
+                "doctor",
+                "--target",
+                "tpu:v5e:2x2",
+                "--model",
+                "1b",
+                "--strategy",
+                "ddp",
+                "--mesh",
+                "data=4",
+                "--global-batch",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "start here: memory, peak memory per device" in out and "RESOURCE_EXHAUSTED" in out and "no steps run" in out
 
 
-@pytest.mark.parametrize("argv, words", [(["doctor", "--strategy", "zero9"], "unknown strategy"), (["doctor", "--mesh", "fsdp=3"], "uses 3 devices"),
-                                          (["doctor", "--capacity", "lots"], "size 'lots'")])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["doctor", "--strategy", "zero9"], "unknown strategy"),
+        (["doctor", "--mesh", "fsdp=3"], "uses 3 devices"),
+        (["doctor", "--capacity", "lots"], "size 'lots'"),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, devices, argv, words):
     assert main(argv) == 2
     err = capsys.readouterr().err

@@ -24,5 +24,7 @@ def test_checkpoint_cases_save_every_k_steps_and_loader_cases_wait_at_least_the_
         assert [i for i, saved in enumerate(data[case]["checkpoint"]) if saved] == [3, 7, 11]
     assert not any(data["steady"]["checkpoint"])
     latency = float(data["slow loader"]["config"]["input_ms"]) / 1e3
-    assert latency > 0 and all(wait >= latency for wait in data["slow loader"]["data_s"])  # the sleep is inside the measured wait
+    assert latency > 0 and all(
+        wait >= latency for wait in data["slow loader"]["data_s"]
+    )  # the sleep is inside the measured wait
     assert data["slow loader + prefetch"]["config"]["prefetch"] == "8"

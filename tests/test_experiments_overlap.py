@@ -32,17 +32,23 @@ def test_overlap_page_numerics_hlo_and_the_tpu_schedule(devices):
 
 
 def test_bucket_size_page_counts_one_all_reduce_per_bucket(devices):
-    result = get("bucket_size").run(BucketConfig(model="tiny", bucket_sizes=("64K", "256K"), repeats=1, tpu_topology=""))
+    result = get("bucket_size").run(
+        BucketConfig(model="tiny", bucket_sizes=("64K", "256K"), repeats=1, tpu_topology="")
+    )
     rows = structural(result)
     assert all(c.passed for c in rows), [c for c in rows if not c.passed]
     counts = [c for c in rows if "all-reduces in HLO = ceil(G/b)" in c.quantity]
-    assert len(counts) == 4 and all(c.verdict == "agrees" for c in counts)  # 64K, 256K, DDP's 25 MiB, DeepSpeed's 5e8 elements
+    assert len(counts) == 4 and all(
+        c.verdict == "agrees" for c in counts
+    )  # 64K, 256K, DDP's 25 MiB, DeepSpeed's 5e8 elements
     assert any(c.verdict == "refined" and "combiner" in c.note for c in rows)
     assert "one bucket" in render(result)
 
 
 def test_backfires_page_runs_its_structural_checks(devices):
-    result = get("overlap_backfires").run(BackfiresConfig(model="tiny", tiny_bucket="64K", narrow_shape=(64, 64, 64), repeats=1, tpu_topology=""))
+    result = get("overlap_backfires").run(
+        BackfiresConfig(model="tiny", tiny_bucket="64K", narrow_shape=(64, 64, 64), repeats=1, tpu_topology="")
+    )
     rows = structural(result)
     assert all(c.passed for c in rows), [c for c in rows if not c.passed]
     assert {"tiny buckets: all-reduces in HLO", "per-tensor psums: all-reduces in HLO"} <= {c.quantity for c in rows}

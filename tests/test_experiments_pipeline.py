@@ -16,7 +16,14 @@ from experiments.q44_microbatches import Config as MicroBatchConfig
 from lab.errors import LabError
 from lab.report import render, write
 
-TIMED = ("bubble, measured", "step time", "the most blocks", "imbalanced / rebalanced", "rule of thumb", "best measured m")
+TIMED = (
+    "bubble, measured",
+    "step time",
+    "the most blocks",
+    "imbalanced / rebalanced",
+    "rule of thumb",
+    "best measured m",
+)
 
 
 def deterministic(result):
@@ -24,7 +31,9 @@ def deterministic(result):
 
 
 def test_pipeline_bubble_simulates_executes_and_corrects_the_worked_example(devices, tmp_path):
-    config = BubbleConfig(stages=(2, 4), micro_batches=8, measured_stages=(2,), measured_micro_batches=(4,), micro_batch_size=2, repeats=1)
+    config = BubbleConfig(
+        stages=(2, 4), micro_batches=8, measured_stages=(2,), measured_micro_batches=(4,), micro_batch_size=2, repeats=1
+    )
     result = get("pipeline_bubble").run(config)
     checks = deterministic(result)
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
@@ -39,7 +48,9 @@ def test_pipeline_bubble_simulates_executes_and_corrects_the_worked_example(devi
     folder = tmp_path / "pipeline_bubble"
     traces = {path.stem.removeprefix("trace_"): json.loads(path.read_text()) for path in folder.glob("trace_*.json")}
     assert set(traces) == {"gpipe", "1f1b", "interleaved", "zb-h1"}
-    assert all(any(event["ph"] == "X" for event in trace["traceEvents"]) for trace in traces.values())  # opens in Perfetto
+    assert all(
+        any(event["ph"] == "X" for event in trace["traceEvents"]) for trace in traces.values()
+    )  # opens in Perfetto
     assert "[trace_gpipe.json](trace_gpipe.json)" in page.read_text()
 
 

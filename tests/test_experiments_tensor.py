@@ -10,12 +10,16 @@ from lab.report import render
 
 
 def test_tensor_sequence_parallel_counts_collectives_and_activations(devices):
-    config = TensorSequenceConfig(tensor=2, tensor_sweep=(1, 2), memory_batch=2, timing_tensor=8, timing_batch=2, repeats=1, tpu_topology="")
+    config = TensorSequenceConfig(
+        tensor=2, tensor_sweep=(1, 2), memory_batch=2, timing_tensor=8, timing_batch=2, repeats=1, tpu_topology=""
+    )
     result = get("tensor_sequence_parallel").run(config)
     assert result.passed, [c for c in result.checks if not c.passed]
     verdicts = {c.quantity: c.verdict for c in result.checks}
     assert verdicts["TP, shard_map: collectives per layer over tensor"] == "agrees"
-    assert verdicts["TP+SP, shard_map: collectives per layer over tensor"] == "agrees"  # 4 all-gathers + 4 reduce-scatters
+    assert (
+        verdicts["TP+SP, shard_map: collectives per layer over tensor"] == "agrees"
+    )  # 4 all-gathers + 4 reduce-scatters
     assert verdicts["TP+SP, shard_map: largest collective S = b·s·h·4 (b on one data shard)"] == "agrees"
     assert verdicts["TP+SP, t=2: activations shrink by (theory factor)"] == "agrees"
     memory = {(r["mode"], r["tensor"]): r["measured"] for r in result.data["memory"]}

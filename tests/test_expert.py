@@ -10,9 +10,9 @@ import pytest
 from lab import hlo
 from lab.errors import LabError
 from lab.mesh import MeshSpec
+from lab.moe import Balance, RouterConfig, load_metrics
 from lab.parallel import expert
 from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_params, moe_local
-from lab.parallel.routing import Balance, RouterConfig, load_metrics
 from lab.theory import moe_traffic
 
 TOKENS, D, F = 256, 16, 32  # 8 groups of 32 tokens
@@ -52,7 +52,10 @@ def test_with_no_dropping_expert_parallel_matches_the_single_device_moe(ep_mesh)
 
 @pytest.mark.parametrize(
     "router, builds",
-    [({"capacity_factor": 1.0}, (expert_parallel, gshard)), ({"capacity_factor": 1.0, "drop_policy": "position", "score": "sigmoid"}, (expert_parallel,))],
+    [
+        ({"capacity_factor": 1.0}, (expert_parallel, gshard)),
+        ({"capacity_factor": 1.0, "drop_policy": "position", "score": "sigmoid"}, (expert_parallel,)),
+    ],
 )
 def test_with_dropping_hand_written_and_gshard_match_the_grouped_reference(ep_mesh, router, builds):
     config = _config(**router)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from lab.mesh import MeshSpec
 from lab.model import preset
-from lab.train import TrainConfig, Trainer
+from lab.training.step import TrainConfig, Trainer
 
 BATCH = 16
 SCALAR = 16  # the loss all-reduce may ride along in a combined tuple: a few bytes
@@ -30,7 +30,10 @@ def _moved(program, kinds, axes, *, inside_loop=None) -> int:
     return sum(
         c.size_bytes * c.repeats
         for c in program.collectives
-        if c.kind in kinds and c.axes == axes and c.size_bytes > SCALAR and GRAD_NORM not in (c.op_name or "")
+        if c.kind in kinds
+        and c.axes == axes
+        and c.size_bytes > SCALAR
+        and GRAD_NORM not in (c.op_name or "")
         and (inside_loop is None or (c.repeats > 1) == inside_loop)
     )
 
@@ -39,14 +42,18 @@ def test_ddp_all_reduces_the_gradients_once_per_step_after_all_micro_batches(dev
     trainer, program = _compiled(devices, "data=8", strategy="ddp", micro_batches=2)
     model_bytes = _bytes(trainer.abstract_params)
     assert _moved(program, {"all-reduce"}, ("data",), inside_loop=False) == pytest.approx(model_bytes, abs=SCALAR)
-    assert _moved(program, {"all-reduce"}, ("data",), inside_loop=True) == 0  # partial sums wait for the last micro-batch
+    assert (
+        _moved(program, {"all-reduce"}, ("data",), inside_loop=True) == 0
+    )  # partial sums wait for the last micro-batch
     assert _moved(program, {"all-gather", "reduce-scatter"}, ("data",)) == 0
 
 
 def test_zero2_reduces_every_micro_batch_and_gathers_the_updated_weights(devices):
     trainer, program = _compiled(devices, "fsdp=8", strategy="zero2", micro_batches=2)
     model_bytes = _bytes(trainer.abstract_params)
-    assert _moved(program, {"all-reduce", "reduce-scatter"}, ("fsdp",), inside_loop=True) == pytest.approx(2 * model_bytes, abs=2 * SCALAR)
+    assert _moved(program, {"all-reduce", "reduce-scatter"}, ("fsdp",), inside_loop=True) == pytest.approx(
+        2 * model_bytes, abs=2 * SCALAR
+    )
     assert _moved(program, {"all-gather"}, ("fsdp",)) == model_bytes
 
 
@@ -54,7 +61,11 @@ def test_zero2_reduces_every_micro_batch_and_gathers_the_updated_weights(devices
 def test_zero3_gathers_before_use_again_in_the_backward_and_syncs_shards_over_data(devices, strategy, regathered):
     trainer, program = _compiled(devices, "data=2,fsdp=4", strategy=strategy)
     model_bytes = _bytes(trainer.abstract_params)
-    again = _bytes(trainer.abstract_params[regathered]) if regathered else 0  # the blocks are rematerialized, the root is not
+    again = (
+        _bytes(trainer.abstract_params[regathered]) if regathered else 0
+    )  # the blocks are rematerialized, the root is not
     assert _moved(program, {"all-gather"}, ("fsdp",)) == model_bytes + again
     assert _moved(program, {"all-reduce", "reduce-scatter"}, ("fsdp",)) == pytest.approx(model_bytes, abs=SCALAR)
-    assert _moved(program, {"all-reduce"}, ("data",)) == pytest.approx(model_bytes / 4, abs=SCALAR)  # HSDP: only the shard
+    assert _moved(program, {"all-reduce"}, ("data",)) == pytest.approx(
+        model_bytes / 4, abs=SCALAR
+    )  # HSDP: only the shard

@@ -558,11 +558,15 @@ if __name__ == "__main__":
 
 def test_op_names_link_each_instruction_to_the_jax_code_that_made_it():
     text = (
-        'ENTRY %main {\n'
-        '  %p0 = f32[4]{0} parameter(0)\n'
-        '  %fusion.3 = f32[4]{0} fusion(f32[4]{0} %p0), kind=kLoop, calls=%fused, metadata={op_name="jit(step)/optimizer/mul"}\n'
-        '  ROOT %all-reduce.1 = f32[4]{0} all-reduce(%fusion.3), replica_groups={}, metadata={op_name="jit(step)/forward_backward/reshard"}\n'
-        '}\n'
+        "ENTRY %main {\n"
+        "  %p0 = f32[4]{0} parameter(0)\n"
+        "  %fusion.3 = f32[4]{0} fusion(f32[4]{0} %p0), kind=kLoop, calls=%fused, "
+        'metadata={op_name="jit(step)/optimizer/mul"}\n'
+        "  ROOT %all-reduce.1 = f32[4]{0} all-reduce(%fusion.3), replica_groups={}, "
+        'metadata={op_name="jit(step)/forward_backward/reshard"}\n'
+        "}\n"
     )
-    assert op_names(text) == {"fusion.3": ("fusion", "jit(step)/optimizer/mul"),
-                                  "all-reduce.1": ("all-reduce", "jit(step)/forward_backward/reshard")}
+    assert op_names(text) == {
+        "fusion.3": ("fusion", "jit(step)/optimizer/mul"),
+        "all-reduce.1": ("all-reduce", "jit(step)/forward_backward/reshard"),
+    }

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lab.errors import LabError
-from lab.input_pipeline import Loader, batches
+from lab.training.data import Loader, batches
 
 
 def _make(step: int) -> np.ndarray:

@@ -99,7 +99,16 @@ def test_groups_follow_shard_map_order(mesh222):
         return jax.lax.psum(x, ("data", "tensor"))
 
     x = jax.device_put(jnp.zeros(8), NamedSharding(mesh222, P(("data", "fsdp", "tensor"))))
-    text = jax.jit(jax.shard_map(body, mesh=mesh222, in_specs=P(("data", "fsdp", "tensor")), out_specs=P(("data", "fsdp", "tensor")))).lower(x).compile().as_text()
+    text = (
+        jax.jit(
+            jax.shard_map(
+                body, mesh=mesh222, in_specs=P(("data", "fsdp", "tensor")), out_specs=P(("data", "fsdp", "tensor"))
+            )
+        )
+        .lower(x)
+        .compile()
+        .as_text()
+    )
     expected = device_groups(mesh222.devices.shape, [0, 4])
     rendered = "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in expected) + "}"
     assert rendered in text.replace(" ", "")

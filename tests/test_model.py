@@ -59,7 +59,9 @@ def _single_device_forward(config):
 
 # with a capacity, whether a token keeps its expert slot depends on the sequence's other tokens, later ones
 # included; with no dropping (capacity_factor=None) an MoE model is causal too
-@pytest.mark.parametrize("config", [preset("tiny"), ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None)], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "config", [preset("tiny"), ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None)], ids=["dense", "moe"]
+)
 def test_logits_have_the_vocabulary_and_only_look_backwards(config):
     params, forward = _single_device_forward(config)
     tokens = np.random.default_rng(0).integers(0, config.vocab, (2, config.seq), dtype=np.int32)

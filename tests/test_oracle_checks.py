@@ -52,7 +52,9 @@ def test_verdicts_are_honest_about_the_book(result):
     assert verdicts["Part 3, Question 3: all-gather time (us)"] == "agrees"  # latency-bound: 2 hops
     assert verdicts["Part 12, GPU Pop Quiz 1: all-gather time (us)"] == "agrees"
     # The book charges one pass for an all-reduce in Question 2.4; the lab does not pretend to agree.
-    assert [c.quantity for c in result.checks if c.verdict == "differs"] == ["Part 3, Question 2.4: all-reduce time (us)"]
+    assert [c.quantity for c in result.checks if c.verdict == "differs"] == [
+        "Part 3, Question 2.4: all-reduce time (us)"
+    ]
     assert all(c.note for c in result.checks if c.verdict == "refined")
 
 
@@ -88,7 +90,9 @@ def test_mesh_axes_map_to_torus_dimensions():
 
 def test_two_axis_gather_is_one_collective_over_both_axes():
     found = compile_example(EXAMPLE["v4-gather-xy"]).collectives
-    assert [(c.kind, c.axes, c.group_size, c.size_bytes) for c in found] == [("all-gather", ("data", "fsdp"), 16, 2 * B * D)]
+    assert [(c.kind, c.axes, c.group_size, c.size_bytes) for c in found] == [
+        ("all-gather", ("data", "fsdp"), 16, 2 * B * D)
+    ]
 
 
 def test_reduced_config_and_bad_names():

@@ -96,9 +96,13 @@ def test_windows_credit_the_compute_between_start_and_done():
     report = overlap.overlap_report(SYNTHETIC, chip, (4,), (4,), ("data",))
     gather, reduce = report.windows
     assert gather.is_async and gather.between == ("dot",)
-    dot_s = max(2 * 256 * 512 * 1024 / chip.peak_bf16_flops, 4 * (256 * 512 + 512 * 1024 + 256 * 1024) / chip.hbm_bandwidth)
+    dot_s = max(
+        2 * 256 * 512 * 1024 / chip.peak_bf16_flops, 4 * (256 * 512 + 512 * 1024 + 256 * 1024) / chip.hbm_bandwidth
+    )
     assert gather.compute_s == pytest.approx(dot_s)
-    assert gather.hidden_s == pytest.approx(min(dot_s, gather.comm_s)) and gather.exposed_s == pytest.approx(gather.comm_s - gather.hidden_s)
+    assert gather.hidden_s == pytest.approx(min(dot_s, gather.comm_s)) and gather.exposed_s == pytest.approx(
+        gather.comm_s - gather.hidden_s
+    )
     assert not reduce.is_async and reduce.hidden_s == 0 and reduce.exposed_s == reduce.comm_s
     assert report.exposed_s == pytest.approx(gather.exposed_s + reduce.comm_s)
     assert report.step_s == pytest.approx(dot_s + report.exposed_s)
@@ -123,4 +127,6 @@ def test_scheduled_text_without_an_entry_is_refused():
 def test_interleaved_timing_gives_every_program_its_rounds():
     square = jax.jit(lambda x: x * x)
     timings = time_interleaved({"a": (square, (np.ones(4),)), "b": (square, (np.ones(8),))}, repeats=3)
-    assert set(timings) == {"a", "b"} and all(isinstance(t, Timing) and t.repeats == 3 and t.min <= t.median <= t.max for t in timings.values())
+    assert set(timings) == {"a", "b"} and all(
+        isinstance(t, Timing) and t.repeats == 3 and t.min <= t.median <= t.max for t in timings.values()
+    )

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data and their simulator (lab.parallel.pipeline).
+"""Pipeline schedules as data and their simulator (lab.parallel.pipeline.schedules).
 
 Pure Python: no JAX program is compiled here.
 """
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from lab import theory
 from lab.errors import LabError
-from lab.parallel.pipeline import (
+from lab.parallel.pipeline.schedules import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
@@ -94,7 +94,9 @@ def test_interleaved_bubble_shrinks_by_v(p, groups, v):
     assert timeline.makespan == pytest.approx(theory.pipeline_step_time(p, m, 1.0, 2.0, v))
     assert timeline.bubble_fraction == pytest.approx(theory.pipeline_bubble_fraction(p, m, v))
     for s in range(p):
-        assert timeline.peak_in_flight[s] == pytest.approx(theory.peak_micro_batches_in_flight("interleaved", p, m, s, v))
+        assert timeline.peak_in_flight[s] == pytest.approx(
+            theory.peak_micro_batches_in_flight("interleaved", p, m, s, v)
+        )
 
 
 @given(st.integers(1, 8), st.integers(0, 16))
@@ -113,9 +115,14 @@ def test_zb_h1_keeps_a_third_of_1f1b_bubble_at_1f1b_memory(p, extra):
 def test_gpipe_with_unequal_stages_is_a_flow_shop(forward, m):
     backward = [2 * f for f in forward]
     costs = Costs(tuple(map(float, forward)), tuple(map(float, backward)))
-    assert simulate(gpipe(len(forward), m), costs).makespan == pytest.approx(theory.imbalanced_step_time(forward, backward, m))
+    assert simulate(gpipe(len(forward), m), costs).makespan == pytest.approx(
+        theory.imbalanced_step_time(forward, backward, m)
+    )
     # 1F1B is never slower than GPipe
-    assert simulate(one_f_one_b(len(forward), m), costs).makespan <= theory.imbalanced_step_time(forward, backward, m) + 1e-9
+    assert (
+        simulate(one_f_one_b(len(forward), m), costs).makespan
+        <= theory.imbalanced_step_time(forward, backward, m) + 1e-9
+    )
 
 
 def test_simulation_respects_every_dependency_and_stage_order():
@@ -141,8 +148,27 @@ def test_idle_plus_busy_is_the_makespan_and_chunks_cost_a_fraction():
 def test_grid_is_one_tick_per_action():
     grid = gpipe(4, 4).grid()
     assert len(grid[0]) == 14
-    assert [a.label() if a else "." for a in grid[3]] == [".", ".", ".", "F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3", ".", ".", "."]
-    assert Counter(a.kind for row in zb_h1(2, 3).grid() for a in row if a) == {FORWARD: 6, INPUT_GRAD: 6, WEIGHT_GRAD: 6}
+    assert [a.label() if a else "." for a in grid[3]] == [
+        ".",
+        ".",
+        ".",
+        "F0",
+        "F1",
+        "F2",
+        "F3",
+        "B0",
+        "B1",
+        "B2",
+        "B3",
+        ".",
+        ".",
+        ".",
+    ]
+    assert Counter(a.kind for row in zb_h1(2, 3).grid() for a in row if a) == {
+        FORWARD: 6,
+        INPUT_GRAD: 6,
+        WEIGHT_GRAD: 6,
+    }
 
 
 def test_transfers_are_the_cross_device_dependencies():
@@ -150,12 +176,19 @@ def test_transfers_are_the_cross_device_dependencies():
     assert len(sends) == 2 * 2 * 2  # 2 links, 2 micro-batches, forward and backward
     assert {(t.source, t.target) for t in sends} == {(0, 1), (1, 2), (2, 1), (1, 0)}
     ring = transfers(interleaved(2, 2, 2))
-    assert any(t.source == 1 and t.target == 0 and t.action.kind == FORWARD for t in ring)  # chunk 0 of the last feeds chunk 1 of the first
+    assert any(
+        t.source == 1 and t.target == 0 and t.action.kind == FORWARD for t in ring
+    )  # chunk 0 of the last feeds chunk 1 of the first
 
 
 def test_dependency_violations_find_a_backward_run_the_wrong_way():
     schedule, unit = gpipe(2, 1), Costs.uniform(2)
-    drawn = {(0, Action(FORWARD, 0)): 0, (1, Action(FORWARD, 0)): 1, (0, Action(BACKWARD, 0)): 2, (1, Action(BACKWARD, 0)): 3}
+    drawn = {
+        (0, Action(FORWARD, 0)): 0,
+        (1, Action(FORWARD, 0)): 1,
+        (0, Action(BACKWARD, 0)): 2,
+        (1, Action(BACKWARD, 0)): 3,
+    }
     problems = dependency_violations(schedule, drawn, unit)
     assert len(problems) == 1 and "B0 on stage 0 starts at 2" in problems[0]
 
@@ -164,7 +197,9 @@ def test_lockstep_ticks_last_as_long_as_their_slowest_action():
     schedule = one_f_one_b(2, 2)
     costs = Costs.uniform(2, 1.0, 3.0)
     assert lockstep_makespan(schedule.grid(), slowest_action(costs)) >= simulate(schedule, costs).makespan
-    assert lockstep_makespan(gpipe(2, 2).grid(), slowest_action(costs)) == pytest.approx(simulate(gpipe(2, 2), costs).makespan)
+    assert lockstep_makespan(gpipe(2, 2).grid(), slowest_action(costs)) == pytest.approx(
+        simulate(gpipe(2, 2), costs).makespan
+    )
 
 
 def test_bad_schedules_and_costs_are_lab_errors():
@@ -181,7 +216,9 @@ def test_bad_schedules_and_costs_are_lab_errors():
     with pytest.raises(LabError, match="exactly once"):
         Schedule("broken", 1, 2, 1, ((Action(FORWARD, 0), Action(BACKWARD, 0)),))
     with pytest.raises(LabError, match="deadlocks"):
-        simulate(Schedule("backwards first", 2, 1, 1, ((Action(BACKWARD, 0), Action(FORWARD, 0)),) * 2), Costs.uniform(2))
+        simulate(
+            Schedule("backwards first", 2, 1, 1, ((Action(BACKWARD, 0), Action(FORWARD, 0)),) * 2), Costs.uniform(2)
+        )
     with pytest.raises(LabError, match="costs are given for 3 stages"):
         simulate(gpipe(2, 2), Costs.uniform(3))
     with pytest.raises(LabError, match="one of each per stage"):

@@ -1,4 +1,4 @@
-"""The executed pipeline (lab.parallel.pipeline_loop): the same loss and gradients as the model, in XLA's terms.
+"""The executed pipeline (lab.parallel.pipeline.loop): the same loss and gradients as the model, in XLA's terms.
 
 Compiling is what costs here. Programs are cached by shape within the test
 session, and the shapes below are the ones tests/test_experiments_pipeline.py
@@ -11,9 +11,9 @@ import pytest
 from lab import hlo
 from lab.errors import LabError
 from lab.model import preset
-from lab.parallel import pipeline_loop as loop
-from lab.parallel.pipeline import gpipe, make_schedule, zb_h1
-from lab.parallel.pipeline_stages import (
+from lab.parallel.pipeline import loop
+from lab.parallel.pipeline.schedules import gpipe, make_schedule, zb_h1
+from lab.parallel.pipeline.stages import (
     StageSplit,
     Workload,
     balanced_split,
@@ -81,7 +81,9 @@ def test_each_tick_exchanges_over_the_stage_axis_with_two_permutes(two_stages):
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert len(permutes) == 2 and all(c.axes == ("stage",) for c in permutes)
     assert {c.operand_bytes for c in permutes} == {2 * 32 * 64 * 4}  # one micro-batch's activation [b, S, D] in f32
-    assert [c.kind for c in found if c.kind != "collective-permute"] == ["all-reduce"]  # the loss, summed over stages once
+    assert [c.kind for c in found if c.kind != "collective-permute"] == [
+        "all-reduce"
+    ]  # the loss, summed over stages once
 
 
 def test_xla_memory_follows_the_micro_batches_kept(two_stages, devices):
@@ -139,7 +141,12 @@ def test_bad_input_is_a_lab_error(devices, two_stages):
     with pytest.raises(LabError, match="splits the backward into I and W"):
         loop.schedule_tables(zb_h1(2, 4))
     with pytest.raises(LabError, match="one layer count per virtual stage"):
-        loop.build(workload, loop.pipeline_mesh(devices, 2), [loop.schedule_tables(make_schedule("interleaved", 2, 4, 2))], chunks=2)
+        loop.build(
+            workload,
+            loop.pipeline_mesh(devices, 2),
+            [loop.schedule_tables(make_schedule("interleaved", 2, 4, 2))],
+            chunks=2,
+        )
     with pytest.raises(LabError, match="build it with them"):
         program.table_args(loop.schedule_tables(gpipe(2, 8)))
     with pytest.raises(LabError, match="integers separated by commas"):

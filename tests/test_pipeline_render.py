@@ -2,8 +2,8 @@
 
 import json
 
-from lab.parallel.pipeline import Costs, gpipe, interleaved, simulate, transfers, zb_h1
-from lab.pipeline_render import ascii_grid, chrome_trace, timeline_figure, write_chrome_trace
+from lab.parallel.pipeline.render import ascii_grid, chrome_trace, timeline_figure, write_chrome_trace
+from lab.parallel.pipeline.schedules import Costs, gpipe, interleaved, simulate, transfers, zb_h1
 
 
 def test_ascii_grid_is_the_textbook_table_done_right():
@@ -34,6 +34,8 @@ def test_chrome_trace_has_an_event_per_action_and_a_flow_per_send(tmp_path):
 
 
 def test_timeline_figure_draws_a_panel_per_timeline():
-    figure = timeline_figure([simulate(gpipe(2, 3), Costs.uniform(2)), simulate(interleaved(2, 2, 2), Costs.uniform(2))])
+    figure = timeline_figure(
+        [simulate(gpipe(2, 3), Costs.uniform(2)), simulate(interleaved(2, 2, 2), Costs.uniform(2))]
+    )
     assert len(figure.axes) == 2
     assert "bubble 25.0%" in figure.axes[0].get_title(loc="left")

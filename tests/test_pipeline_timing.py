@@ -2,8 +2,8 @@
 
 import pytest
 
-from lab.parallel.pipeline import BACKWARD, FORWARD, Action, gpipe, lockstep_makespan
-from lab.parallel.pipeline_timing import (
+from lab.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, gpipe, lockstep_makespan
+from lab.parallel.pipeline.timing import (
     StageTimes,
     calibration_grid,
     calibration_tables,
@@ -17,7 +17,16 @@ def test_calibration_grids_keep_chosen_stages_busy_without_waiting():
     assert grid[0] == grid[2] == (None, None)
     assert grid[1] == (Action(FORWARD, 0), Action(FORWARD, 1))
     tables = calibration_tables(2, 3)
-    assert set(tables) == {"F on stage 0", "B on stage 0", "F on stage 1", "B on stage 1", "F on every stage", "B on every stage", "idle", "no ticks"}
+    assert set(tables) == {
+        "F on stage 0",
+        "B on stage 0",
+        "F on stage 1",
+        "B on stage 1",
+        "F on every stage",
+        "B on every stage",
+        "idle",
+        "no ticks",
+    }
     assert tables["no ticks"].ticks == 0 and tables["idle"].ticks == 3
     assert all(t.depth == 1 for t in tables.values())  # their numbers are never read: they fit any program's buffers
     ideal = ideal_tables(2, 3)
@@ -43,9 +52,13 @@ def test_a_tick_is_bounded_by_its_slowest_action_and_by_the_host():
     assert dedicated.tick([(0, Action(FORWARD, 0)), (1, Action(BACKWARD, 0))]) == 3.0  # the slowest action
     shared = shared_host(2.0)
     assert shared.sharing == pytest.approx(2.0)
-    assert shared.tick([(0, Action(FORWARD, 0)), (1, Action(FORWARD, 0))]) == pytest.approx(4.0)  # calibrated point: all busy
+    assert shared.tick([(0, Action(FORWARD, 0)), (1, Action(FORWARD, 0))]) == pytest.approx(
+        4.0
+    )  # calibrated point: all busy
     assert shared.tick([(0, Action(FORWARD, 0))]) == 2.0  # calibrated point: alone
-    assert shared.tick([(0, Action(FORWARD, 0)), (1, Action(BACKWARD, 0))]) == pytest.approx(3.0 + 2.0)  # B alone + what a busy F adds
+    assert shared.tick([(0, Action(FORWARD, 0)), (1, Action(BACKWARD, 0))]) == pytest.approx(
+        3.0 + 2.0
+    )  # B alone + what a busy F adds
     # bubble ticks are cheaper than full ones on a shared host: the pipeline looks less idle than (P-1)/(m+P-1) = 1/5
     step, ideal = lockstep_makespan(gpipe(2, 4).grid(), shared.tick), 4 * 4.0 + 4 * 6.0
     assert 1 - ideal / step < 1 / 5

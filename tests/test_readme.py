@@ -13,7 +13,11 @@ def _command_after(marker: str) -> str:
 
 
 def test_ci_runs_the_readme_test_command_exactly():
-    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    ci_lines = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
+    ]
     assert ci_lines == [_command_after("test-command")]
 
 

@@ -31,7 +31,16 @@ def _result():
 def test_page_has_question_theory_table_verdict_plot_and_provenance(tmp_path):
     page = write(_result(), tmp_path)
     text = page.read_text()
-    for piece in ("Question #39", "## Theory", "| bytes | 2 | 2 |", "**refined**", "![curve](curve.png)", "a\\|b", "jax:", "git_commit"):
+    for piece in (
+        "Question #39",
+        "## Theory",
+        "| bytes | 2 | 2 |",
+        "**refined**",
+        "![curve](curve.png)",
+        "a\\|b",
+        "jax:",
+        "git_commit",
+    ):
         assert piece in text, piece
     assert (tmp_path / "demo" / "curve.png").stat().st_size > 0
     data = json.loads((tmp_path / "demo" / "result.json").read_text())

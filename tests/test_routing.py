@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab import moe as routing_module
 from lab.errors import LabError
-from lab.parallel import routing as routing_module
-from lab.parallel.routing import (
+from lab.moe import (
     Balance,
     RouterConfig,
     balance_loss,
@@ -104,7 +104,10 @@ def test_noise_changes_choices_only_when_a_key_is_given():
 def test_switch_loss_matches_theory_at_balance_and_at_collapse():
     experts = 8
     uniform = route(jnp.zeros((32, experts)), RouterConfig(experts=experts, capacity_factor=None))
-    collapsed = route(jnp.tile(jnp.array([40.0] + [0.0] * (experts - 1)), (32, 1)), RouterConfig(experts=experts, capacity_factor=None))
+    collapsed = route(
+        jnp.tile(jnp.array([40.0] + [0.0] * (experts - 1)), (32, 1)),
+        RouterConfig(experts=experts, capacity_factor=None),
+    )
     balanced_theory, collapsed_theory = switch_aux_loss_range(experts)
     assert float(switch_aux_loss(uniform)) == pytest.approx(balanced_theory)
     assert float(switch_aux_loss(collapsed)) == pytest.approx(collapsed_theory, rel=1e-6)

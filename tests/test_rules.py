@@ -40,7 +40,9 @@ def test_unknown_logical_or_mesh_axes_are_refused():
 
 
 def test_a_dimension_the_axis_does_not_divide_names_parameter_dimension_and_axis():
-    with pytest.raises(LabError, match=r"parameter blocks/attention/query dimension 1 \(size 60\) is not divisible by mesh axis fsdp=8"):
+    with pytest.raises(
+        LabError, match=r"parameter blocks/attention/query dimension 1 \(size 60\) is not divisible by mesh axis fsdp=8"
+    ):
         check_divisible("blocks/attention/query", (2, 60, 4), P(None, "fsdp", None), {"fsdp": 8, "data": 1})
     check_divisible("ok", (2, 64, 4), P(None, "fsdp", None), {"fsdp": 8})
 
@@ -80,7 +82,13 @@ def test_every_table_of_every_strategy_keeps_the_tensor_expert_and_stage_splits(
         assert rules.spec(("layers", "experts", "embed", "mlp"))[3] == "tensor"
         assert rules.spec(("embed", "heads", "head_dim"))[1:] == ("tensor", None)
         assert rules.spec(("embed", "routing"))[1] is None  # every device scores every expert
-    assert strategy.used_axes == {"data", "fsdp", "expert", "tensor", "stage"}  # stage: the blocks' layers, one run per pipeline stage
+    assert strategy.used_axes == {
+        "data",
+        "fsdp",
+        "expert",
+        "tensor",
+        "stage",
+    }  # stage: the blocks' layers, one run per pipeline stage
     with pytest.raises(LabError, match="unknown rules table 'weights'"):
         strategy.rules("weights", 1)
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lab.step_series import analyze, find_period
+from lab.training.series import analyze, find_period
 
 
 def _noisy(steps: int, seed: int = 0, level: float = 0.02) -> np.ndarray:

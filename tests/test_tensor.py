@@ -41,7 +41,11 @@ def _run(step, params, tokens) -> list[float]:
     return losses
 
 
-@pytest.fixture(scope="module", params=[(False, "shard_map"), (True, "shard_map"), (False, "annotations"), (True, "annotations")], ids=["tp-shard_map", "tp+sp-shard_map", "tp-annotations", "tp+sp-annotations"])
+@pytest.fixture(
+    scope="module",
+    params=[(False, "shard_map"), (True, "shard_map"), (False, "annotations"), (True, "annotations")],
+    ids=["tp-shard_map", "tp+sp-shard_map", "tp-annotations", "tp+sp-annotations"],
+)
 def parallel_run(request, mesh):
     return _parallel_run(mesh, *request.param)
 

@@ -70,7 +70,9 @@ def test_every_kind_has_an_algorithm_and_every_algorithm_handles_one_device():
 
 def test_bidirectional_ring_with_odd_devices_takes_the_short_way():
     assert cost("all-gather", 3 * MiB, 3, "bidirectional-ring").steps == 1
-    assert cost("all-to-all", 5 * MiB, 5, "bidirectional-ring").bytes_sent == pytest.approx((1 + 2 + 2 + 1) / 5 * 5 * MiB)
+    assert cost("all-to-all", 5 * MiB, 5, "bidirectional-ring").bytes_sent == pytest.approx(
+        (1 + 2 + 2 + 1) / 5 * 5 * MiB
+    )
 
 
 def test_user_mistakes_raise_lab_errors():
@@ -144,7 +146,9 @@ def test_busbw_of_a_bandwidth_bound_ring_is_the_link_bandwidth(kind, devices, si
 
 def test_all_reduce_crossover_closed_form_by_hand():
     # N = 8: recursive doubling 3 steps x S, ring 14 steps x 7/4 S; S* = alpha beta (14 - 3) / (3 - 7/4) = 8.8 alpha beta
-    assert crossover_bytes("all-reduce", "recursive-doubling", "ring", 8, alpha=ALPHA, beta=BETA) == pytest.approx(8.8 * ALPHA * BETA)
+    assert crossover_bytes("all-reduce", "recursive-doubling", "ring", 8, alpha=ALPHA, beta=BETA) == pytest.approx(
+        8.8 * ALPHA * BETA
+    )
 
 
 @given(st.integers(2, 12).map(lambda exponent: 2**exponent), st.floats(1e-7, 1e-4), st.floats(1e8, 1e12))
@@ -153,7 +157,10 @@ def test_the_costs_are_equal_at_the_crossover(devices, alpha, beta):
     few = cost("all-reduce", size, devices, "recursive-doubling", alpha, beta)
     ring = cost("all-reduce", size, devices, "ring", alpha, beta)
     assert few.seconds == pytest.approx(ring.seconds, rel=1e-9)
-    assert cost("all-reduce", size / 2, devices, "recursive-doubling", alpha, beta).seconds < cost("all-reduce", size / 2, devices, "ring", alpha, beta).seconds
+    assert (
+        cost("all-reduce", size / 2, devices, "recursive-doubling", alpha, beta).seconds
+        < cost("all-reduce", size / 2, devices, "ring", alpha, beta).seconds
+    )
 
 
 def test_crossover_edge_cases():
@@ -257,7 +264,9 @@ def test_v5p_thresholds_match_the_book():
     assert ici_arithmetic_intensity(v5p) == pytest.approx(2550, rel=1e-3)
     assert data_parallel_min_batch_per_chip(v5p, axes_spanned=3) == pytest.approx(850, rel=1e-3)
     assert tensor_parallel_max_ways(v5p, mlp=32768) == pytest.approx(12.85, rel=1e-2)  # "8-16 way"
-    assert fsdp_tp_min_batch_per_chip(v5p, mlp=32768, fsdp_axes=2, tp_axes=1) == pytest.approx(397, rel=1e-2)  # "roughly 400"
+    assert fsdp_tp_min_batch_per_chip(v5p, mlp=32768, fsdp_axes=2, tp_axes=1) == pytest.approx(
+        397, rel=1e-2
+    )  # "roughly 400"
     assert fsdp_tp_optimal_fsdp_ways(batch_tokens=2**20, mlp=2**15, chips=64) == pytest.approx(math.sqrt(32 * 64))
 
 
@@ -305,7 +314,9 @@ def test_overlap_hides_the_smaller_of_compute_and_communication():
     step = overlap_time(0.100, 0.040)  # the quick-reference's example: 100 ms compute, 40 ms communication
     assert (step.serial_s, step.overlapped_s) == pytest.approx((0.140, 0.100))
     assert step.hidden_s == pytest.approx(0.040) and step.exposed_s == 0
-    assert overlap_time(0.040, 0.100).exposed_s == pytest.approx(0.060)  # communication-bound: overlap cannot hide it all
+    assert overlap_time(0.040, 0.100).exposed_s == pytest.approx(
+        0.060
+    )  # communication-bound: overlap cannot hide it all
 
 
 def test_collective_matmul_hides_all_but_one_block_when_compute_covers_each_transfer():
@@ -409,7 +420,9 @@ def test_switch_aux_loss_is_alpha_when_balanced_and_alpha_n_when_collapsed():
 
 
 def test_dropped_share_counts_overflow_per_expert():
-    assert dropped_share([30, 10, 0, 0], capacity=12) == pytest.approx(18 / 40)  # idle experts do not absorb the overflow
+    assert dropped_share([30, 10, 0, 0], capacity=12) == pytest.approx(
+        18 / 40
+    )  # idle experts do not absorb the overflow
     assert dropped_share([10, 10, 10, 10], capacity=10) == 0.0
     with pytest.raises(LabError, match="positive load"):
         dropped_share([0, 0], capacity=4)
@@ -418,7 +431,9 @@ def test_dropped_share_counts_overflow_per_expert():
 def test_a_hot_expert_with_share_h_needs_capacity_factor_h_times_e():
     tokens, experts = 4096, 64
     assert capacity_factor_to_drop_nothing(0.25 * tokens, tokens, experts, 1) == pytest.approx(0.25 * 64)
-    assert expert_capacity(tokens, experts, 1, capacity_factor_to_drop_nothing(0.25 * tokens, tokens, experts, 1)) == 1024
+    assert (
+        expert_capacity(tokens, experts, 1, capacity_factor_to_drop_nothing(0.25 * tokens, tokens, experts, 1)) == 1024
+    )
 
 
 # --- activation memory under tensor and sequence parallelism -------------------
@@ -431,15 +446,21 @@ def test_activation_memory_matches_korthikanti_formulas():
     sbh = s * b * h
     assert activation_bytes_per_layer(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
     assert activation_bytes_per_layer(s, b, h, a, 8) == pytest.approx(sbh * (10 + 24 / 8 + 5 * a * s / (h * 8)))
-    assert activation_bytes_per_layer(s, b, h, a, 8, sequence_parallel=True) == pytest.approx(sbh * (34 + 5 * a * s / h) / 8)
+    assert activation_bytes_per_layer(s, b, h, a, 8, sequence_parallel=True) == pytest.approx(
+        sbh * (34 + 5 * a * s / h) / 8
+    )
     assert activation_bytes_per_layer(s, b, h, a, 1, sequence_parallel=True) == activation_bytes_per_layer(s, b, h, a)
 
 
 def test_activation_memory_without_dropout_drops_masks():
     from lab.theory import activation_bytes_per_layer
 
-    assert activation_bytes_per_layer(16, 2, 64, 4, dropout=False) == pytest.approx(16 * 2 * 64 * (32 + 2 * 4 * 16 / 64))
-    assert activation_bytes_per_layer(16, 2, 64, 4, 4, dropout=False) == pytest.approx(16 * 2 * 64 * (8 + 6 + 2 * 4 * 16 / 256))
+    assert activation_bytes_per_layer(16, 2, 64, 4, dropout=False) == pytest.approx(
+        16 * 2 * 64 * (32 + 2 * 4 * 16 / 64)
+    )
+    assert activation_bytes_per_layer(16, 2, 64, 4, 4, dropout=False) == pytest.approx(
+        16 * 2 * 64 * (8 + 6 + 2 * 4 * 16 / 256)
+    )
     with pytest.raises(LabError, match="positive sizes"):
         activation_bytes_per_layer(16, 2, 64, 4, 0)
 
@@ -462,7 +483,9 @@ def test_megatron_bubble_ratio_and_interleaving():
     assert pipeline_theory.pipeline_bubble_ratio(8, 32) == pytest.approx(7 / 32)
     assert pipeline_theory.pipeline_bubble_ratio(8, 32, chunks=2) == pytest.approx(7 / 64)
     ratio = pipeline_theory.pipeline_bubble_ratio(4, 8, 2)
-    assert pipeline_theory.pipeline_bubble_fraction(4, 8, 2) == pytest.approx(ratio / (1 + ratio))  # bubble / (ideal + bubble)
+    assert pipeline_theory.pipeline_bubble_fraction(4, 8, 2) == pytest.approx(
+        ratio / (1 + ratio)
+    )  # bubble / (ideal + bubble)
     assert pipeline_theory.pipeline_step_time(4, 8, 1.0, 2.0) == pytest.approx(11 * 3)
     assert pipeline_theory.pipeline_step_time(4, 8, 1.0, 2.0, chunks=2) == pytest.approx((8 + 1.5) * 3)
 
@@ -478,7 +501,9 @@ def test_zero_bubble_h1_keeps_a_third_of_the_1f1b_bubble():
 
 
 def test_imbalanced_stages_set_the_pace():
-    assert pipeline_theory.imbalanced_step_time([1.0] * 4, [2.0] * 4, 8) == pytest.approx(pipeline_theory.pipeline_step_time(4, 8, 1.0, 2.0))
+    assert pipeline_theory.imbalanced_step_time([1.0] * 4, [2.0] * 4, 8) == pytest.approx(
+        pipeline_theory.pipeline_step_time(4, 8, 1.0, 2.0)
+    )
     # the quick-reference's follow-up: stage 0 takes 2 s, stage 1 takes 1 s, forward and backward alike
     assert pipeline_theory.imbalanced_step_time([2.0, 1.0], [2.0, 1.0], 8) == pytest.approx(6 + 7 * 4)
     with pytest.raises(LabError, match="one backward time per stage"):

@@ -8,7 +8,7 @@ import pytest
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import preset
-from lab.train import TrainConfig, Trainer
+from lab.training.step import TrainConfig, Trainer
 
 STEPS, BATCH = 3, 16
 # Adam divides by |g| + eps: with eps = 1e-8 a gradient near 1e-8 turns a 1e-9 difference in summation
@@ -48,9 +48,13 @@ def single_device():
         ("zero3-keep", "fsdp=8", 1),
     ],
 )
-def test_each_strategy_matches_single_device_training_step_by_step(single_device, devices, strategy, mesh, micro_batches):
+def test_each_strategy_matches_single_device_training_step_by_step(
+    single_device, devices, strategy, mesh, micro_batches
+):
     start, reference_losses, reference_params = single_device
-    _, losses, params = _trajectory(MeshSpec.parse(mesh).build(devices), start, strategy=strategy, micro_batches=micro_batches)
+    _, losses, params = _trajectory(
+        MeshSpec.parse(mesh).build(devices), start, strategy=strategy, micro_batches=micro_batches
+    )
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-5)
     for step, (got, want) in enumerate(zip(params, reference_params)):
         for a, b in zip(got, want):
@@ -58,10 +62,16 @@ def test_each_strategy_matches_single_device_training_step_by_step(single_device
 
 
 def test_mixed_precision_keeps_bf16_weights_and_sharded_fp32_master_weights(devices):
-    trainer = Trainer(preset("tiny"), TrainConfig(strategy="zero1", param_dtype="bfloat16", compute_dtype="bfloat16", learning_rate=1e-2), MeshSpec.parse("fsdp=8").build(devices))
+    trainer = Trainer(
+        preset("tiny"),
+        TrainConfig(strategy="zero1", param_dtype="bfloat16", compute_dtype="bfloat16", learning_rate=1e-2),
+        MeshSpec.parse("fsdp=8").build(devices),
+    )
     state, batch = trainer.init(), trainer.batch(BATCH)
     w_in, master_w_in = state.params["blocks"]["mlp"]["w_in"][...], state.master["blocks"]["mlp"]["w_in"][...]
-    assert w_in.dtype == jnp.bfloat16 and w_in.sharding.spec == jax.sharding.PartitionSpec(None, None, None, reduced={"fsdp"})
+    assert w_in.dtype == jnp.bfloat16 and w_in.sharding.spec == jax.sharding.PartitionSpec(
+        None, None, None, reduced={"fsdp"}
+    )
     assert master_w_in.dtype == jnp.float32 and master_w_in.sharding.spec[1] == "fsdp"
     losses = []
     for _ in range(3):
@@ -73,7 +83,11 @@ def test_mixed_precision_keeps_bf16_weights_and_sharded_fp32_master_weights(devi
 def test_bad_input_is_one_clear_error(devices):
     mesh = MeshSpec.parse("data=2,fsdp=4").build(devices)
     trainer = Trainer(preset("tiny"), TrainConfig(strategy="ddp", micro_batches=2), mesh)
-    with pytest.raises(LabError, match=r"global batch 8 is not divisible by the data axes \(data=2,fsdp=4\) times 2 micro-batches; use a multiple of 16"):
+    with pytest.raises(
+        LabError,
+        match=r"global batch 8 is not divisible by the data axes \(data=2,fsdp=4\) "
+        r"times 2 micro-batches; use a multiple of 16",
+    ):
         trainer.batch(8)
     with pytest.raises(LabError, match="unknown strategy 'zero9'"):
         Trainer(preset("tiny"), TrainConfig(strategy="zero9"), mesh)
@@ -82,6 +96,12 @@ def test_bad_input_is_one_clear_error(devices):
     with pytest.raises(LabError, match="unknown remat policy 'some'"):
         Trainer(preset("tiny"), TrainConfig(remat="some"), mesh)
     with pytest.raises(LabError, match=r"parameter .* is not divisible by mesh axis fsdp=8"):
-        Trainer(preset("tiny").__class__(embed=60, heads=4, head_dim=16), TrainConfig(strategy="zero3"), MeshSpec.parse("fsdp=8").build(devices))
+        Trainer(
+            preset("tiny").__class__(embed=60, heads=4, head_dim=16),
+            TrainConfig(strategy="zero3"),
+            MeshSpec.parse("fsdp=8").build(devices),
+        )
     with pytest.raises(LabError, match="leaves .* of parameter bytes unsharded"):
-        Trainer(preset("tiny"), TrainConfig(strategy="zero3", persist_below=10**9), MeshSpec.parse("fsdp=8").build(devices))
+        Trainer(
+            preset("tiny"), TrainConfig(strategy="zero3", persist_below=10**9), MeshSpec.parse("fsdp=8").build(devices)
+        )

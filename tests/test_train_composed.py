@@ -15,10 +15,13 @@ import pytest
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
-from lab.train import TrainConfig, Trainer
+from lab.training.step import TrainConfig, Trainer
 
 STEPS, BATCH = 3, 16
-OPTIMIZER = {"learning_rate": 1e-2, "adam_eps": 1e-4}  # a larger eps keeps the comparison about sharding (see test_train)
+OPTIMIZER = {
+    "learning_rate": 1e-2,
+    "adam_eps": 1e-4,
+}  # a larger eps keeps the comparison about sharding (see test_train)
 MOE = replace(preset("tiny-moe"), capacity_factor=None)  # every sequence's buffers hold it whole: nothing is dropped
 MOE_METRICS = ("balance_loss", "expert_load_max_over_mean", "dropped_fraction")
 
@@ -46,7 +49,9 @@ def moe_control():
 
 @pytest.fixture(scope="module")
 def tensor_run(dense_control, devices):
-    return _run(preset("tiny"), MeshSpec.parse("data=2,fsdp=2,tensor=2").build(devices), dense_control[1], strategy="zero3")
+    return _run(
+        preset("tiny"), MeshSpec.parse("data=2,fsdp=2,tensor=2").build(devices), dense_control[1], strategy="zero3"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,13 @@ def test_tensor_layout_all_reduces_each_row_parallel_output_over_tensor(tensor_r
     program = trainer.inspect_step(BATCH, to_read=True)
     over_tensor = [c for c in program.collectives if c.axes == ("tensor",) and "forward_backward" in (c.op_name or "")]
     assert {c.kind for c in over_tensor} == {"all-reduce"}
-    forward = {scope for c in over_tensor if "transpose" not in c.op_name for scope in ("attention", "mlp") if f"/{scope}/" in c.op_name}
+    forward = {
+        scope
+        for c in over_tensor
+        if "transpose" not in c.op_name
+        for scope in ("attention", "mlp")
+        if f"/{scope}/" in c.op_name
+    }
     assert forward == {"attention", "mlp"}  # Megatron: one all-reduce per sub-layer in the forward pass...
     assert all(c.repeats == trainer.model.layers for c in over_tensor)  # ...in every layer
     weight_gathers = {c.axes for c in program.collectives if c.kind == "all-gather"}
@@ -98,7 +109,9 @@ def test_tensor_layout_all_reduces_each_row_parallel_output_over_tensor(tensor_r
 def test_moe_with_expert_parallelism_matches_one_device(moe_control, expert_run):
     assert _losses(expert_run[2]) == pytest.approx(_losses(moe_control[2]), rel=1e-5)
     for got, want in zip(expert_run[2], moe_control[2]):
-        assert set(got) == {"loss", "grad_norm", *MOE_METRICS} and got["dropped_fraction"] == want["dropped_fraction"] == 0
+        assert (
+            set(got) == {"loss", "grad_norm", *MOE_METRICS} and got["dropped_fraction"] == want["dropped_fraction"] == 0
+        )
         assert [got[m] for m in MOE_METRICS] == pytest.approx([want[m] for m in MOE_METRICS], rel=1e-5)
         assert got["expert_load_max_over_mean"] >= 1
 
@@ -111,10 +124,16 @@ def test_moe_with_expert_parallelism_matches_one_device(moe_control, expert_run)
     ],
 )
 def test_other_moe_layouts_match_one_device(moe_control, devices, mesh, strategy, micro_batches, w_in_split):
-    _, _, history, state = _run(MOE, MeshSpec.parse(mesh).build(devices), moe_control[1], strategy=strategy, micro_batches=micro_batches)
+    _, _, history, state = _run(
+        MOE, MeshSpec.parse(mesh).build(devices), moe_control[1], strategy=strategy, micro_batches=micro_batches
+    )
     np.testing.assert_allclose(_losses(history), _losses(moe_control[2]), rtol=1e-5)
-    np.testing.assert_allclose([h["balance_loss"] for h in history], [h["balance_loss"] for h in moe_control[2]], rtol=1e-5)
-    assert state.params["blocks"]["moe"]["w_in"][...].sharding.spec.partitions[1:] == w_in_split  # [experts, embed, mlp]
+    np.testing.assert_allclose(
+        [h["balance_loss"] for h in history], [h["balance_loss"] for h in moe_control[2]], rtol=1e-5
+    )
+    assert (
+        state.params["blocks"]["moe"]["w_in"][...].sharding.spec.partitions[1:] == w_in_split
+    )  # [experts, embed, mlp]
 
 
 def test_expert_layout_dispatches_and_combines_with_all_to_alls_over_expert(expert_run):
@@ -128,7 +147,9 @@ def test_expert_layout_dispatches_and_combines_with_all_to_alls_over_expert(expe
 
 def test_idle_axes_are_those_nothing_splits(devices):
     def idle(mesh):
-        return Trainer(preset("tiny"), TrainConfig(strategy="zero3"), MeshSpec.parse(mesh).build(devices)).layout.idle_axes
+        return Trainer(
+            preset("tiny"), TrainConfig(strategy="zero3"), MeshSpec.parse(mesh).build(devices)
+        ).layout.idle_axes
 
     assert idle("stage=2,fsdp=2,tensor=2") == ()  # stage pipelines the blocks' layers
     assert idle("data=2,fsdp=2,tensor=2") == ()
@@ -139,26 +160,40 @@ def test_axes_that_do_not_divide_the_model_are_one_clear_error(devices):
     def trainer(model, mesh):
         return Trainer(model, TrainConfig(strategy="zero3"), MeshSpec.parse(mesh).build(devices))
 
-    with pytest.raises(LabError, match=r"parameter blocks/attention/\w+ dimension 2 \(size 4\) is not divisible by mesh axis tensor=8"):
+    with pytest.raises(
+        LabError, match=r"parameter blocks/attention/\w+ dimension 2 \(size 4\) is not divisible by mesh axis tensor=8"
+    ):
         trainer(preset("tiny"), "tensor=8")
-    with pytest.raises(LabError, match=r"parameter blocks/mlp/w_in dimension 2 \(size 250\) is not divisible by mesh axis tensor=4"):
+    with pytest.raises(
+        LabError, match=r"parameter blocks/mlp/w_in dimension 2 \(size 250\) is not divisible by mesh axis tensor=4"
+    ):
         trainer(replace(preset("tiny"), mlp=250), "fsdp=2,tensor=4")
-    with pytest.raises(LabError, match=r"parameter blocks/moe/w_\w+ dimension 1 \(size 6\) is not divisible by mesh axis expert=4"):
+    with pytest.raises(
+        LabError, match=r"parameter blocks/moe/w_\w+ dimension 1 \(size 6\) is not divisible by mesh axis expert=4"
+    ):
         trainer(replace(preset("tiny-moe"), experts=6), "expert=4,fsdp=2")
-    with pytest.raises(LabError, match=r"^2 layers cannot be cut into stage=4 pipeline stages; use a stage axis that divides 2$"):
+    with pytest.raises(
+        LabError, match=r"^2 layers cannot be cut into stage=4 pipeline stages; use a stage axis that divides 2$"
+    ):
         trainer(preset("tiny"), "stage=4,fsdp=2")
     with pytest.raises(LabError, match=r"global batch 12 is not divisible by the data axes \(fsdp=2,expert=4\)"):
         trainer(preset("tiny-moe"), "expert=4,fsdp=2").batch(12)
 
 
-# --- GPipe over stage (lab.parallel.pipeline_spmd) ---------------------------------------------------------------------
+# --- GPipe over stage (lab.parallel.pipeline.spmd) ---------------------------------------------------------------------
 
 DEEP = replace(preset("tiny"), layers=4)  # four stages need four layers
 
 
 @pytest.fixture(scope="module")
 def pipeline_run(dense_control, devices):
-    return _run(preset("tiny"), MeshSpec.parse("stage=2,fsdp=2,tensor=2").build(devices), dense_control[1], strategy="zero3", micro_batches=4)
+    return _run(
+        preset("tiny"),
+        MeshSpec.parse("stage=2,fsdp=2,tensor=2").build(devices),
+        dense_control[1],
+        strategy="zero3",
+        micro_batches=4,
+    )
 
 
 @pytest.mark.parametrize(
@@ -175,24 +210,39 @@ def test_pipelines_over_stage_match_one_device(dense_control, devices, model, me
         model_config = DEEP
     else:
         control, model_config = dense_control, preset("tiny")
-    _, _, history, _ = _run(model_config, MeshSpec.parse(mesh).build(devices), control[1], strategy=strategy, micro_batches=micro_batches)
+    _, _, history, _ = _run(
+        model_config, MeshSpec.parse(mesh).build(devices), control[1], strategy=strategy, micro_batches=micro_batches
+    )
     np.testing.assert_allclose(_losses(history), _losses(control[2]), rtol=1e-5)
     np.testing.assert_allclose([h["grad_norm"] for h in history], [h["grad_norm"] for h in control[2]], rtol=1e-5)
 
 
-def test_pipeline_with_tensor_parallelism_matches_one_device_and_stores_layers_split_over_stage(dense_control, pipeline_run):
+def test_pipeline_with_tensor_parallelism_matches_one_device_and_stores_layers_split_over_stage(
+    dense_control, pipeline_run
+):
     np.testing.assert_allclose(_losses(pipeline_run[2]), _losses(dense_control[2]), rtol=1e-5)
     for got, want in zip(jax.tree.leaves(pipeline_run[3].params), jax.tree.leaves(dense_control[3].params)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
     w_in = pipeline_run[3].params["blocks"]["mlp"]["w_in"][...]
-    assert w_in.shape == (2, 64, 256) and w_in.sharding.spec.partitions == ("stage", "fsdp", "tensor")  # [layers, embed, mlp]
-    assert pipeline_run[3].params["embedding"][...].sharding.spec.partitions == (None, "fsdp")  # outside the blocks: whole on each stage
+    assert w_in.shape == (2, 64, 256) and w_in.sharding.spec.partitions == (
+        "stage",
+        "fsdp",
+        "tensor",
+    )  # [layers, embed, mlp]
+    assert pipeline_run[3].params["embedding"][...].sharding.spec.partitions == (
+        None,
+        "fsdp",
+    )  # outside the blocks: whole on each stage
 
 
 def test_moe_pipelines_over_stage_with_expert_parallelism(moe_control, devices):
-    _, _, history, _ = _run(MOE, MeshSpec.parse("stage=2,expert=2,fsdp=2").build(devices), moe_control[1], strategy="zero3", micro_batches=2)
+    _, _, history, _ = _run(
+        MOE, MeshSpec.parse("stage=2,expert=2,fsdp=2").build(devices), moe_control[1], strategy="zero3", micro_batches=2
+    )
     np.testing.assert_allclose(_losses(history), _losses(moe_control[2]), rtol=1e-5)
-    for got, want in zip(history, moe_control[2]):  # bubble ticks route zeros: their counts and balancing loss must not count
+    for got, want in zip(
+        history, moe_control[2]
+    ):  # bubble ticks route zeros: their counts and balancing loss must not count
         assert [got[m] for m in MOE_METRICS] == pytest.approx([want[m] for m in MOE_METRICS], rel=1e-5)
 
 
@@ -203,7 +253,10 @@ def test_pipeline_shifts_one_activation_per_tick_with_collective_permutes_over_s
     assert {c.axes for c in permutes} == {("stage",)}
     stages, micro_batches = 2, trainer.config.micro_batches
     ticks = micro_batches + stages - 1
-    assert sorted(c.repeats for c in permutes) == [ticks, ticks]  # one in the forward loop, its transpose in the backward
+    assert sorted(c.repeats for c in permutes) == [
+        ticks,
+        ticks,
+    ]  # one in the forward loop, its transpose in the backward
     micro_batch_per_device = BATCH // micro_batches // 2  # the micro-batch is split over fsdp=2
     activation_bytes = micro_batch_per_device * trainer.model.seq * trainer.model.embed * 4
     assert all(c.operand_bytes == activation_bytes for c in permutes)
@@ -212,7 +265,7 @@ def test_pipeline_shifts_one_activation_per_tick_with_collective_permutes_over_s
 
 
 def test_a_pipelined_checkpoint_restores_onto_a_mesh_without_stages(pipeline_run, devices, tmp_path):
-    from lab.checkpoint import CheckpointPolicy, Checkpoints
+    from lab.training.checkpoint import CheckpointPolicy, Checkpoints
 
     checkpoints = Checkpoints(CheckpointPolicy(tmp_path))
     assert checkpoints.save(3, pipeline_run[3], force=True)
@@ -221,4 +274,6 @@ def test_a_pipelined_checkpoint_restores_onto_a_mesh_without_stages(pipeline_run
     _, restored = checkpoints.restore(flat.abstract_state())
     checkpoints.close()
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(pipeline_run[3])):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # stored [L, ...]: the same shapes on any stage count
+        np.testing.assert_array_equal(
+            np.asarray(got), np.asarray(want)
+        )  # stored [L, ...]: the same shapes on any stage count

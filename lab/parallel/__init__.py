@@ -4,5 +4,5 @@
 driven by the rules tables of `lab.rules`.
 """
 
-from lab.parallel.fsdp import REMAT_POLICIES as REMAT_POLICIES
-from lab.parallel.fsdp import Layout as Layout
+from lab.parallel.layout import REMAT_POLICIES as REMAT_POLICIES
+from lab.parallel.layout import Layout as Layout

@@ -1,6 +1,6 @@
 """Mixture of experts with expert parallelism: dispatch and combine as all-to-alls.
 
-An MoE layer replaces the MLP with E expert MLPs and a router (`lab.parallel.routing`).
+An MoE layer replaces the MLP with E expert MLPs and a router (`lab.moe`).
 Expert parallelism (GShard, Lepikhin et al. 2020, arXiv:2006.16668) puts E/N
 experts on each of the N devices of the ``expert`` mesh axis while the tokens
 stay split over every batch axis. Each device routes its own tokens (one
@@ -43,13 +43,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
-from lab.parallel.routing import (
+from lab.moe import (
     NO_BALANCING,
     Balance,
     LoadCounts,
     RouterConfig,
     Routing,
     balance_loss,
+    combine,
+    dispatch,
     load_counts,
     route,
 )
@@ -100,20 +102,15 @@ def expert_mlp(x_ECD: jax.Array, w_in_EDF: jax.Array, w_out_EFD: jax.Array) -> j
     return jnp.einsum("ecf,efd->ecd", jax.nn.gelu(jnp.einsum("ecd,edf->ecf", x_ECD, w_in_EDF)), w_out_EFD)
 
 
-def dispatch(x_TD: jax.Array, routing: Routing, experts: int) -> jax.Array:
-    """Scatter each kept (token, choice) into its expert's slot: the buffer x_ECD, zeros where unused."""
-    buffer_ECD = jnp.zeros((experts, routing.capacity, x_TD.shape[-1]), x_TD.dtype)
-    copies_TKD = jnp.broadcast_to(x_TD[:, None, :], (*routing.expert_TK.shape, x_TD.shape[-1]))
-    return buffer_ECD.at[routing.expert_TK, routing.slot_TK].set(copies_TKD, mode="drop")  # slot C is out of range: dropped
-
-
-def combine(y_ECD: jax.Array, routing: Routing) -> jax.Array:
-    """Each token's gate-weighted sum of its experts' outputs (a dropped choice reads zeros)."""
-    y_TKD = y_ECD.at[routing.expert_TK, routing.slot_TK].get(mode="fill", fill_value=0)
-    return jnp.einsum("tk,tkd->td", routing.gate_TK.astype(y_TKD.dtype), y_TKD)
-
-
-def moe_local(params: ExpertParams, x_TD: jax.Array, config: MoEConfig, balance: Balance = NO_BALANCING, *, bias_E=None, noise_key=None) -> MoEOutput:
+def moe_local(
+    params: ExpertParams,
+    x_TD: jax.Array,
+    config: MoEConfig,
+    balance: Balance = NO_BALANCING,
+    *,
+    bias_E=None,
+    noise_key=None,
+) -> MoEOutput:
     """The layer on one device and one group: route, dispatch, experts, combine."""
     routing = route(x_TD @ params.router_DE, config.router, bias_E=bias_E, noise_key=noise_key)
     y_ECD = expert_mlp(dispatch(x_TD, routing, config.router.experts), params.w_in_EDF, params.w_out_EFD)
@@ -130,7 +127,9 @@ def moe_reference(params: ExpertParams, x_TD: jax.Array, config: MoEConfig, grou
     tokens, d = x_TD.shape
     x_GSD = x_TD.reshape(groups, tokens // groups, d)
     routing = jax.vmap(lambda x_SD: route(x_SD @ params.router_DE, config.router))(x_GSD)
-    all_GSED = jnp.einsum("gsef,efd->gsed", jax.nn.gelu(jnp.einsum("gsd,edf->gsef", x_GSD, params.w_in_EDF)), params.w_out_EFD)
+    all_GSED = jnp.einsum(
+        "gsef,efd->gsed", jax.nn.gelu(jnp.einsum("gsd,edf->gsef", x_GSD, params.w_in_EDF)), params.w_out_EFD
+    )
     chosen_GSKD = jnp.take_along_axis(all_GSED, routing.expert_TK[..., None], axis=2)
     weight_GSK = routing.gate_TK * routing.kept_TK
     return jnp.einsum("gsk,gskd->gsd", weight_GSK, chosen_GSKD).reshape(tokens, d)
@@ -158,10 +157,15 @@ class ShardedMoE:
 
     def check_tokens(self, tokens: int) -> None:
         if tokens % self.groups:
-            raise LabError(f"{tokens} tokens do not split into {self.groups} groups (data x fsdp x expert); use a multiple of {self.groups}")
+            raise LabError(
+                f"{tokens} tokens do not split into {self.groups} groups (data "
+                f"x fsdp x expert); use a multiple of {self.groups}"
+            )
 
     def shardings(self) -> tuple[ExpertParams, NamedSharding]:
-        params = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.param_specs, is_leaf=lambda s: isinstance(s, P))
+        params = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec), self.param_specs, is_leaf=lambda s: isinstance(s, P)
+        )
         return params, NamedSharding(self.mesh, P(TOKEN_AXES))
 
     def place(self, params: ExpertParams, x_TD: jax.Array) -> tuple[ExpertParams, jax.Array]:
@@ -174,17 +178,28 @@ class ShardedMoE:
         self.check_tokens(tokens)
         c, (param_shardings, token_sharding) = self.config, self.shardings()
         replicated = NamedSharding(self.mesh, P())
-        shapes = ExpertParams((c.d_model, c.router.experts), (c.router.experts, c.d_model, c.d_ff), (c.router.experts, c.d_ff, c.d_model))
-        params = jax.tree.map(lambda shape, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s), shapes, param_shardings, is_leaf=lambda s: isinstance(s, tuple))
+        shapes = ExpertParams(
+            (c.d_model, c.router.experts), (c.router.experts, c.d_model, c.d_ff), (c.router.experts, c.d_ff, c.d_model)
+        )
+        params = jax.tree.map(
+            lambda shape, s: jax.ShapeDtypeStruct(shape, dtype, sharding=s),
+            shapes,
+            param_shardings,
+            is_leaf=lambda s: isinstance(s, tuple),
+        )
         balance = jax.tree.map(lambda _: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated), Balance())
         bias = jax.ShapeDtypeStruct((c.router.experts,), jnp.float32, sharding=replicated)
         return params, jax.ShapeDtypeStruct((tokens, c.d_model), dtype, sharding=token_sharding), balance, bias
 
-    def __call__(self, params: ExpertParams, x_TD: jax.Array, balance: Balance = NO_BALANCING, bias_E: jax.Array | None = None) -> MoEOutput:
+    def __call__(
+        self, params: ExpertParams, x_TD: jax.Array, balance: Balance = NO_BALANCING, bias_E: jax.Array | None = None
+    ) -> MoEOutput:
         # strongly typed f32 scalars, as in `abstract`: one compiled program serves both (and every value of the coefficients)
         replicated = NamedSharding(self.mesh, P())
         balance = jax.device_put(jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), balance), replicated)
-        bias_E = jax.device_put(jnp.zeros(self.config.router.experts, jnp.float32) if bias_E is None else bias_E, replicated)
+        bias_E = jax.device_put(
+            jnp.zeros(self.config.router.experts, jnp.float32) if bias_E is None else bias_E, replicated
+        )
         return self.fn(params, x_TD, balance, bias_E)
 
 
@@ -208,7 +223,9 @@ def expert_parallel(mesh: Mesh, config: MoEConfig) -> ShardedMoE:
         counts = jax.tree.map(lambda c: jax.lax.psum(c, TOKEN_AXES), load_counts(routing))
         return MoEOutput(combine(y_ECD, routing), loss, counts)
 
-    sharded = jax.shard_map(layer, mesh=mesh, in_specs=(specs, P(TOKEN_AXES), P(), P()), out_specs=MoEOutput(P(TOKEN_AXES), P(), P()))
+    sharded = jax.shard_map(
+        layer, mesh=mesh, in_specs=(specs, P(TOKEN_AXES), P(), P()), out_specs=MoEOutput(P(TOKEN_AXES), P(), P())
+    )
     return ShardedMoE(jax.jit(sharded), mesh, config, specs)
 
 
@@ -216,7 +233,9 @@ def _whole_experts(params: ExpertParams, fsdp: int) -> tuple[jax.Array, jax.Arra
     """FSDP: gather this device's experts whole just before use (skipped on a size-1 axis, which XLA would keep as a no-op all-gather)."""
     if fsdp == 1:
         return params.w_in_EDF, params.w_out_EFD
-    return jax.lax.all_gather(params.w_in_EDF, "fsdp", axis=2, tiled=True), jax.lax.all_gather(params.w_out_EFD, "fsdp", axis=1, tiled=True)
+    return jax.lax.all_gather(params.w_in_EDF, "fsdp", axis=2, tiled=True), jax.lax.all_gather(
+        params.w_out_EFD, "fsdp", axis=1, tiled=True
+    )
 
 
 def gshard(mesh: Mesh, config: MoEConfig, *, annotate_masks: bool = True) -> ShardedMoE:
@@ -233,7 +252,9 @@ def gshard(mesh: Mesh, config: MoEConfig, *, annotate_masks: bool = True) -> Sha
     groups = math.prod(sizes[a] for a in TOKEN_AXES)
     replica_axes = tuple(a for a in TOKEN_AXES if a != "expert")
     by_group, by_expert = NamedSharding(auto, P(TOKEN_AXES)), NamedSharding(auto, P("expert", replica_axes))
-    annotate_mask = (lambda mask: jax.lax.with_sharding_constraint(mask, by_group)) if annotate_masks else (lambda mask: mask)
+    annotate_mask = (
+        (lambda mask: jax.lax.with_sharding_constraint(mask, by_group)) if annotate_masks else (lambda mask: mask)
+    )
     specs = ExpertParams(P(), P("expert"), P("expert"))
 
     def layer(params: ExpertParams, x_TD, balance: Balance, bias_E) -> MoEOutput:
@@ -242,7 +263,9 @@ def gshard(mesh: Mesh, config: MoEConfig, *, annotate_masks: bool = True) -> Sha
         dispatch_GSEC = annotate_mask(_dense_dispatch(routing, config.router.experts))
         combine_GSEC = annotate_mask(dispatch_GSEC * _dense_gates(routing, config.router.experts))
         x_EGCD = jax.lax.with_sharding_constraint(jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_GSD), by_expert)
-        y_EGCD = jnp.einsum("egcf,efd->egcd", jax.nn.gelu(jnp.einsum("egcd,edf->egcf", x_EGCD, params.w_in_EDF)), params.w_out_EFD)
+        y_EGCD = jnp.einsum(
+            "egcf,efd->egcd", jax.nn.gelu(jnp.einsum("egcd,edf->egcf", x_EGCD, params.w_in_EDF)), params.w_out_EFD
+        )
         y_EGCD = jax.lax.with_sharding_constraint(y_EGCD, by_expert)
         y_GSD = jax.lax.with_sharding_constraint(jnp.einsum("gsec,egcd->gsd", combine_GSEC, y_EGCD), by_group)
         per_group = jax.vmap(balance_loss, in_axes=(0, None))(routing, balance)
@@ -270,9 +293,18 @@ def _check_mesh(mesh: Mesh, config: MoEConfig) -> dict[str, int]:
     sizes = dict(mesh.shape)
     missing = [a for a in TOKEN_AXES if a not in sizes]
     if missing:
-        raise LabError(f"the mesh has no {missing[0]!r} axis; build it with lab.mesh.MeshSpec, which carries all five axes")
+        raise LabError(
+            f"the mesh has no {missing[0]!r} axis; build it with lab.mesh.MeshSpec, which carries all five axes"
+        )
     if config.router.noise_std > 0:
-        raise LabError("noisy top-k needs a random key per group: use it with moe_local (training), and noise_std=0 in the sharded layers")
+        raise LabError(
+            "noisy top-k needs a random key per group: use it with moe_local "
+            "(training), and noise_std=0 in the sharded layers"
+        )
     if config.router.experts % sizes["expert"]:
-        raise LabError(f"{config.router.experts} experts are not divisible by the expert axis (size {sizes['expert']}); use a multiple of {sizes['expert']} experts or a smaller expert axis")
+        raise LabError(
+            f"{config.router.experts} experts are not divisible by the expert "
+            f"axis (size {sizes['expert']}); use a multiple of {sizes['expert']} "
+            "experts or a smaller expert axis"
+        )
     return sizes

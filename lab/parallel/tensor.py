@@ -62,7 +62,11 @@ def check_divisible(config: ModelConfig, tensor: int, sequence_parallel: bool) -
         dims["seq"] = config.seq
     for name, size in dims.items():
         if size % tensor:
-            raise LabError(f"{name}={size} is not divisible by mesh axis tensor={tensor}; choose a {name.split()[0]} size divisible by {tensor} or a smaller tensor axis")
+            raise LabError(
+                f"{name}={size} is not divisible by mesh axis tensor={tensor}; "
+                f"choose a {name.split()[0]} size divisible by {tensor} or a "
+                "smaller tensor axis"
+            )
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,10 @@ class TensorParallel:
         sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
         busy = [a for a, n in sizes.items() if n > 1 and a not in ("data", AXIS)]
         if busy:
-            raise LabError(f"tensor parallelism here uses only the data and tensor mesh axes, but {busy[0]}={sizes[busy[0]]}; set it to 1")
+            raise LabError(
+                "tensor parallelism here uses only the data and tensor mesh "
+                f"axes, but {busy[0]}={sizes[busy[0]]}; set it to 1"
+            )
         check_divisible(self.model, sizes[AXIS], self.sequence_parallel)
 
     @property
@@ -92,11 +99,15 @@ class TensorParallel:
     def param_specs(self) -> dict:
         """PartitionSpecs of the parameters (a pure dict shaped like the model's State), from `TP_RULES`."""
         _, abstract = abstract_model(self.model)
-        specs = jax.tree.map(lambda v: v.replace(TP_RULES.spec(logical_axes(v))), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        specs = jax.tree.map(
+            lambda v: v.replace(TP_RULES.spec(logical_axes(v))), abstract, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
         return nnx.to_pure_dict(specs)
 
     def param_shardings(self) -> dict:
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.param_specs(), is_leaf=lambda x: isinstance(x, P))
+        return jax.tree.map(
+            lambda s: NamedSharding(self.mesh, s), self.param_specs(), is_leaf=lambda x: isinstance(x, P)
+        )
 
     def batch_sharding(self) -> NamedSharding:
         return NamedSharding(self.mesh, P("data", None))
@@ -108,12 +119,16 @@ class TensorParallel:
     def abstract_params(self, dtype=jnp.float32) -> dict:
         """The parameters as ShapeDtypeStructs in the TP layout (to compile without allocating)."""
         shapes = jax.eval_shape(lambda: nnx.to_pure_dict(init_params(self.model)))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), shapes, self.param_shardings())
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s), shapes, self.param_shardings()
+        )
 
     def check_batch(self, global_batch: int) -> None:
         data = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))["data"]
         if global_batch % data:
-            raise LabError(f"global batch {global_batch} is not divisible by mesh axis data={data}; use a multiple of {data}")
+            raise LabError(
+                f"global batch {global_batch} is not divisible by mesh axis data={data}; use a multiple of {data}"
+            )
 
     def abstract_batch(self, global_batch: int) -> jax.ShapeDtypeStruct:
         self.check_batch(global_batch)
@@ -122,7 +137,9 @@ class TensorParallel:
     def batch(self, global_batch: int, seed: int = 0) -> jax.Array:
         """Random tokens [B, S+1] (inputs and next-token targets), the batch split over ``data``."""
         self.check_batch(global_batch)
-        tokens = np.random.default_rng(seed).integers(0, self.model.vocab, (global_batch, self.model.seq + 1), dtype=np.int32)
+        tokens = np.random.default_rng(seed).integers(
+            0, self.model.vocab, (global_batch, self.model.seq + 1), dtype=np.int32
+        )
         return jax.device_put(tokens, self.batch_sharding())
 
     # --- the loss ---------------------------------------------------------------------
@@ -160,8 +177,12 @@ class TensorParallel:
         are among them (the backward's matmuls need them), so their bytes per
         device are taken off.
         """
-        one_block = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dtype, sharding=NamedSharding(self.mesh, P(*a.sharding.spec[1:]))),
-                                 self.abstract_params()["blocks"])
+        one_block = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                a.shape[1:], dtype, sharding=NamedSharding(self.mesh, P(*a.sharding.spec[1:]))
+            ),
+            self.abstract_params()["blocks"],
+        )
         x_BSD = jax.ShapeDtypeStruct((batch, self.model.seq, self.model.embed), dtype, sharding=self.x_sharding())
         block = self.block_function()
         compiled = jax.jit(lambda w, x: jax.vjp(block, w, x)[1]).lower(one_block, x_BSD).compile()
@@ -227,11 +248,17 @@ class _Local:
 
     def block(self, block: dict, x_BSD: jax.Array) -> jax.Array:
         heads, mlp = self.model.heads // self.ways, self.model.mlp // self.ways
-        assert block["attention"]["query"].shape[1] == heads and block["mlp"]["w_in"].shape[1] == mlp, "local weights are not 1/t slices"
+        assert block["attention"]["query"].shape[1] == heads and block["mlp"]["w_in"].shape[1] == mlp, (
+            "local weights are not 1/t slices"
+        )
         h_BSD = self.gather(_norm(x_BSD, block["attention_norm"]["scale"]))
-        x_BSD = x_BSD + self.reduce(jnp.einsum("bshk,hkd->bsd", _heads(h_BSD, block["attention"]), block["attention"]["out"]))
+        x_BSD = x_BSD + self.reduce(
+            jnp.einsum("bshk,hkd->bsd", _heads(h_BSD, block["attention"]), block["attention"]["out"])
+        )
         h_BSD = self.gather(_norm(x_BSD, block["mlp_norm"]["scale"]))
-        return x_BSD + self.reduce(jnp.einsum("bsf,fd->bsd", _gelu_hidden(h_BSD, block["mlp"]["w_in"]), block["mlp"]["w_out"]))
+        return x_BSD + self.reduce(
+            jnp.einsum("bsf,fd->bsd", _gelu_hidden(h_BSD, block["mlp"]["w_in"]), block["mlp"]["w_out"])
+        )
 
     def loss(self, params: dict, inputs_BS: jax.Array, targets_BS: jax.Array) -> jax.Array:
         vocab = self.model.vocab // self.ways
@@ -273,12 +300,16 @@ class _Annotated:
         h_BSD = self.gather(_norm(x_BSD, block["attention_norm"]["scale"]))
         x_BSD = x_BSD + self.row_parallel("bshk,hkd->bsd", _heads(h_BSD, block["attention"]), block["attention"]["out"])
         h_BSD = self.gather(_norm(x_BSD, block["mlp_norm"]["scale"]))
-        return x_BSD + self.row_parallel("bsf,fd->bsd", _gelu_hidden(h_BSD, block["mlp"]["w_in"]), block["mlp"]["w_out"])
+        return x_BSD + self.row_parallel(
+            "bsf,fd->bsd", _gelu_hidden(h_BSD, block["mlp"]["w_in"]), block["mlp"]["w_out"]
+        )
 
     def loss(self, params: dict, inputs_BS: jax.Array, targets_BS: jax.Array) -> jax.Array:
         vocab = params["embedding"].shape[0]
         split_vocab = NamedSharding(self.mesh, P("data", None, AXIS))
-        x_BSD = self.row_parallel("bsv,vd->bsd", jax.reshard(jax.nn.one_hot(inputs_BS, vocab), split_vocab), params["embedding"])
+        x_BSD = self.row_parallel(
+            "bsv,vd->bsd", jax.reshard(jax.nn.one_hot(inputs_BS, vocab), split_vocab), params["embedding"]
+        )
         x_BSD, _ = jax.lax.scan(lambda x, block: (self.block(block, x), None), x_BSD, params["blocks"])
         h_BSD = self.gather(_norm(x_BSD, params["final_norm"]["scale"]))
         logits_BSV = jnp.einsum("bsd,dv->bsv", h_BSD, params["unembed"]).astype(jnp.float32)

@@ -17,7 +17,7 @@ tick is slower (`StageTimes.sharing`), and a bubble tick, where idle stages
 lend their cores to the busy ones, is cheaper than the formula assumes.
 `StageTimes.tick` prices a tick on this host: its slowest action alone, plus
 what each other busy stage added in the calibration; run over a schedule's
-grid (`lab.parallel.pipeline.lockstep_makespan`) it is the shared-host
+grid (`lab.parallel.pipeline.schedules.lockstep_makespan`) it is the shared-host
 estimate that explains what the host measured.
 """
 
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import jax
 
 from lab.bench import Timing
-from lab.parallel.pipeline import BACKWARD, FORWARD, Action, Costs
-from lab.parallel.pipeline_loop import PipelineProgram, Tables, lower_grid
+from lab.parallel.pipeline.loop import PipelineProgram, Tables, lower_grid
+from lab.parallel.pipeline.schedules import BACKWARD, FORWARD, Action, Costs
 
 
 def calibration_grid(stages: int, micro_batches: int, chunks: int, busy: tuple[int, ...], kinds: str = "FB"):
@@ -47,7 +47,11 @@ def calibration_grid(stages: int, micro_batches: int, chunks: int, busy: tuple[i
     computed are meaningless; only the time is.
     """
     work = [Action(FORWARD, i, c) for c in range(chunks) for i in range(micro_batches)] if FORWARD in kinds else []
-    work += [Action(BACKWARD, i, c) for c in reversed(range(chunks)) for i in range(micro_batches)] if BACKWARD in kinds else []
+    work += (
+        [Action(BACKWARD, i, c) for c in reversed(range(chunks)) for i in range(micro_batches)]
+        if BACKWARD in kinds
+        else []
+    )
     return tuple(tuple(work) if device in busy else (None,) * len(work) for device in range(stages))
 
 
@@ -88,7 +92,10 @@ class StageTimes:
             return self.idle
         stages = len(self.forward)
         alone = {FORWARD: self.forward, BACKWARD: self.backward}
-        extra = {FORWARD: self.forward_all - statistics.mean(self.forward), BACKWARD: self.backward_all - statistics.mean(self.backward)}
+        extra = {
+            FORWARD: self.forward_all - statistics.mean(self.forward),
+            BACKWARD: self.backward_all - statistics.mean(self.backward),
+        }
         slowest = max(busy, key=lambda sa: alone[sa[1].kind][sa[0]])
         others = [a for s, a in busy if (s, a) != slowest]
         return alone[slowest[1].kind][slowest[0]] + sum(extra[a.kind] / max(stages - 1, 1) for a in others)
@@ -146,8 +153,14 @@ def ideal_tables(stages: int, micro_batches: int, chunks: int = 1) -> Tables:
 def calibration_tables(stages: int, micro_batches: int, chunks: int = 1) -> dict[str, Tables]:
     """The grids `stage_times` reads, lowered: each stage alone per kind, every stage per kind, none, and no ticks at all."""
     everyone = tuple(range(stages))
-    grids = {f"{kind} on stage {s}": calibration_grid(stages, micro_batches, chunks, (s,), kind) for s in range(stages) for kind in "FB"}
-    grids |= {f"{kind} on every stage": calibration_grid(stages, micro_batches, chunks, everyone, kind) for kind in "FB"}
+    grids = {
+        f"{kind} on stage {s}": calibration_grid(stages, micro_batches, chunks, (s,), kind)
+        for s in range(stages)
+        for kind in "FB"
+    }
+    grids |= {
+        f"{kind} on every stage": calibration_grid(stages, micro_batches, chunks, everyone, kind) for kind in "FB"
+    }
     grids["idle"] = calibration_grid(stages, micro_batches, chunks, (), "F")
     grids["no ticks"] = tuple(() for _ in range(stages))
     return {name: _timing_only(grid, stages, chunks) for name, grid in grids.items()}
@@ -157,10 +170,16 @@ def stage_times(timings: RoundRobin, tables: dict[str, Tables], stages: int) -> 
     """Per-tick times from timed `calibration_tables` (the timings may hold other calls too)."""
     call = timings.timing("no ticks").median
     # on a busy host a median can dip below the empty step's: such a tick cost nothing measurable, not less than nothing
-    per_tick = {name: max(timings.timing(name).median - call, 0.0) / tables[name].ticks for name in tables if tables[name].ticks}
+    per_tick = {
+        name: max(timings.timing(name).median - call, 0.0) / tables[name].ticks for name in tables if tables[name].ticks
+    }
     return StageTimes(
-        tuple(per_tick[f"F on stage {s}"] for s in range(stages)), tuple(per_tick[f"B on stage {s}"] for s in range(stages)),
-        per_tick["idle"], per_tick["F on every stage"], per_tick["B on every stage"], call,
+        tuple(per_tick[f"F on stage {s}"] for s in range(stages)),
+        tuple(per_tick[f"B on stage {s}"] for s in range(stages)),
+        per_tick["idle"],
+        per_tick["F on every stage"],
+        per_tick["B on every stage"],
+        call,
     )
 
 

@@ -15,7 +15,7 @@ The evidence comes from two places: the step compiled for the target (memory
 analysis, collectives in the optimized HLO, cost analysis; this works on
 compile-only TPU topologies) and a short run of `lab train`'s loop on real or
 emulated devices (wait for data, step time, loss, gradient norm, MoE load).
-Each check (`lab.doctor_checks`) turns its numbers into a `Finding`;
+Each check (`lab.doctor.checks`) turns its numbers into a `Finding`;
 `Diagnosis.ranked` puts problems first in layer order, and the first problem
 is where to start.
 """
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from lab import doctor_checks as checks
-from lab.doctor_checks import LAYERS, SEVERITIES, Finding
+from lab.doctor import checks as checks
+from lab.doctor.checks import LAYERS, SEVERITIES, Finding
 from lab.rules import spec_axes
 
 if TYPE_CHECKING:
     from lab.hlo import Inspection
-    from lab.train import Trainer, TrainState
-    from lab.training_run import RunConfig, RunLog
+    from lab.training.run import RunConfig, RunLog
+    from lab.training.step import Trainer, TrainState
 
 _DP_KINDS = ("all-gather", "reduce-scatter", "all-reduce")  # the collectives the ZeRO accounting counts
 _ZERO_AXES = ("data", "fsdp")  # the axes ZeRO shards model states over
@@ -81,7 +81,7 @@ class _Compiled:
 
 
 def diagnose(config: RunConfig, *, capacity_bytes: float | None = None, devices=None) -> Diagnosis:
-    """Check `config` (a `lab.training_run.RunConfig`): compile its step, run it when it fits and can execute.
+    """Check `config` (a `lab.training.run.RunConfig`): compile its step, run it when it fits and can execute.
 
     `capacity_bytes` overrides the memory per device to check against; `devices` defaults to the target's.
     """
@@ -94,7 +94,12 @@ def diagnose(config: RunConfig, *, capacity_bytes: float | None = None, devices=
     log = None if not_run else _run(config, devices)
     findings = (
         memory,
-        *_observed("input", ("time waiting for data",), not_run, lambda: (checks.check_input([s.seconds for s in log.steps], [s.data_s for s in log.steps]),)),
+        *_observed(
+            "input",
+            ("time waiting for data",),
+            not_run,
+            lambda: (checks.check_input([s.seconds for s in log.steps], [s.data_s for s in log.steps]),),
+        ),
         *_layout(compiled, log),
         *_communication(compiled, log, devices),
         *_observed("numerics", NUMERICS_CHECKS, not_run, lambda: _numerics(log)),
@@ -109,7 +114,7 @@ def _observed(layer: str, names: tuple[str, ...], not_run: str, observe) -> tupl
 
 def _compile(config: RunConfig, devices) -> _Compiled:
     """The trainer `lab train` uses (the same cached one) and its step compiled; a compiler out of memory is evidence, not an error."""
-    from lab.training_run import trainer_for
+    from lab.training.run import trainer_for
 
     trainer = trainer_for(config, devices)
     trainer.layout.check_batch(config.global_batch, config.micro_batches)
@@ -135,7 +140,7 @@ def _why_not_run(config: RunConfig, memory: Finding) -> str:
 
 def _run(config: RunConfig, devices) -> RunLog:
     """A short `lab train` run, without its page, its log written to a folder that is then removed."""
-    from lab import training_run
+    from lab.training import run as training_run
 
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as folder:
         return training_run.run(replace(config, page=False, results=Path(folder), log=None, name="doctor"), devices)
@@ -146,7 +151,9 @@ def _run(config: RunConfig, devices) -> RunLog:
 
 def _memory_evidence(compiled: _Compiled, devices, capacity_bytes: float | None) -> checks.MemoryEvidence:
     trainer, state = compiled.trainer, compiled.state
-    per_array = [(_name(path), _bytes_per_device(leaf)) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]]
+    per_array = [
+        (_name(path), _bytes_per_device(leaf)) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    ]
     groups = {"params": state.params, "master weights": state.master, "optimizer": state.opt_state}
     capacity, source = _capacity(devices, capacity_bytes)
     memory = compiled.inspection.memory if compiled.inspection is not None else {}
@@ -175,7 +182,10 @@ def _bytes_per_device(array) -> int:
 
 def _peak(memory: dict[str, int]) -> int:
     """Arguments + temporaries + outputs not aliased to arguments, or the compiler's own peak when larger."""
-    return max(memory["argument_size"] + memory["temp_size"] + memory["output_size"] - memory["alias_size"], memory.get("peak_memory", 0))
+    return max(
+        memory["argument_size"] + memory["temp_size"] + memory["output_size"] - memory["alias_size"],
+        memory.get("peak_memory", 0),
+    )
 
 
 def _refused_bytes(message: str) -> float | None:
@@ -211,13 +221,20 @@ def _layout(compiled: _Compiled, log: RunLog | None) -> tuple[Finding, ...]:
 
     layout = compiled.trainer.layout
     params = compiled.state.params
-    rows = [(_name(path), a.size * a.dtype.itemsize, a.sharding.spec) for path, a in jax.tree_util.tree_flatten_with_path(params)[0]]
+    rows = [
+        (_name(path), a.size * a.dtype.itemsize, a.sharding.spec)
+        for path, a in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
     extra = [s.extra for s in log.steps] if log else []
     return (
         checks.check_idle_axes(layout.sizes, layout.idle_axes),
-        checks.check_pipeline_bubble(layout.sizes.get("stage", 1), compiled.trainer.config.micro_batches, compiled.trainer.model.layers),
-        checks.check_expert_skew([e["expert_load_max_over_mean"] for e in extra if "expert_load_max_over_mean" in e],
-                                 [e["dropped_fraction"] for e in extra if "dropped_fraction" in e]),
+        checks.check_pipeline_bubble(
+            layout.sizes.get("stage", 1), compiled.trainer.config.micro_batches, compiled.trainer.model.layers
+        ),
+        checks.check_expert_skew(
+            [e["expert_load_max_over_mean"] for e in extra if "expert_load_max_over_mean" in e],
+            [e["dropped_fraction"] for e in extra if "dropped_fraction" in e],
+        ),
         checks.check_unsharded(layout.strategy, sharding_report(rows), layout.sizes.get("fsdp", 1)),
     )
 
@@ -228,14 +245,18 @@ def _layout(compiled: _Compiled, log: RunLog | None) -> tuple[Finding, ...]:
 def _communication(compiled: _Compiled, log: RunLog | None, devices) -> tuple[Finding, ...]:
     if compiled.inspection is None:
         reason = "the step did not compile (see memory), so there is no HLO to read"
-        return tuple(Finding("communication", name, "not applicable", reason)
-                     for name in ("largest collectives per axis", "communication volume per step", "exposed communication"))
+        return tuple(
+            Finding("communication", name, "not applicable", reason)
+            for name in ("largest collectives per axis", "communication volume per step", "exposed communication")
+        )
     chip = _chip(devices)
     compute_s, source = _compute_time(compiled, log, chip)
     layout = compiled.trainer.layout
     return (
         checks.check_comm_time(_traffic(compiled, chip), compute_s, source),
-        _volume(compiled) if layout.data_axes else Finding("communication", "communication volume per step", "not applicable", "the mesh has no data axis"),
+        _volume(compiled)
+        if layout.data_axes
+        else Finding("communication", "communication volume per step", "not applicable", "the mesh has no data axis"),
         checks.check_exposed(_overlap(compiled, chip, devices)),
     )
 
@@ -263,8 +284,10 @@ def _traffic(compiled: _Compiled, chip) -> list[checks.Traffic]:
     predicted: dict[tuple, float] = defaultdict(float)
     for c, s in zip(inspection.collectives, seconds):
         predicted[c.kind, c.axes] += s
-    return [checks.Traffic(t.kind, t.axes or (), t.count, t.total_bytes, predicted[t.kind, t.axes], t.exact)
-            for t in hlo.summarize(inspection.collectives)]
+    return [
+        checks.Traffic(t.kind, t.axes or (), t.count, t.total_bytes, predicted[t.kind, t.axes], t.exact)
+        for t in hlo.summarize(inspection.collectives)
+    ]
 
 
 def _compute_time(compiled: _Compiled, log: RunLog | None, chip) -> tuple[float, str]:
@@ -272,7 +295,9 @@ def _compute_time(compiled: _Compiled, log: RunLog | None, chip) -> tuple[float,
     import numpy as np
 
     if log is not None:
-        return float(np.median([s.seconds - s.data_s - s.save_s for s in log.timed_steps])), "the measured step, less its data wait"
+        return float(
+            np.median([s.seconds - s.data_s - s.save_s for s in log.timed_steps])
+        ), "the measured step, less its data wait"
     cost = compiled.inspection.cost
     seconds = max(cost.get("flops", 0.0) / chip.peak_bf16_flops, cost.get("bytes accessed", 0.0) / chip.hbm_bandwidth)
     return seconds, f"roofline compute and HBM time on {chip.name}"
@@ -282,14 +307,21 @@ def _volume(compiled: _Compiled) -> Finding:
     """Data-axis collectives' bytes per step against the ZeRO paper's volume for the strategy."""
     trainer = compiled.trainer
     layout = trainer.layout
-    counted = [c for c in compiled.inspection.collectives if c.kind in _DP_KINDS and c.axes and set(c.axes) <= layout.data_axes]
+    counted = [
+        c for c in compiled.inspection.collectives if c.kind in _DP_KINDS and c.axes and set(c.axes) <= layout.data_axes
+    ]
     moved = sum(c.size_bytes * (c.repeats or 1) * (2 if c.kind == "all-reduce" else 1) for c in counted)
     # one model copy as the data axes see it: each parameter whole over the axes ZeRO shards it on (an expert or
     # tensor split is model parallelism: no data-axis collective ever gathers it)
-    model = sum(_bytes_per_device(a) * math.prod(layout.sizes[axis] for axis in spec_axes(a.sharding.spec) if axis in _ZERO_AXES)
-                for a in jax.tree.leaves(compiled.state.params))
+    model = sum(
+        _bytes_per_device(a)
+        * math.prod(layout.sizes[axis] for axis in spec_axes(a.sharding.spec) if axis in _ZERO_AXES)
+        for a in jax.tree.leaves(compiled.state.params)
+    )
     strategy = layout.strategy
-    expected = checks.zero_volume(strategy.shards_params and layout.sizes.get("fsdp", 1) > 1, strategy.reshard_after_forward)  # fsdp=1: nothing to gather
+    expected = checks.zero_volume(
+        strategy.shards_params and layout.sizes.get("fsdp", 1) > 1, strategy.reshard_after_forward
+    )  # fsdp=1: nothing to gather
     exact = all(c.repeats is not None for c in counted)
     return checks.check_comm_volume(moved, model, expected, trainer.config.micro_batches, strategy.name, exact)
 
@@ -302,7 +334,9 @@ def _overlap(compiled: _Compiled, chip, devices):
     inspection = compiled.inspection
     if not any(c.is_async for c in inspection.collectives):
         return None
-    torus = slice_shape(devices)[: chip.torus_dims] if _on_torus(devices) else ()  # coords have three entries; a v5e torus two
+    torus = (
+        slice_shape(devices)[: chip.torus_dims] if _on_torus(devices) else ()
+    )  # coords have three entries; a v5e torus two
     return overlap.overlap_report(inspection.optimized_hlo, chip, torus, inspection.mesh_shape, inspection.axis_names)
 
 

@@ -32,7 +32,7 @@ is refused), hence the ``shard_map`` around ``ppermute``.
 
 ``jax.vmap`` reads the mesh axis a mapped dimension is split over from the
 arguments' types. Data-parallel weights are *reduced* over the data axes (see
-`lab.parallel.fsdp`), and jax 0.10.2 reads their spec in a way that raises
+`lab.parallel.layout`), and jax 0.10.2 reads their spec in a way that raises
 for reduced specs; `_vmap_accepts_reduced_weights` works around that while
 tracing (remove it once jax reads ``spec.partitions``).
 """
@@ -59,7 +59,9 @@ def split_stages(stacked: Any, stages: int) -> Any:
         spec = sharding.spec
         layers, *rest = spec.partitions
         staged = P(layers, None, *rest, reduced=spec.reduced, unreduced=spec.unreduced)
-        return jnp.reshape(w_L, (stages, w_L.shape[0] // stages, *w_L.shape[1:]), out_sharding=NamedSharding(sharding.mesh, staged))
+        return jnp.reshape(
+            w_L, (stages, w_L.shape[0] // stages, *w_L.shape[1:]), out_sharding=NamedSharding(sharding.mesh, staged)
+        )
 
     return jax.tree.map(split, stacked)
 
@@ -108,10 +110,12 @@ def pipeline(stage_fn: Callable, weights_P: Any, x_MbSD: jax.Array) -> tuple[jax
         state_PbSD, aux = run_stages(weights_P, state_PbSD)
         return state_PbSD, (state_PbSD, aux)
 
-    start = jnp.zeros((stages, *x_MbSD.shape[1:]), x_MbSD.dtype, out_sharding=NamedSharding(mesh, P(STAGE, *micro_spec)))
+    start = jnp.zeros(
+        (stages, *x_MbSD.shape[1:]), x_MbSD.dtype, out_sharding=NamedSharding(mesh, P(STAGE, *micro_spec))
+    )
     with _vmap_accepts_reduced_weights():
         _, (outputs_TPbSD, aux_TP) = jax.lax.scan(tick, start, inputs_TPbSD)
-    return _last_stage(outputs_TPbSD[stages - 1:], stages), _sum_real_ticks(aux_TP, mesh, stages, micro_batches)
+    return _last_stage(outputs_TPbSD[stages - 1 :], stages), _sum_real_ticks(aux_TP, mesh, stages, micro_batches)
 
 
 def _last_stage(outputs_MPbSD: jax.Array, stages: int) -> jax.Array:
@@ -124,7 +128,9 @@ def _last_stage(outputs_MPbSD: jax.Array, stages: int) -> jax.Array:
 
     sharding = jax.typeof(outputs_MPbSD).sharding
     micro, _, *rest = sharding.spec.partitions  # every axis manual, as in `shift`
-    return jax.shard_map(keep_last, mesh=sharding.mesh, in_specs=sharding.spec, out_specs=P(micro, *rest))(outputs_MPbSD)
+    return jax.shard_map(keep_last, mesh=sharding.mesh, in_specs=sharding.spec, out_specs=P(micro, *rest))(
+        outputs_MPbSD
+    )
 
 
 def _sum_real_ticks(aux_TP: Any, mesh, stages: int, micro_batches: int) -> Any:
@@ -161,7 +167,9 @@ def _vmap_accepts_reduced_weights() -> Iterator[None]:
         sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.Array) else None
         if sharding is None or not (sharding.spec.reduced or sharding.spec.unreduced):
             return x
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(sharding.mesh, P(*sharding.spec.partitions)))
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=NamedSharding(sharding.mesh, P(*sharding.spec.partitions))
+        )
 
     api._mapped_axis_spec = lambda args, in_axes: reads_spec([partitions_only(x) for x in args], in_axes)
     try:

@@ -9,7 +9,7 @@ optimizer's shard, and the new weights written back in the parameters' layout
 
 On a mesh with a ``stage`` axis the blocks' layers are split over it and the
 micro-batches go through one GPipe forward and backward together
-(`lab.parallel.pipeline_spmd`); the embedding and the loss run replicated over
+(`lab.parallel.pipeline.spmd`); the embedding and the loss run replicated over
 ``stage``, and the gradients are reduced once the pipeline has drained.
 
 Mixed precision follows the ZeRO paper's accounting (Rajbhandari et al. 2020,
@@ -36,9 +36,9 @@ from jax.sharding import NamedSharding
 from lab import hlo
 from lab.errors import LabError
 from lab.model import ModelConfig, MoEStats, abstract_model, init_params, next_token_loss, run_blocks
-from lab.parallel.fsdp import Layout
-from lab.parallel.pipeline_spmd import pipeline, split_stages
-from lab.parallel.routing import load_metrics
+from lab.moe import load_metrics
+from lab.parallel.layout import Layout
+from lab.parallel.pipeline.spmd import pipeline, split_stages
 from lab.rules import get_strategy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -80,16 +80,23 @@ class Trainer:
             raise LabError(f"micro_batches={config.micro_batches}: use 1 or more")
         strategy = replace(get_strategy(config.strategy), persist_below=config.persist_below)
         self.model, self.config, self.mesh = model, config, mesh
-        self.layout = Layout(mesh, strategy, config.dtype(config.param_dtype), config.dtype(config.compute_dtype), config.remat)
+        self.layout = Layout(
+            mesh, strategy, config.dtype(config.param_dtype), config.dtype(config.compute_dtype), config.remat
+        )
         if model.layers % self.layout.stages:
-            raise LabError(f"{model.layers} layers cannot be cut into stage={self.layout.stages} pipeline stages; use a stage axis that divides {model.layers}")
+            raise LabError(
+                f"{model.layers} layers cannot be cut into stage={self.layout.stages} "
+                f"pipeline stages; use a stage axis that divides {model.layers}"
+            )
         self.graphdef, self.abstract_params = abstract_model(model)
         self.param_shardings = self.layout.shardings(self.abstract_params, "params")
         self.grad_shardings = self.layout.shardings(self.abstract_params, "grads")
         self.optimizer_shardings = self.layout.shardings(self.abstract_params, "optimizer")
         self.layout.check_sufficiently_sharded(self.abstract_params)
         self._compiled: dict[tuple[str, int, bool], jax.stages.Compiled] = {}
-        self.optimizer = optax.adamw(config.learning_rate, b1=0.9, b2=0.95, eps=config.adam_eps, weight_decay=config.weight_decay)
+        self.optimizer = optax.adamw(
+            config.learning_rate, b1=0.9, b2=0.95, eps=config.adam_eps, weight_decay=config.weight_decay
+        )
 
     @property
     def separate_master(self) -> bool:
@@ -115,10 +122,13 @@ class Trainer:
 
     def _create(self, seed: int) -> TrainState:
         master = jax.reshard(init_params(self.model, seed), self.optimizer_shardings)
-        return TrainState(self._working_copy(master), master if self.separate_master else None, self.optimizer.init(master))
+        return TrainState(
+            self._working_copy(master), master if self.separate_master else None, self.optimizer.init(master)
+        )
 
     def _on_mesh(self, abstract):
         """eval_shape types carry the abstract mesh; compiling for a topology needs the concrete one."""
+
         def concrete(a):
             spec = a.sharding.spec if a.sharding is not None else jax.sharding.PartitionSpec()  # optax's step count
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(self.mesh, spec))
@@ -137,7 +147,9 @@ class Trainer:
     def batch(self, global_batch: int, seed: int = 0) -> jax.Array:
         """Random tokens [B, S+1] (inputs and next-token targets), split over the data axes."""
         self.layout.check_batch(global_batch, self.config.micro_batches)
-        tokens = np.random.default_rng(seed).integers(0, self.model.vocab, (global_batch, self.model.seq + 1), dtype=np.int32)
+        tokens = np.random.default_rng(seed).integers(
+            0, self.model.vocab, (global_batch, self.model.seq + 1), dtype=np.int32
+        )
         return jax.device_put(tokens, self.batch_sharding())
 
     def abstract_batch(self, global_batch: int) -> jax.ShapeDtypeStruct:
@@ -167,11 +179,21 @@ class Trainer:
         ``to_read=True`` compiles it only to read its HLO and memory: on CPU the LLVM back end then runs
         unoptimized (HLO, buffers and collectives are settled before it), about twice as fast to compile.
         """
-        return self._compile("step", global_batch, to_read, lambda: self.step.lower(self.abstract_state(), self.abstract_batch(global_batch)))
+        return self._compile(
+            "step",
+            global_batch,
+            to_read,
+            lambda: self.step.lower(self.abstract_state(), self.abstract_batch(global_batch)),
+        )
 
     def compiled_gradients(self, global_batch: int) -> jax.stages.Compiled:
         """The forward and backward alone, compiled to be read: its outputs are the reduced gradients in their layout, and the loss."""
-        return self._compile("gradients", global_batch, True, lambda: self.gradients.lower(self.abstract_state().params, self.abstract_batch(global_batch)))
+        return self._compile(
+            "gradients",
+            global_batch,
+            True,
+            lambda: self.gradients.lower(self.abstract_state().params, self.abstract_batch(global_batch)),
+        )
 
     def _compile(self, program: str, global_batch: int, to_read: bool, lower) -> jax.stages.Compiled:
         key = (program, global_batch, to_read)
@@ -211,7 +233,9 @@ class Trainer:
         balance = 0.0 if stats is None else stats.balance_loss.sum()  # summed over layers, each its own α·aux
         return language_loss + balance, (language_loss, stats)
 
-    def _pipelined_loss(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, tuple[jax.Array, MoEStats | None]]:
+    def _pipelined_loss(
+        self, params: nnx.State, tokens_BT: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, MoEStats | None]]:
         """`_loss` over all micro-batches at once, the blocks pipelined over ``stage``; embedding and head replicated over it."""
         model = nnx.merge(self.graphdef, params)
         micro_MbT = _split_micro_batches(tokens_BT, self.config.micro_batches)
@@ -238,12 +262,18 @@ class Trainer:
         if self.layout.stages > 1:
             (_, (loss, stats)), grads = jax.value_and_grad(self._pipelined_loss, has_aux=True)(params, tokens_BT)
             with jax.named_scope("reduce_gradients"):
-                return self.layout.finish(self.layout.accumulate(None, grads, self.grad_shardings), self.grad_shardings), loss, stats
+                return (
+                    self.layout.finish(self.layout.accumulate(None, grads, self.grad_shardings), self.grad_shardings),
+                    loss,
+                    stats,
+                )
 
         def one(accumulated, micro_BT):
             # each micro-batch's mean loss is divided by the count before autodiff: partial sums support
             # addition but not division, so the gradients must arrive already scaled
-            (_, (loss, stats)), grads = jax.value_and_grad(lambda p: _scaled(self._loss(p, micro_BT), count), has_aux=True)(params)
+            (_, (loss, stats)), grads = jax.value_and_grad(
+                lambda p: _scaled(self._loss(p, micro_BT), count), has_aux=True
+            )(params)
             with jax.named_scope("reduce_gradients"):
                 return self.layout.accumulate(accumulated, grads, self.grad_shardings), (loss, stats)
 

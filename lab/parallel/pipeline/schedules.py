@@ -69,13 +69,18 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if len(self.orders) != self.stages:
-            raise LabError(f"schedule {self.name!r} gives orders for {len(self.orders)} stages but has {self.stages}; give one order per stage")
+            raise LabError(
+                f"schedule {self.name!r} gives orders for {len(self.orders)} "
+                f"stages but has {self.stages}; give one order per stage"
+            )
         for stage, order in enumerate(self.orders):
             missing = Counter(self._expected_actions()) - Counter(order)
             extra = Counter(order) - Counter(self._expected_actions())
             if missing or extra:
                 wrong = ", ".join(a.label(self.chunks) for a in [*missing, *extra][:3])
-                raise LabError(f"schedule {self.name!r}: stage {stage} must run every action exactly once; check {wrong}")
+                raise LabError(
+                    f"schedule {self.name!r}: stage {stage} must run every action exactly once; check {wrong}"
+                )
 
     @property
     def split_backward(self) -> bool:
@@ -119,7 +124,10 @@ class Costs:
 
     def __post_init__(self) -> None:
         if len(self.forward) != len(self.backward):
-            raise LabError(f"costs: {len(self.forward)} forward times but {len(self.backward)} backward times; give one of each per stage")
+            raise LabError(
+                f"costs: {len(self.forward)} forward times but {len(self.backward)} "
+                "backward times; give one of each per stage"
+            )
         if min(self.forward + self.backward) < 0 or self.send < 0 or not 0 <= self.weight_fraction <= 1:
             raise LabError("costs: times must be >= 0 and weight_fraction between 0 and 1")
 
@@ -136,8 +144,12 @@ class Costs:
         return cls.uniform(schedule.stages, float(v), backward * v)
 
     def of(self, stage: int, action: Action, chunks: int) -> float:
-        share = {FORWARD: self.forward[stage], BACKWARD: self.backward[stage],
-                 INPUT_GRAD: (1 - self.weight_fraction) * self.backward[stage], WEIGHT_GRAD: self.weight_fraction * self.backward[stage]}
+        share = {
+            FORWARD: self.forward[stage],
+            BACKWARD: self.backward[stage],
+            INPUT_GRAD: (1 - self.weight_fraction) * self.backward[stage],
+            WEIGHT_GRAD: self.weight_fraction * self.backward[stage],
+        }
         return share[action.kind] / chunks
 
 
@@ -251,7 +263,9 @@ def transfers(schedule: Schedule) -> list[Transfer]:
 def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     """Start every action as soon as its stage is free and its inputs have arrived (asynchronous sends)."""
     if len(costs.forward) != schedule.stages:
-        raise LabError(f"costs are given for {len(costs.forward)} stages but schedule {schedule.name!r} has {schedule.stages}")
+        raise LabError(
+            f"costs are given for {len(costs.forward)} stages but schedule {schedule.name!r} has {schedule.stages}"
+        )
     ends: dict[tuple[int, Action], float] = {}
     spans: list[Span] = []
     position = [0] * schedule.stages
@@ -274,8 +288,15 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             remaining -= 1
             progressed = True
         if not progressed:
-            waiting = ", ".join(f"stage {s} at {schedule.orders[s][position[s]].label(schedule.chunks)}" for s in range(schedule.stages) if position[s] < len(schedule.orders[s]))
-            raise LabError(f"schedule {schedule.name!r} deadlocks ({waiting}): every stage waits for an action ordered after it; reorder the actions")
+            waiting = ", ".join(
+                f"stage {s} at {schedule.orders[s][position[s]].label(schedule.chunks)}"
+                for s in range(schedule.stages)
+                if position[s] < len(schedule.orders[s])
+            )
+            raise LabError(
+                f"schedule {schedule.name!r} deadlocks ({waiting}): every stage "
+                "waits for an action ordered after it; reorder the actions"
+            )
     return Timeline(schedule, costs, tuple(sorted(spans, key=lambda s: (s.start, s.stage))))
 
 
@@ -302,7 +323,11 @@ def dependency_violations(schedule: Schedule, starts: dict[tuple[int, Action], f
         for needed in dependencies(schedule, stage, action):
             ready = starts[needed] + costs.of(needed[0], needed[1], schedule.chunks)
             if start < ready:
-                problems.append(f"{action.label(schedule.chunks)} on stage {stage} starts at {start:g}, but {needed[1].label(schedule.chunks)} on stage {needed[0]} ends at {ready:g}")
+                problems.append(
+                    f"{action.label(schedule.chunks)} on stage {stage} starts "
+                    f"at {start:g}, but {needed[1].label(schedule.chunks)} on "
+                    f"stage {needed[0]} ends at {ready:g}"
+                )
     return problems
 
 
@@ -318,7 +343,9 @@ def _check_sizes(stages: int, micro_batches: int) -> None:
 def gpipe(stages: int, micro_batches: int) -> Schedule:
     """GPipe (Huang et al. 2019): every forward, then every backward; all m micro-batches in flight."""
     _check_sizes(stages, micro_batches)
-    order = tuple(Action(FORWARD, i) for i in range(micro_batches)) + tuple(Action(BACKWARD, i) for i in range(micro_batches))
+    order = tuple(Action(FORWARD, i) for i in range(micro_batches)) + tuple(
+        Action(BACKWARD, i) for i in range(micro_batches)
+    )
     return Schedule("gpipe", stages, micro_batches, 1, (order,) * stages)
 
 
@@ -350,9 +377,15 @@ def interleaved(stages: int, micro_batches: int, chunks: int) -> Schedule:
     """
     _check_sizes(stages, micro_batches)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 2:
-        raise LabError(f"interleaved schedule with chunks={chunks!r}: use 2 or more chunks per device (one chunk is plain 1f1b)")
+        raise LabError(
+            f"interleaved schedule with chunks={chunks!r}: use 2 or more chunks per device (one chunk is plain 1f1b)"
+        )
     if micro_batches % stages:
-        raise LabError(f"interleaved schedule: m={micro_batches} micro-batches must be a multiple of P={stages} stages (Megatron-LM's constraint); use m={stages * -(-micro_batches // stages)}")
+        raise LabError(
+            f"interleaved schedule: m={micro_batches} micro-batches must be "
+            f"a multiple of P={stages} stages (Megatron-LM's constraint); "
+            f"use m={stages * -(-micro_batches // stages)}"
+        )
     total, group = micro_batches * chunks, stages * chunks
 
     def nth(k: int, kind: str) -> Action:
@@ -412,5 +445,7 @@ def make_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -
     if name not in GENERATORS:
         raise LabError(f"unknown pipeline schedule {name!r}; use one of {', '.join(GENERATORS)}")
     if name != "interleaved" and chunks != 1:
-        raise LabError(f"schedule {name!r} has one chunk per stage, not {chunks}; use the interleaved schedule for chunks > 1")
+        raise LabError(
+            f"schedule {name!r} has one chunk per stage, not {chunks}; use the interleaved schedule for chunks > 1"
+        )
     return GENERATORS[name](stages, micro_batches, chunks)

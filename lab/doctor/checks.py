@@ -1,7 +1,7 @@
 """The doctor's checks: each one turns a few measured numbers into a `Finding`.
 
 A check is a pure function of evidence (bytes, seconds, losses), so each
-threshold can be tested at its edge with made-up numbers; `lab.doctor` gathers
+threshold can be tested at its edge with made-up numbers; `lab.doctor.diagnosis` gathers
 the evidence from a compiled step and a short run. A finding names its layer
 (memory, input, layout, communication, numerics), its verdict in one line, the
 numbers behind it with their units, and the fix a careful engineer would try
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lab.bench import format_bytes
-from lab.training_run import WARMUP_STEPS  # the first steps pay allocation and cache warm-up; medians start after them
+from lab.training.run import WARMUP_STEPS  # the first steps pay allocation and cache warm-up; medians start after them
+from lab.units import format_bytes
 
 LAYERS = ("memory", "input", "layout", "communication", "numerics")  # the careful engineer's order
 SEVERITIES = ("problem", "warning", "ok", "not applicable")
@@ -105,24 +105,50 @@ def check_memory(e: MemoryEvidence) -> Finding:
     temps = e.temp_bytes if e.temp_bytes is not None else max(peak - states, 0)  # a refused step: what the states leave
     fraction = peak / e.capacity_bytes
     severity = "problem" if e.compiler_refused or fraction > 1 else "warning" if fraction > MEMORY_HEADROOM else "ok"
-    evidence = [f"peak {format_bytes(peak)} per device against {format_bytes(e.capacity_bytes)} ({e.capacity_source}): {fraction:.0%}"]
+    evidence = [
+        f"peak {format_bytes(peak)} per device against {format_bytes(e.capacity_bytes)} "
+        f"({e.capacity_source}): {fraction:.0%}"
+    ]
     if e.compiler_refused:
         evidence.insert(0, f"the compiler refused the step: {e.compiler_refused}")
-    evidence.append("model states " + ", ".join(f"{name} {format_bytes(b)}" for name, b in e.states.items() if b) + f" = {format_bytes(states)}")
-    evidence.append(f"temporaries (gradients, activations, gathered weights) {format_bytes(temps)}" + ("" if e.temp_bytes is not None else ": peak less states"))
+    evidence.append(
+        "model states "
+        + ", ".join(f"{name} {format_bytes(b)}" for name, b in e.states.items() if b)
+        + f" = {format_bytes(states)}"
+    )
+    evidence.append(
+        f"temporaries (gradients, activations, gathered weights) {format_bytes(temps)}"
+        + ("" if e.temp_bytes is not None else ": peak less states")
+    )
     evidence.append("largest arrays: " + ", ".join(f"{name} {format_bytes(b)}" for name, b in e.largest))
-    verdict = {"problem": "the step does not fit in device memory", "warning": "the step fits with little headroom",
-               "ok": "the step fits"}[severity]
-    return Finding("memory", "peak memory per device", severity, verdict, tuple(evidence), _memory_fix(e, states, temps, severity),
-                   {"peak_bytes": peak, "capacity_bytes": e.capacity_bytes, "states_bytes": states, "temp_bytes": temps})
+    verdict = {
+        "problem": "the step does not fit in device memory",
+        "warning": "the step fits with little headroom",
+        "ok": "the step fits",
+    }[severity]
+    return Finding(
+        "memory",
+        "peak memory per device",
+        severity,
+        verdict,
+        tuple(evidence),
+        _memory_fix(e, states, temps, severity),
+        {"peak_bytes": peak, "capacity_bytes": e.capacity_bytes, "states_bytes": states, "temp_bytes": temps},
+    )
 
 
 def _memory_fix(e: MemoryEvidence, states: int, temps: float, severity: str) -> str:
     """What to shrink, the larger part first: whole model states (shard them), or temporaries (split the batch)."""
     if severity == "ok":
         return ""
-    shard = (f"shard the model states with --strategy zero3 on an fsdp axis (--mesh fsdp={e.devices}: "
-             f"{format_bytes(states / e.devices)} of states per device instead of {format_bytes(states)})") if not e.shards_params else ""
+    shard = (
+        (
+            f"shard the model states with --strategy zero3 on an fsdp axis (--mesh fsdp={e.devices}: "
+            f"{format_bytes(states / e.devices)} of states per device instead of {format_bytes(states)})"
+        )
+        if not e.shards_params
+        else ""
+    )
     split = f"split the batch with --micro-batches (the temporaries, {format_bytes(temps)}, scale with the micro-batch)"
     fixes = [fix for fix in ((split, shard) if temps > states else (shard, split)) if fix]
     return "; then ".join(fixes) if fixes else "more devices on the fsdp axis, or a smaller model"
@@ -138,12 +164,29 @@ def check_input(step_s: Sequence[float], data_s: Sequence[float]) -> Finding:
     step, wait = _median_after_warmup(step_s), _median_after_warmup(data_s)
     fraction = wait / step
     severity = _severity(fraction, INPUT_WARNING, INPUT_PROBLEM)
-    verdict = {"problem": "input-bound: the step waits for its batch", "warning": "the loader costs a visible part of each step",
-               "ok": "the input pipeline keeps up"}[severity]
-    fix = "" if severity == "ok" else "prefetch batches in the background (--prefetch 2) or make the loader cheaper; then re-run the doctor"
-    evidence = (f"median wait for data {wait * 1e3:.1f} ms of a {step * 1e3:.1f} ms step: {fraction:.0%}",
-                f"medians over {max(len(step_s) - WARMUP_STEPS, len(step_s) and 1)} steps after {WARMUP_STEPS} warm-up steps")
-    return Finding("input", "time waiting for data", severity, verdict, evidence, fix, {"data_s": wait, "step_s": step, "fraction": fraction})
+    verdict = {
+        "problem": "input-bound: the step waits for its batch",
+        "warning": "the loader costs a visible part of each step",
+        "ok": "the input pipeline keeps up",
+    }[severity]
+    fix = (
+        ""
+        if severity == "ok"
+        else "prefetch batches in the background (--prefetch 2) or make the loader cheaper; then re-run the doctor"
+    )
+    evidence = (
+        f"median wait for data {wait * 1e3:.1f} ms of a {step * 1e3:.1f} ms step: {fraction:.0%}",
+        f"medians over {max(len(step_s) - WARMUP_STEPS, len(step_s) and 1)} steps after {WARMUP_STEPS} warm-up steps",
+    )
+    return Finding(
+        "input",
+        "time waiting for data",
+        severity,
+        verdict,
+        evidence,
+        fix,
+        {"data_s": wait, "step_s": step, "fraction": fraction},
+    )
 
 
 # --- layout -----------------------------------------------------------------------------------------
@@ -154,13 +197,24 @@ def check_idle_axes(sizes: Mapping[str, int], idle: Sequence[str]) -> Finding:
     total = math.prod(sizes.values())
     repeats = math.prod(sizes[a] for a in idle)
     if not idle:
-        return Finding("layout", "axes repeating work", "ok", "every mesh axis of size > 1 splits the batch or the weights",
-                       (f"{total} devices, {total} doing distinct work",), numbers={"repeats": 1})
+        return Finding(
+            "layout",
+            "axes repeating work",
+            "ok",
+            "every mesh axis of size > 1 splits the batch or the weights",
+            (f"{total} devices, {total} doing distinct work",),
+            numbers={"repeats": 1},
+        )
     shown = ", ".join(f"{a}={sizes[a]}" for a in idle)
-    return Finding("layout", "axes repeating work", "problem", f"{shown} splits nothing: its devices repeat the same work",
-                   (f"{total} devices do the work of {total // repeats}: {repeats}x repeated", f"idle axes: {shown}"),
-                   f"fold {shown} into the data axes (e.g. --mesh fsdp={total}) or give it a strategy that splits it",
-                   {"repeats": repeats})
+    return Finding(
+        "layout",
+        "axes repeating work",
+        "problem",
+        f"{shown} splits nothing: its devices repeat the same work",
+        (f"{total} devices do the work of {total // repeats}: {repeats}x repeated", f"idle axes: {shown}"),
+        f"fold {shown} into the data axes (e.g. --mesh fsdp={total}) or give it a strategy that splits it",
+        {"repeats": repeats},
+    )
 
 
 def check_pipeline_bubble(stage: int, micro_batches: int, layers: int) -> Finding:
@@ -170,12 +224,22 @@ def check_pipeline_bubble(stage: int, micro_batches: int, layers: int) -> Findin
     if stage == 1:
         return Finding("layout", "pipeline bubble", "not applicable", "the mesh has no stage axis")
     bubble = pipeline_bubble_fraction(stage, micro_batches)
-    evidence = (f"stage={stage}, {micro_batches} micro-batch(es): bubble (P-1)/(M+P-1) = {bubble:.0%} of each stage's time",
-                f"{layers // stage} of {layers} layers per stage: equal work, no stage imbalance")
+    evidence = (
+        f"stage={stage}, {micro_batches} micro-batch(es): bubble (P-1)/(M+P-1) = {bubble:.0%} of each stage's time",
+        f"{layers // stage} of {layers} layers per stage: equal work, no stage imbalance",
+    )
     severity = _severity(bubble, BUBBLE_WARNING, BUBBLE_PROBLEM)
-    verdict = {"ok": "the bubble is small", "warning": "the pipeline idles a noticeable share of the step",
-               "problem": "the pipeline idles as much as it works"}[severity]
-    fix = "" if severity == "ok" else f"raise --micro-batches to {4 * stage} or more (M >= 4P: bubble {pipeline_bubble_fraction(stage, 4 * stage):.0%})"
+    verdict = {
+        "ok": "the bubble is small",
+        "warning": "the pipeline idles a noticeable share of the step",
+        "problem": "the pipeline idles as much as it works",
+    }[severity]
+    fix = (
+        ""
+        if severity == "ok"
+        else f"raise --micro-batches to {4 * stage} or more (M >= 4P: bubble "
+        f"{pipeline_bubble_fraction(stage, 4 * stage):.0%})"
+    )
     return Finding("layout", "pipeline bubble", severity, verdict, evidence, fix, {"bubble": bubble})
 
 
@@ -188,8 +252,16 @@ def check_expert_skew(max_over_mean: Sequence[float], dropped: Sequence[float] =
     evidence = [f"busiest expert / mean load: median {skew:.2f}, worst step {max(max_over_mean):.2f}"]
     if dropped:
         evidence.append(f"tokens dropped: median {_median_after_warmup(dropped):.1%}")
-    verdict = {"problem": "the router sends most tokens to few experts", "warning": "the expert load is uneven", "ok": "the experts share the load"}[severity]
-    fix = "" if severity == "ok" else "balance the router: an auxiliary load-balancing loss or a bias update (see the moe_load_balance page)"
+    verdict = {
+        "problem": "the router sends most tokens to few experts",
+        "warning": "the expert load is uneven",
+        "ok": "the experts share the load",
+    }[severity]
+    fix = (
+        ""
+        if severity == "ok"
+        else "balance the router: an auxiliary load-balancing loss or a bias update (see the moe_load_balance page)"
+    )
     return Finding("layout", "expert load skew", severity, verdict, tuple(evidence), fix, {"skew": skew})
 
 
@@ -198,15 +270,39 @@ def check_unsharded(strategy, report, fsdp: int) -> Finding:
     if fsdp == 1:
         return Finding("layout", "parameters left unsharded", "not applicable", "the mesh has no fsdp axis")
     fraction = report.unsharded_fraction
-    evidence = (f"{format_bytes(report.unsharded_bytes)} of {format_bytes(report.total_bytes)} parameter bytes whole on each of fsdp={fsdp}: {fraction:.0%}",
-                "largest whole: " + (", ".join(report.largest_unsharded) or "none"))
+    evidence = (
+        f"{format_bytes(report.unsharded_bytes)} of {format_bytes(report.total_bytes)} "
+        f"parameter bytes whole on each of fsdp={fsdp}: {fraction:.0%}",
+        "largest whole: " + (", ".join(report.largest_unsharded) or "none"),
+    )
     numbers = {"unsharded_fraction": fraction}
     if not strategy.shards_params:
-        return Finding("layout", "parameters left unsharded", "ok", f"{strategy.name} keeps parameters whole by design (memory checks the cost)", evidence, numbers=numbers)
+        return Finding(
+            "layout",
+            "parameters left unsharded",
+            "ok",
+            f"{strategy.name} keeps parameters whole by design (memory checks the cost)",
+            evidence,
+            numbers=numbers,
+        )
     if fraction > strategy.max_unsharded_fraction:
-        return Finding("layout", "parameters left unsharded", "problem", f"{strategy.name} leaves {fraction:.0%} of the parameters whole",
-                       evidence, "map a dimension of those parameters to fsdp", numbers)
-    return Finding("layout", "parameters left unsharded", "ok", f"{strategy.name} shards the parameters over fsdp", evidence, numbers=numbers)
+        return Finding(
+            "layout",
+            "parameters left unsharded",
+            "problem",
+            f"{strategy.name} leaves {fraction:.0%} of the parameters whole",
+            evidence,
+            "map a dimension of those parameters to fsdp",
+            numbers,
+        )
+    return Finding(
+        "layout",
+        "parameters left unsharded",
+        "ok",
+        f"{strategy.name} shards the parameters over fsdp",
+        evidence,
+        numbers=numbers,
+    )
 
 
 # --- communication ----------------------------------------------------------------------------------
@@ -227,20 +323,45 @@ class Traffic:
 def check_comm_time(traffic: Sequence[Traffic], compute_s: float, compute_source: str) -> Finding:
     """The largest collectives per axis and their predicted time against the step's compute."""
     if not traffic:
-        return Finding("communication", "largest collectives per axis", "ok", "the step has no collectives", numbers={"ratio": 0.0})
+        return Finding(
+            "communication", "largest collectives per axis", "ok", "the step has no collectives", numbers={"ratio": 0.0}
+        )
     comm = sum(t.predicted_s for t in traffic)
     ratio = comm / compute_s
     severity = _severity(ratio, COMM_BOUND_WARNING, COMM_BOUND_PROBLEM)
     largest = sorted(traffic, key=lambda t: -t.bytes_per_step)[:3]
-    evidence = (f"all collectives predicted {comm * 1e3:.3g} ms against {compute_s * 1e3:.3g} ms of compute ({compute_source}): {ratio:.2f}",)
-    evidence += tuple(f"{t.kind} over {','.join(t.axes) or '-'}: {t.count}{'' if t.exact else '+'} per step, {format_bytes(t.bytes_per_step)}, "
-                      f"predicted {t.predicted_s * 1e3:.3g} ms" for t in largest)
+    evidence = (
+        f"all collectives predicted {comm * 1e3:.3g} ms against {compute_s * 1e3:.3g} "
+        f"ms of compute ({compute_source}): {ratio:.2f}",
+    )
+    evidence += tuple(
+        f"{t.kind} over {','.join(t.axes) or '-'}: {t.count}{'' if t.exact else '+'} "
+        f"per step, {format_bytes(t.bytes_per_step)}, "
+        f"predicted {t.predicted_s * 1e3:.3g} ms"
+        for t in largest
+    )
     if not all(t.exact for t in traffic):
         evidence += ("+: in loops of unknown trip count, counted once: a lower bound",)
-    verdict = {"problem": "communication-bound: the collectives take longer than the compute", "warning": "communication is a large part of the step",
-               "ok": "communication is small next to compute"}[severity]
-    fix = "" if severity == "ok" else "put the largest collective's axis on faster links, or give each device more work (a larger batch per device)"
-    return Finding("communication", "largest collectives per axis", severity, verdict, evidence, fix, {"comm_s": comm, "compute_s": compute_s, "ratio": ratio})
+    verdict = {
+        "problem": "communication-bound: the collectives take longer than the compute",
+        "warning": "communication is a large part of the step",
+        "ok": "communication is small next to compute",
+    }[severity]
+    fix = (
+        ""
+        if severity == "ok"
+        else "put the largest collective's axis on faster links, or give each "
+        "device more work (a larger batch per device)"
+    )
+    return Finding(
+        "communication",
+        "largest collectives per axis",
+        severity,
+        verdict,
+        evidence,
+        fix,
+        {"comm_s": comm, "compute_s": compute_s, "ratio": ratio},
+    )
 
 
 def zero_volume(shards_params: bool, reshard_after_forward: bool) -> float:
@@ -248,43 +369,98 @@ def zero_volume(shards_params: bool, reshard_after_forward: bool) -> float:
     return 3.0 if shards_params and reshard_after_forward else 2.0
 
 
-def check_comm_volume(moved_bytes: float, model_bytes: float, expected_copies: float, micro_batches: int, strategy: str, exact: bool = True) -> Finding:
+def check_comm_volume(
+    moved_bytes: float,
+    model_bytes: float,
+    expected_copies: float,
+    micro_batches: int,
+    strategy: str,
+    exact: bool = True,
+) -> Finding:
     """Bytes the data-axis collectives move per step, in model copies, against the strategy's textbook volume.
 
     `exact` False: some collectives sit in loops of unknown trip count (counted once), so the volume is a lower bound."""
     copies = moved_bytes / model_bytes
     ratio = copies / expected_copies
     severity = _severity(ratio, VOLUME_WARNING, VOLUME_PROBLEM)
-    evidence = (f"{format_bytes(moved_bytes)} per step over the data axes = {copies:.2f} model copies ({format_bytes(model_bytes)} each; all-reduce counted twice)",
-                f"ZeRO paper for {strategy}: {expected_copies:.0f} copies per step; observed {ratio:.2f}x that, with {micro_batches} micro-batch(es)")
+    evidence = (
+        f"{format_bytes(moved_bytes)} per step over the data axes = {copies:.2f} "
+        f"model copies ({format_bytes(model_bytes)} each; all-reduce counted "
+        "twice)",
+        f"ZeRO paper for {strategy}: {expected_copies:.0f} copies per step; "
+        f"observed {ratio:.2f}x that, with {micro_batches} micro-batch(es)",
+    )
     if not exact:
         evidence += ("some collectives run in loops of unknown trip count and were counted once: a lower bound",)
         if severity == "ok":  # a lower bound under the thresholds proves nothing
-            return Finding("communication", "communication volume per step", "not applicable",
-                           "cannot tell: loop trip counts are unknown in this HLO, and the lower bound is under the thresholds",
-                           evidence, numbers={"copies": copies, "ratio": ratio})
-    verdict = {"problem": "the step moves the model many times over: collectives repeat", "warning": "the step moves more than its strategy needs",
-               "ok": "the step moves what its strategy needs"}[severity]
+            return Finding(
+                "communication",
+                "communication volume per step",
+                "not applicable",
+                "cannot tell: loop trip counts are unknown in this HLO, and the lower bound is under the thresholds",
+                evidence,
+                numbers={"copies": copies, "ratio": ratio},
+            )
+    verdict = {
+        "problem": "the step moves the model many times over: collectives repeat",
+        "warning": "the step moves more than its strategy needs",
+        "ok": "the step moves what its strategy needs",
+    }[severity]
     fix = ""
     if severity != "ok":
-        fix = ("each micro-batch gathers the weights and reduces its gradients again: fewer --micro-batches, or, where memory allows, "
-               "a strategy that keeps weights whole and accumulates gradients unreduced (zero1, ddp: one reduction per step); "
-               "zero3-keep only halves the gathers") if micro_batches > 1 else "look for collectives the layout repeats (lab inspect)"
-    return Finding("communication", "communication volume per step", severity, verdict, evidence, fix, {"copies": copies, "ratio": ratio})
+        fix = (
+            (
+                "each micro-batch gathers the weights and reduces its gradients "
+                "again: fewer --micro-batches, or, where memory allows, "
+                "a strategy that keeps weights whole and accumulates gradients "
+                "unreduced (zero1, ddp: one reduction per step); "
+                "zero3-keep only halves the gathers"
+            )
+            if micro_batches > 1
+            else "look for collectives the layout repeats (lab inspect)"
+        )
+    return Finding(
+        "communication",
+        "communication volume per step",
+        severity,
+        verdict,
+        evidence,
+        fix,
+        {"copies": copies, "ratio": ratio},
+    )
 
 
 def check_exposed(report) -> Finding:
     """Exposed communication from `lab.overlap.overlap_report` (None: the HLO has no async collectives)."""
     if report is None:
-        return Finding("communication", "exposed communication", "not applicable",
-                       "the compiled step has no async collectives (XLA:CPU schedules every one synchronously): nothing overlaps, each one waits")
+        return Finding(
+            "communication",
+            "exposed communication",
+            "not applicable",
+            "the compiled step has no async collectives (XLA:CPU schedules "
+            "every one synchronously): nothing overlaps, each one waits",
+        )
     fraction = report.exposed_s / report.step_s if report.step_s else 0.0
     severity = _severity(fraction, EXPOSED_WARNING, EXPOSED_PROBLEM)
-    evidence = (f"predicted communication {report.communication_s * 1e3:.3g} ms, hidden {report.hidden_s * 1e3:.3g} ms, exposed {report.exposed_s * 1e3:.3g} ms",
-                f"exposed / predicted step ({report.step_s * 1e3:.3g} ms on {report.chip}): {fraction:.0%}")
-    verdict = {"problem": "the step waits for the network", "warning": "part of the communication is not hidden", "ok": "exposed communication is a small part of the step"}[severity]
-    fix = "" if severity == "ok" else "give the scheduler compute to overlap with (larger per-device batch), or fewer, larger collectives"
-    return Finding("communication", "exposed communication", severity, verdict, evidence, fix, {"exposed_fraction": fraction})
+    evidence = (
+        f"predicted communication {report.communication_s * 1e3:.3g} ms, "
+        f"hidden {report.hidden_s * 1e3:.3g} ms, exposed {report.exposed_s * 1e3:.3g} "
+        "ms",
+        f"exposed / predicted step ({report.step_s * 1e3:.3g} ms on {report.chip}): {fraction:.0%}",
+    )
+    verdict = {
+        "problem": "the step waits for the network",
+        "warning": "part of the communication is not hidden",
+        "ok": "exposed communication is a small part of the step",
+    }[severity]
+    fix = (
+        ""
+        if severity == "ok"
+        else "give the scheduler compute to overlap with (larger per-device batch), or fewer, larger collectives"
+    )
+    return Finding(
+        "communication", "exposed communication", severity, verdict, evidence, fix, {"exposed_fraction": fraction}
+    )
 
 
 # --- numerics ---------------------------------------------------------------------------------------
@@ -293,12 +469,30 @@ def check_exposed(report) -> Finding:
 def check_nonfinite(losses: Sequence[float], grad_norms: Sequence[float]) -> Finding:
     if not losses:
         return Finding("numerics", "NaN or Inf", "not applicable", "no steps were run")
-    bad = [i for i, (loss, norm) in enumerate(zip(losses, grad_norms)) if not (math.isfinite(loss) and math.isfinite(norm))]
+    bad = [
+        i for i, (loss, norm) in enumerate(zip(losses, grad_norms)) if not (math.isfinite(loss) and math.isfinite(norm))
+    ]
     if not bad:
-        return Finding("numerics", "NaN or Inf", "ok", "loss and gradient norm stay finite", (f"{len(losses)} steps",), numbers={"first_bad_step": -1})
-    return Finding("numerics", "NaN or Inf", "problem", f"non-finite loss or gradient norm from step {bad[0]}",
-                   (f"{len(bad)} of {len(losses)} steps non-finite; step {bad[0]}: loss {losses[bad[0]]}, grad norm {grad_norms[bad[0]]}",),
-                   "lower --learning-rate; look for bad batches and overflow in low precision", {"first_bad_step": bad[0]})
+        return Finding(
+            "numerics",
+            "NaN or Inf",
+            "ok",
+            "loss and gradient norm stay finite",
+            (f"{len(losses)} steps",),
+            numbers={"first_bad_step": -1},
+        )
+    return Finding(
+        "numerics",
+        "NaN or Inf",
+        "problem",
+        f"non-finite loss or gradient norm from step {bad[0]}",
+        (
+            f"{len(bad)} of {len(losses)} steps non-finite; step {bad[0]}: "
+            f"loss {losses[bad[0]]}, grad norm {grad_norms[bad[0]]}",
+        ),
+        "lower --learning-rate; look for bad batches and overflow in low precision",
+        {"first_bad_step": bad[0]},
+    )
 
 
 def gradient_spikes(grad_norms: Sequence[float]) -> list[tuple[int, float]]:
@@ -313,14 +507,32 @@ def gradient_spikes(grad_norms: Sequence[float]) -> list[tuple[int, float]]:
 
 def check_spikes(grad_norms: Sequence[float]) -> Finding:
     if len(grad_norms) <= SPIKE_WINDOW:
-        return Finding("numerics", "gradient-norm spikes", "not applicable", f"fewer than {SPIKE_WINDOW + 1} steps: no running median to compare with")
+        return Finding(
+            "numerics",
+            "gradient-norm spikes",
+            "not applicable",
+            f"fewer than {SPIKE_WINDOW + 1} steps: no running median to compare with",
+        )
     spikes = gradient_spikes(grad_norms)
     if not spikes:
-        return Finding("numerics", "gradient-norm spikes", "ok", "no spikes", (f"max grad norm / running median {_max_ratio(grad_norms):.2f} (spike: {SPIKE_FACTOR:g})",), numbers={"spikes": 0})
+        return Finding(
+            "numerics",
+            "gradient-norm spikes",
+            "ok",
+            "no spikes",
+            (f"max grad norm / running median {_max_ratio(grad_norms):.2f} (spike: {SPIKE_FACTOR:g})",),
+            numbers={"spikes": 0},
+        )
     worst = max(spikes, key=lambda s: s[1])
-    return Finding("numerics", "gradient-norm spikes", "warning", f"{len(spikes)} gradient-norm spike(s)",
-                   (f"worst at step {worst[0]}: {worst[1]:.1f}x the median of the previous {SPIKE_WINDOW} steps",),
-                   "clip gradients or lower --learning-rate; skip the batches around a spike", {"spikes": len(spikes)})
+    return Finding(
+        "numerics",
+        "gradient-norm spikes",
+        "warning",
+        f"{len(spikes)} gradient-norm spike(s)",
+        (f"worst at step {worst[0]}: {worst[1]:.1f}x the median of the previous {SPIKE_WINDOW} steps",),
+        "clip gradients or lower --learning-rate; skip the batches around a spike",
+        {"spikes": len(spikes)},
+    )
 
 
 def _max_ratio(grad_norms: Sequence[float]) -> float:
@@ -338,8 +550,23 @@ def check_divergence(losses: Sequence[float]) -> Finding:
     evidence = (f"loss {first:.3f} at the first step, best {best:.3f}, last quarter's median {final:.3f}",)
     numbers = {"first": first, "best": best, "final": final}
     if final > first:
-        return Finding("numerics", "loss divergence", "problem", "the loss diverged: worse than the untrained model's", evidence,
-                       "lower --learning-rate (or add warm-up and clipping)", numbers)
+        return Finding(
+            "numerics",
+            "loss divergence",
+            "problem",
+            "the loss diverged: worse than the untrained model's",
+            evidence,
+            "lower --learning-rate (or add warm-up and clipping)",
+            numbers,
+        )
     if final > RISE_WARNING * best:
-        return Finding("numerics", "loss divergence", "warning", "the loss is rising again", evidence, "lower --learning-rate", numbers)
+        return Finding(
+            "numerics",
+            "loss divergence",
+            "warning",
+            "the loss is rising again",
+            evidence,
+            "lower --learning-rate",
+            numbers,
+        )
     return Finding("numerics", "loss divergence", "ok", "the loss falls", evidence, numbers=numbers)

@@ -1,4 +1,4 @@
-"""Routing tokens to experts: scores, top-k, capacity, and keeping the load balanced.
+"""Mixture of experts on one device: routing, capacity, balance, dispatch and combine.
 
 A mixture-of-experts layer sends each token to k of its E experts (Shazeer et
 al. 2017, arXiv:1701.06538). The router is one matmul, logits = x · W_r,
@@ -25,7 +25,9 @@ better, and get more tokens. The counter-measures, each selectable:
 A `Routing` is a table with one row per token and k columns: the expert, the
 slot in that expert's buffer, and the gate. A dropped assignment has slot C,
 one past the buffer, so a scatter with ``mode="drop"`` skips it. Expert
-choice fills the same table with k = E columns.
+choice fills the same table with k = E columns. `dispatch` scatters tokens
+into the [E, C, D] buffers by that table and `combine` gathers them back;
+`lab.parallel.expert` puts the buffers' E axis on the ``expert`` mesh axis.
 """
 
 from __future__ import annotations
@@ -60,14 +62,26 @@ class RouterConfig:
         if self.experts < 1:
             raise LabError(f"experts={self.experts}: an MoE layer needs at least one expert")
         if not 1 <= self.top_k <= self.experts:
-            raise LabError(f"top-k {self.top_k} is larger than the {self.experts} experts (or below 1); choose k between 1 and {self.experts}")
+            raise LabError(
+                f"top-k {self.top_k} is larger than the {self.experts} experts "
+                f"(or below 1); choose k between 1 and {self.experts}"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise LabError(f"capacity factor {self.capacity_factor}: must be > 0 (1.0 = exactly the mean load); leave it unset (None) to drop nothing")
-        for name, value, allowed in (("score", self.score, SCORES), ("drop_policy", self.drop_policy, DROP_POLICIES), ("choice", self.choice, CHOICES)):
+            raise LabError(
+                f"capacity factor {self.capacity_factor}: must be > 0 (1.0 = "
+                "exactly the mean load); leave it unset (None) to drop nothing"
+            )
+        for name, value, allowed in (
+            ("score", self.score, SCORES),
+            ("drop_policy", self.drop_policy, DROP_POLICIES),
+            ("choice", self.choice, CHOICES),
+        ):
             if value not in allowed:
                 raise LabError(f"{name}={value!r}: use one of {', '.join(allowed)}")
         if self.choice == "experts" and self.capacity_factor is None:
-            raise LabError("expert-choice routing needs a capacity factor: the capacity is how many tokens each expert picks")
+            raise LabError(
+                "expert-choice routing needs a capacity factor: the capacity is how many tokens each expert picks"
+            )
         if self.noise_std < 0:
             raise LabError(f"noise_std={self.noise_std}: the noise scale must be >= 0")
 
@@ -108,7 +122,9 @@ class Routing:
         return self.slot_TK < self.capacity
 
 
-def route(logits_TE: jax.Array, config: RouterConfig, *, bias_E: jax.Array | None = None, noise_key: jax.Array | None = None) -> Routing:
+def route(
+    logits_TE: jax.Array, config: RouterConfig, *, bias_E: jax.Array | None = None, noise_key: jax.Array | None = None
+) -> Routing:
     """Route one group of tokens: scores, top-k (or expert choice), slots within capacity."""
     tokens = logits_TE.shape[0]
     capacity = config.capacity(tokens)
@@ -146,12 +162,31 @@ def _expert_choice(probs_TE: jax.Array, logits_TE: jax.Array, capacity: int) -> 
     """Each expert takes the `capacity` tokens it scores highest (Zhou et al. 2022, eq. 1-2)."""
     tokens, experts = probs_TE.shape
     _, token_EC = jax.lax.top_k(probs_TE.T, capacity)
-    slot_TE = jnp.full((tokens, experts), capacity).at[token_EC, jnp.arange(experts)[:, None]].set(jnp.arange(capacity)[None, :])
+    slot_TE = (
+        jnp.full((tokens, experts), capacity)
+        .at[token_EC, jnp.arange(experts)[:, None]]
+        .set(jnp.arange(capacity)[None, :])
+    )
     expert_TE = jnp.broadcast_to(jnp.arange(experts), (tokens, experts))
     return Routing(expert_TE, slot_TE, probs_TE, slot_TE < capacity, probs_TE, logits_TE, capacity)
 
 
 # --- load-balancing losses and the bias update --------------------------------------------
+
+
+def dispatch(x_TD: jax.Array, routing: Routing, experts: int) -> jax.Array:
+    """Scatter each kept (token, choice) into its expert's slot: the buffer x_ECD, zeros where unused."""
+    buffer_ECD = jnp.zeros((experts, routing.capacity, x_TD.shape[-1]), x_TD.dtype)
+    copies_TKD = jnp.broadcast_to(x_TD[:, None, :], (*routing.expert_TK.shape, x_TD.shape[-1]))
+    return buffer_ECD.at[routing.expert_TK, routing.slot_TK].set(
+        copies_TKD, mode="drop"
+    )  # slot C is out of range: dropped
+
+
+def combine(y_ECD: jax.Array, routing: Routing) -> jax.Array:
+    """Each token's gate-weighted sum of its experts' outputs (a dropped choice reads zeros)."""
+    y_TKD = y_ECD.at[routing.expert_TK, routing.slot_TK].get(mode="fill", fill_value=0)
+    return jnp.einsum("tk,tkd->td", routing.gate_TK.astype(y_TKD.dtype), y_TKD)
 
 
 def switch_aux_loss(routing: Routing) -> jax.Array:

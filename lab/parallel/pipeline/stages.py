@@ -25,7 +25,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.model import Block, ModelConfig
-from lab.parallel.pipeline import device_of
+from lab.parallel.pipeline.schedules import device_of
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,9 @@ class StageSplit:
         try:
             counts = tuple(int(part) for part in text.split(","))
         except ValueError:
-            raise LabError(f"split {text!r}: write the blocks per stage as integers separated by commas, e.g. 3,3,2,2") from None
+            raise LabError(
+                f"split {text!r}: write the blocks per stage as integers separated by commas, e.g. 3,3,2,2"
+            ) from None
         if min(counts) < 1:
             raise LabError(f"split {text!r}: every stage needs at least one block")
         return cls(counts)
@@ -59,7 +61,11 @@ class StageSplit:
     @classmethod
     def even(cls, layers: int, virtual_stages: int) -> StageSplit:
         if layers % virtual_stages:
-            raise LabError(f"{layers} layers do not split evenly into {virtual_stages} (virtual) stages; use a multiple of {virtual_stages} layers, or name the split, e.g. --split 3,3,2,2")
+            raise LabError(
+                f"{layers} layers do not split evenly into {virtual_stages} "
+                f"(virtual) stages; use a multiple of {virtual_stages} layers, "
+                "or name the split, e.g. --split 3,3,2,2"
+            )
         return cls((layers // virtual_stages,) * virtual_stages)
 
     @property
@@ -97,7 +103,10 @@ class Workload:
 
     def __post_init__(self) -> None:
         if self.micro_batches < 1 or self.batch % self.micro_batches:
-            raise LabError(f"a batch of {self.batch} sequences does not split into {self.micro_batches} equal micro-batches; use a batch that is a multiple of {self.micro_batches}")
+            raise LabError(
+                f"a batch of {self.batch} sequences does not split into {self.micro_batches} "
+                f"equal micro-batches; use a batch that is a multiple of {self.micro_batches}"
+            )
 
     @property
     def micro_batch_size(self) -> int:
@@ -151,7 +160,7 @@ def init_weights(workload: Workload, seed: int = 0) -> dict:
     the step's, and any weights serve to compare a pipeline with its model.
     """
     rng = np.random.default_rng(seed)
-    layers, scale = workload.split.total, workload.block.embed ** -0.5
+    layers, scale = workload.split.total, workload.block.embed**-0.5
 
     def draw(path, shape) -> np.ndarray:
         full = (layers, *shape.shape[1:])
@@ -172,7 +181,7 @@ def stage_weights(weights_L: dict, split: StageSplit, stages: int) -> dict:
         for virtual, count in enumerate(split.layers):
             device, chunk = device_of(virtual, stages)
             first = split.first_layer(virtual)
-            out[device, chunk, :count] = w_L[first:first + count]
+            out[device, chunk, :count] = w_L[first : first + count]
         return out
 
     return jax.tree.map(place, weights_L)
@@ -192,7 +201,9 @@ def unstage_weights(staged: dict, split: StageSplit, stages: int) -> dict:
 def stage_weights_abstract(workload: Workload, stages: int, chunks: int) -> dict:
     """The staged weights' shapes, [P, v, widest, ...], and the active-layer mask."""
     one_block = block_shapes(workload.block)
-    blocks = jax.tree.map(lambda w: jax.ShapeDtypeStruct((stages, chunks, workload.split.widest, *w.shape[1:]), w.dtype), one_block)
+    blocks = jax.tree.map(
+        lambda w: jax.ShapeDtypeStruct((stages, chunks, workload.split.widest, *w.shape[1:]), w.dtype), one_block
+    )
     return {"blocks": blocks, "active": jax.ShapeDtypeStruct((stages, chunks, workload.split.widest), jnp.float32)}
 
 

@@ -38,7 +38,7 @@ asks `activation_sharding` for its logical axes and passes it as the
 einsum's ``out_sharding``, which is the all-reduce over ``tensor``. Expert
 weights are split over ``expert`` and reduced over the other batch axes only.
 The stacked blocks' ``layers`` dimension is split over ``stage`` in every
-table too (pipeline stages, `lab.parallel.pipeline_spmd`); a block uses one
+table too (pipeline stages, `lab.parallel.pipeline.spmd`); a block uses one
 layer's weights, so `use` never gathers over ``stage``.
 
 Meshes use Explicit axis types, so every collective here is a `jax.reshard`
@@ -72,7 +72,9 @@ _REMAT: dict[str, Callable | None] = {
     "none": None,
     "dots": jax.checkpoint_policies.dots_saveable,  # save matmul outputs, recompute the elementwise rest
     "full": jax.checkpoint_policies.nothing_saveable,  # save only each block's input
-    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),  # weight-matmul outputs to host memory
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"
+    ),  # weight-matmul outputs to host memory
 }
 REMAT_POLICIES = tuple(_REMAT)
 
@@ -91,7 +93,9 @@ class Layout:
 
     mesh: jax.sharding.Mesh
     strategy: Strategy
-    param_dtype: jnp.dtype = jnp.float32  # the working copy the forward gathers (FSDP2's MixedPrecisionPolicy.param_dtype)
+    param_dtype: jnp.dtype = (
+        jnp.float32
+    )  # the working copy the forward gathers (FSDP2's MixedPrecisionPolicy.param_dtype)
     compute_dtype: jnp.dtype = jnp.float32
     remat: str = "none"
     sizes: dict[str, int] = field(init=False, repr=False)
@@ -110,7 +114,7 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        """Pipeline stages: the ``stage`` axis splits the stacked blocks' layers (GPipe, `lab.parallel.pipeline_spmd`)."""
+        """Pipeline stages: the ``stage`` axis splits the stacked blocks' layers (GPipe, `lab.parallel.pipeline.spmd`)."""
         return self.sizes.get("stage", 1)
 
     @property
@@ -127,7 +131,9 @@ class Layout:
         rules = self.strategy.activations | self.strategy.model_parallel
         others = self._live(rules.spec([None if a == "batch" else a for a in axes], "an activation"))
         batch = _entry([a for a in rules.mesh_axes("batch") if a in self.data_axes and a not in spec_axes(others)])
-        return NamedSharding(self.mesh, P(*(batch if logical == "batch" else entry for logical, entry in zip(axes, others))))
+        return NamedSharding(
+            self.mesh, P(*(batch if logical == "batch" else entry for logical, entry in zip(axes, others)))
+        )
 
     def batch_spec(self) -> P:
         """The tokens' spec: the batch split over the live batch axes (a size-1 axis in a contracting
@@ -138,11 +144,17 @@ class Layout:
         ways = micro_batches * math.prod(self.sizes[a] for a in self.data_axes)
         if global_batch % ways:
             shown = ",".join(f"{a}={self.sizes[a]}" for a in DATA_AXES if a in self.data_axes) or "one device"
-            raise LabError(f"global batch {global_batch} is not divisible by the data axes ({shown}) times {micro_batches} micro-batches; use a multiple of {ways}")
+            raise LabError(
+                f"global batch {global_batch} is not divisible by the data axes "
+                f"({shown}) times {micro_batches} micro-batches; use a multiple "
+                f"of {ways}"
+            )
 
     def shardings(self, params: nnx.State, table: str) -> nnx.State:
         """NamedShardings of `params` under the strategy's ``params``, ``grads`` or ``optimizer`` table."""
-        return _map_variables(lambda path, v: v.replace(NamedSharding(self.mesh, self.spec(_name(path), v, table))), params)
+        return _map_variables(
+            lambda path, v: v.replace(NamedSharding(self.mesh, self.spec(_name(path), v, table))), params
+        )
 
     def spec(self, name: str, variable: nnx.Variable, table: str) -> P:
         """One parameter's spec under a table; working weights are reduced over the data axes they are whole on."""
@@ -159,7 +171,9 @@ class Layout:
     def check_sufficiently_sharded(self, params: nnx.State) -> None:
         rows = []
         itemsize = jnp.dtype(self.param_dtype).itemsize
-        _map_variables(lambda path, v: rows.append((_name(path), v.size * itemsize, self.spec(_name(path), v, "params"))), params)
+        _map_variables(
+            lambda path, v: rows.append((_name(path), v.size * itemsize, self.spec(_name(path), v, "params"))), params
+        )
         check_sufficiently_sharded(self.strategy, sharding_report(rows), self.sizes.get("fsdp", 1))
 
     # --- the forward pass: a weight as a matmul uses it --------------------------------
@@ -186,7 +200,9 @@ class Layout:
         if not self.strategy.shards_params:
             return base
         if self.strategy.reshard_after_forward:
-            return lambda prim, *args, **params: not _gathered(prim, params) and (base is None or base(prim, *args, **params))
+            return lambda prim, *args, **params: (
+                not _gathered(prim, params) and (base is None or base(prim, *args, **params))
+            )
         if base is None:
             return None
         return lambda prim, *args, **params: prim.name == "reshard" or base(prim, *args, **params)
@@ -201,7 +217,9 @@ class Layout:
             scatter_over = unreduced & spec_axes(target.spec)
             if not scatter_over:  # nothing to split: keep partial sums (DDP, ZeRO-1, HSDP's data axis)
                 return grad
-            return jax.reshard(grad, NamedSharding(self.mesh, P(*target.spec.partitions, unreduced=unreduced - scatter_over)))
+            return jax.reshard(
+                grad, NamedSharding(self.mesh, P(*target.spec.partitions, unreduced=unreduced - scatter_over))
+            )
 
         grads = jax.tree.map(scatter, grads, targets)
         return grads if accumulated is None else jax.tree.map(jnp.add, accumulated, grads)

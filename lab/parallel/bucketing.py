@@ -90,16 +90,26 @@ class BucketPlan:
 def plan_buckets(leaves: Sequence, bucket_bytes: int) -> BucketPlan:
     """Cut the gradients (arrays or ShapeDtypeStructs of one dtype), last leaf first, into buckets of `bucket_bytes`."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
-        raise LabError(f"bucket size {bucket_bytes!r}: a bucket must hold a positive whole number of bytes, e.g. 25 MiB = {DDP_BUCKET_BYTES}")
+        raise LabError(
+            f"bucket size {bucket_bytes!r}: a bucket must hold a positive "
+            f"whole number of bytes, e.g. 25 MiB = {DDP_BUCKET_BYTES}"
+        )
     if not leaves:
         raise LabError("no gradients to bucket; pass the gradient arrays (or their ShapeDtypeStructs)")
     dtypes = {np.dtype(leaf.dtype) for leaf in leaves}
     if len(dtypes) > 1:
-        raise LabError(f"gradients of several dtypes ({', '.join(sorted(d.name for d in dtypes))}) cannot share a bucket; bucket each dtype separately, as DDP does")
+        raise LabError(
+            f"gradients of several dtypes ({', '.join(sorted(d.name for d in dtypes))}) "
+            "cannot share a bucket; bucket each dtype separately, as DDP "
+            "does"
+        )
     dtype = dtypes.pop()
     per_bucket = bucket_bytes // dtype.itemsize
     if per_bucket < 1:
-        raise LabError(f"bucket size {bucket_bytes} bytes is smaller than one {dtype.name} element ({dtype.itemsize} bytes); use at least {dtype.itemsize}")
+        raise LabError(
+            f"bucket size {bucket_bytes} bytes is smaller than one {dtype.name} "
+            f"element ({dtype.itemsize} bytes); use at least {dtype.itemsize}"
+        )
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
     stream = [Segment(i, 0, math.prod(shapes[i])) for i in reversed(range(len(shapes)))]
     buckets = tuple(Bucket(segments, count, count * dtype.itemsize) for segments, count in _cut(stream, per_bucket))
@@ -123,7 +133,9 @@ def _cut(stream: list[Segment], per_bucket: int) -> list[tuple[tuple[Segment, ..
     return runs
 
 
-def bucketed_psum(leaves: Sequence[jax.Array], axis: str, plan: BucketPlan | None, *, keep_apart: bool = True) -> list[jax.Array]:
+def bucketed_psum(
+    leaves: Sequence[jax.Array], axis: str, plan: BucketPlan | None, *, keep_apart: bool = True
+) -> list[jax.Array]:
     """Inside shard_map: the sum over `axis` of every gradient leaf, one psum per bucket of `plan`.
 
     Without a plan, one psum per leaf: the buckets are then whatever XLA's combiner makes of them.
@@ -131,7 +143,11 @@ def bucketed_psum(leaves: Sequence[jax.Array], axis: str, plan: BucketPlan | Non
     if plan is None:
         return [lax.psum(leaf, axis) for leaf in leaves]
     if tuple(tuple(leaf.shape) for leaf in leaves) != plan.shapes:
-        raise LabError(f"the gradients' shapes {[tuple(x.shape) for x in leaves]} differ from the plan's {list(plan.shapes)}; plan the buckets for these gradients")
+        raise LabError(
+            f"the gradients' shapes {[tuple(x.shape) for x in leaves]} differ "
+            f"from the plan's {list(plan.shapes)}; plan the buckets for these "
+            "gradients"
+        )
     flat = [leaf.reshape(-1) for leaf in leaves]
     pieces: dict[Segment, jax.Array] = {}
     previous = None
@@ -201,7 +217,9 @@ def local_gradients(config, axis: str, params, tokens_BT) -> list[jax.Array]:
 
 
 @functools.cache
-def gradient_problem(config, mesh, axis: str = "data", sequences_per_device: int = 1, seed: int = 0, *, placed: bool = True) -> GradientProblem:
+def gradient_problem(
+    config, mesh, axis: str = "data", sequences_per_device: int = 1, seed: int = 0, *, placed: bool = True
+) -> GradientProblem:
     """The transformer `config` (a lab.model.ModelConfig) with random tokens on `mesh`.
 
     ``placed=False`` gives ShapeDtypeStructs only: enough to compile for a
@@ -220,7 +238,9 @@ def gradient_problem(config, mesh, axis: str = "data", sequences_per_device: int
     if not placed:
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), abstract)
         return GradientProblem(config, mesh, axis, params, jax.ShapeDtypeStruct(shape, np.int32, sharding=split))
-    params = create_params(config, jax.tree.map(lambda _: replicated, abstract), seed)  # one jitted initialisation, already replicated
+    params = create_params(
+        config, jax.tree.map(lambda _: replicated, abstract), seed
+    )  # one jitted initialisation, already replicated
     tokens = np.random.default_rng(seed).integers(0, config.vocab, shape, dtype=np.int32)
     return GradientProblem(config, mesh, axis, params, jax.device_put(tokens, split))
 

@@ -47,7 +47,9 @@ class Loader:
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.jitter_s < 0:
-            raise LabError(f"input latency {self.latency_s * 1e3:g} ms and jitter {self.jitter_s * 1e3:g} ms must not be negative")
+            raise LabError(
+                f"input latency {self.latency_s * 1e3:g} ms and jitter {self.jitter_s * 1e3:g} ms must not be negative"
+            )
 
     def cost_s(self, step: int) -> float:
         """The simulated time to load batch `step`: a function of (seed, step), like the batch."""

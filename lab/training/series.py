@@ -121,6 +121,10 @@ def find_period(slow: np.ndarray, length: int) -> tuple[int | None, int | None]:
     phase = Counter((slow % period).tolist()).most_common(1)[0][0]
     on_lattice = slow[slow % period == phase]
     lattice = np.arange(on_lattice[0], length, period)
-    if on_lattice.size >= ON_LATTICE * slow.size and on_lattice.size >= ON_LATTICE * lattice.size and on_lattice.size >= MIN_DIPS:
+    if (
+        on_lattice.size >= ON_LATTICE * slow.size
+        and on_lattice.size >= ON_LATTICE * lattice.size
+        and on_lattice.size >= MIN_DIPS
+    ):
         return int(period), int(on_lattice[0])
     return None, None

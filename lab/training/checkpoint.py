@@ -49,7 +49,9 @@ def flat_names(tree: Any) -> dict[str, Any]:
 def unflatten_like(template: Any, named: dict[str, Any]) -> Any:
     """The inverse of `flat_names`, using `template` for the pytree structure."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
-    return jax.tree_util.tree_unflatten(treedef, [named[jax.tree_util.keystr(p, simple=True, separator=".")] for p, _ in leaves])
+    return jax.tree_util.tree_unflatten(
+        treedef, [named[jax.tree_util.keystr(p, simple=True, separator=".")] for p, _ in leaves]
+    )
 
 
 class Checkpoints:
@@ -59,7 +61,9 @@ class Checkpoints:
         self.policy = policy
         directory = Path(policy.directory).absolute()
         if directory.exists() and not directory.is_dir():
-            raise LabError(f"checkpoint path {str(directory)!r} is a file; give a directory (new or written by lab train)")
+            raise LabError(
+                f"checkpoint path {str(directory)!r} is a file; give a directory (new or written by lab train)"
+            )
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=max(policy.every, 1),
             max_to_keep=policy.keep,
@@ -84,30 +88,55 @@ class Checkpoints:
         """(step, state) with each leaf placed as `abstract_state`'s ShapeDtypeStruct says (its sharding, its mesh)."""
         step = self.latest_step() if step is None else step
         if step is None:
-            raise LabError(f"no checkpoint in {str(self.policy.directory)!r}; train without --resume first, or point --checkpoint-dir at a lab train checkpoint")
+            raise LabError(
+                f"no checkpoint in {str(self.policy.directory)!r}; train without "
+                "--resume first, or point --checkpoint-dir at a lab train checkpoint"
+            )
         expected = flat_names(abstract_state)
         self._check_matches(step, expected)
-        plain = {name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_without_reduced(a.sharding)) for name, a in expected.items()}
+        plain = {
+            name: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=_without_reduced(a.sharding))
+            for name, a in expected.items()
+        }
         try:
             restored = self.manager.restore(step, args=ocp.args.StandardRestore(plain))
-        except Exception as err:  # noqa: BLE001 - orbax/tensorstore raise many types for unreadable data
-            raise LabError(f"checkpoint step {step} in {str(self.policy.directory)!r} cannot be read ({type(err).__name__}); it is corrupt: delete that step folder to fall back to an older one") from None
-        return step, unflatten_like(abstract_state, {name: _relabel(restored[name], a.sharding) for name, a in expected.items()})
+        except Exception as err:
+            raise LabError(
+                f"checkpoint step {step} in {str(self.policy.directory)!r} cannot "
+                f"be read ({type(err).__name__}); it is corrupt: delete that "
+                "step folder to fall back to an older one"
+            ) from None
+        return step, unflatten_like(
+            abstract_state, {name: _relabel(restored[name], a.sharding) for name, a in expected.items()}
+        )
 
     def _check_matches(self, step: int, expected: dict[str, Any]) -> None:
         """A checkpoint of another model or optimizer fails here, with the first difference named."""
         try:
             saved = self.manager.item_metadata(step)
-        except Exception as err:  # noqa: BLE001 - any failure to read metadata means "not a lab checkpoint"
-            raise LabError(f"{str(self.policy.directory)!r} step {step} is not a readable orbax checkpoint ({type(err).__name__}); point --checkpoint-dir at a lab train checkpoint") from None
+        except Exception as err:
+            raise LabError(
+                f"{str(self.policy.directory)!r} step {step} is not a readable "
+                f"orbax checkpoint ({type(err).__name__}); point --checkpoint-dir "
+                "at a lab train checkpoint"
+            ) from None
         saved = dict(saved or {})
         missing = sorted(set(expected) - set(saved))
         if missing:
-            raise LabError(f"checkpoint step {step} in {str(self.policy.directory)!r} is from another model: it has no {missing[0]!r}; use the same --model and strategy, or a new --checkpoint-dir")
+            raise LabError(
+                f"checkpoint step {step} in {str(self.policy.directory)!r} is "
+                f"from another model: it has no {missing[0]!r}; use the same "
+                "--model and strategy, or a new --checkpoint-dir"
+            )
         for name, want in expected.items():
             shape = tuple(getattr(saved[name], "shape", ()))
             if shape != tuple(want.shape):
-                raise LabError(f"checkpoint step {step} in {str(self.policy.directory)!r} is from another model: {name} has shape {shape}, this run needs {tuple(want.shape)}; use the same --model, or a new --checkpoint-dir")
+                raise LabError(
+                    f"checkpoint step {step} in {str(self.policy.directory)!r} "
+                    f"is from another model: {name} has shape {shape}, this run "
+                    f"needs {tuple(want.shape)}; use the same --model, or a new "
+                    "--checkpoint-dir"
+                )
 
     def wait(self) -> None:
         """Block until an asynchronous save is on disk."""
@@ -131,4 +160,6 @@ def _relabel(array: jax.Array, sharding) -> jax.Array:
     twin because an array reduced over an axis is physically whole on each of that axis's devices."""
     if array.sharding == sharding:
         return array
-    return jax.make_array_from_single_device_arrays(array.shape, sharding, [shard.data for shard in array.addressable_shards])
+    return jax.make_array_from_single_device_arrays(
+        array.shape, sharding, [shard.data for shard in array.addressable_shards]
+    )

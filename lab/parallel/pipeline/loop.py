@@ -1,6 +1,6 @@
 """The pipeline, executed: stages on the ``stage`` axis, activations passed by ``ppermute``.
 
-A schedule from `lab.parallel.pipeline` becomes one SPMD program. Every
+A schedule from `lab.parallel.pipeline.schedules` becomes one SPMD program. Every
 device runs the same loop over the schedule's ticks (its unit grid). At each
 tick a device looks up its own action in the schedule's tables and runs it
 (`lax.switch`: idle, or the forward or backward of one micro-batch on one
@@ -20,9 +20,9 @@ micro-batches as the schedule keeps alive (about P for 1F1B, m for GPipe):
 what the schedule saves shows in XLA's memory analysis of the compiled step.
 
 Because the exchange is a collective, devices advance tick by tick together:
-a tick lasts as long as its slowest action (`lab.parallel.pipeline.
+a tick lasts as long as its slowest action (`lab.parallel.pipeline.schedules.
 lockstep_makespan`), where GPUs sending point to point would let each stage
-run ahead (`lab.parallel.pipeline.simulate`).
+run ahead (`lab.parallel.pipeline.schedules.simulate`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
 from lab.mesh import MeshSpec
-from lab.parallel.pipeline import BACKWARD, FORWARD, Schedule, device_of
-from lab.parallel.pipeline_stages import Workload, block_graph, stage_forward, stage_loss, stage_weights_abstract
+from lab.parallel.pipeline.schedules import BACKWARD, FORWARD, Schedule, device_of
+from lab.parallel.pipeline.stages import Workload, block_graph, stage_forward, stage_loss, stage_weights_abstract
 
 IDLE_CODE, FORWARD_CODE, BACKWARD_CODE = 0, 1, 2
 
@@ -68,7 +68,11 @@ class Tables:
 def schedule_tables(schedule: Schedule) -> Tables:
     """A schedule's unit grid as tables, with the buffer depth it needs."""
     if schedule.split_backward:
-        raise LabError(f"schedule {schedule.name!r} splits the backward into I and W; the executed pipeline runs F and B only (use gpipe, 1f1b or interleaved)")
+        raise LabError(
+            f"schedule {schedule.name!r} splits the backward into I and W; "
+            "the executed pipeline runs F and B only (use gpipe, 1f1b or "
+            "interleaved)"
+        )
     return lower_grid(schedule.grid(), schedule.stages, schedule.chunks)
 
 
@@ -90,7 +94,9 @@ def lower_grid(grid, stages: int, chunks: int) -> Tables:
             if a.kind == FORWARD and virtual < last_virtual:  # the next virtual stage receives the output
                 target, chunk = device_of(virtual + 1, stages)
                 receive_forward[tick + 1, target] = (a.micro_batch, chunk)
-                arrival[target, a.micro_batch, chunk] = min(tick + 1, arrival.get((target, a.micro_batch, chunk), ticks))
+                arrival[target, a.micro_batch, chunk] = min(
+                    tick + 1, arrival.get((target, a.micro_batch, chunk), ticks)
+                )
             if a.kind == BACKWARD and virtual > 0:
                 target, chunk = device_of(virtual - 1, stages)
                 receive_backward[tick + 1, target] = (a.micro_batch, chunk)
@@ -99,7 +105,12 @@ def lower_grid(grid, stages: int, chunks: int) -> Tables:
 
 def _depth(grid, arrival: dict) -> int:
     """The most micro-batches of one chunk alive on one device at once (kept from arrival to backward)."""
-    done = {(d, a.micro_batch, a.chunk): t for d, row in enumerate(grid) for t, a in enumerate(row) if a is not None and a.kind == BACKWARD}
+    done = {
+        (d, a.micro_batch, a.chunk): t
+        for d, row in enumerate(grid)
+        for t, a in enumerate(row)
+        if a is not None and a.kind == BACKWARD
+    }
     alive = Counter()
     for (device, micro_batch, chunk), start in arrival.items():
         for tick in range(start, done.get((device, micro_batch, chunk), len(grid[0]) - 1) + 1):
@@ -138,27 +149,53 @@ class PipelineProgram:
     def abstract_args(self) -> tuple:
         """ShapeDtypeStructs with shardings for every argument, for compiling without data."""
         weights = stage_weights_abstract(self.workload, self.stages, self.chunks)
-        staged = jax.tree.map(lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=self._sharding(P("stage"))), weights)
-        data = jax.ShapeDtypeStruct((self.workload.micro_batches, *self.workload.activation_shape), jnp.float32, sharding=self._sharding(P()))
-        tables = [jax.ShapeDtypeStruct((self.max_ticks, self.stages, n), jnp.int32, sharding=self._sharding(P())) for n in (3, 2, 2)]
+        staged = jax.tree.map(
+            lambda w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=self._sharding(P("stage"))), weights
+        )
+        data = jax.ShapeDtypeStruct(
+            (self.workload.micro_batches, *self.workload.activation_shape), jnp.float32, sharding=self._sharding(P())
+        )
+        tables = [
+            jax.ShapeDtypeStruct((self.max_ticks, self.stages, n), jnp.int32, sharding=self._sharding(P()))
+            for n in (3, 2, 2)
+        ]
         return staged, data, data, *tables, jax.ShapeDtypeStruct((), jnp.int32, sharding=self._sharding(P()))
 
     def place(self, staged: dict, inputs_MBSD, targets_MBSD) -> tuple:
         """Put host arrays where the step expects them: weights split over ``stage``, data on every device."""
         weights = jax.device_put(staged, self._sharding(P("stage")))
-        return weights, jax.device_put(inputs_MBSD, self._sharding(P())), jax.device_put(targets_MBSD, self._sharding(P()))
+        return (
+            weights,
+            jax.device_put(inputs_MBSD, self._sharding(P())),
+            jax.device_put(targets_MBSD, self._sharding(P())),
+        )
 
     def table_args(self, tables: Tables) -> tuple:
         """The tables padded to the program's loop length, on every device, and the tick count."""
         if tables.depth > self.depth or tables.ticks > self.max_ticks:
-            raise LabError(f"these tables need {tables.depth} buffer slots and {tables.ticks} ticks; the program was built for {self.depth} and {self.max_ticks}: build it with them")
+            raise LabError(
+                f"these tables need {tables.depth} buffer slots and {tables.ticks} "
+                f"ticks; the program was built for {self.depth} and {self.max_ticks}: "
+                "build it with them"
+            )
         if tables.action.shape[1] != self.stages:
             raise LabError(f"tables for {tables.action.shape[1]} stages cannot run on a stage axis of {self.stages}")
-        if tables.ticks and (tables.action[..., 1].max() >= self.workload.micro_batches or tables.action[..., 2].max() >= self.chunks):
-            raise LabError(f"these tables name more micro-batches or chunks than the program has (m={self.workload.micro_batches}, v={self.chunks}); build it for them")
-        padded = [np.pad(t, ((0, self.max_ticks - tables.ticks), (0, 0), (0, 0)), constant_values=fill)
-                  for t, fill in ((tables.action, 0), (tables.receive_forward, -1), (tables.receive_backward, -1))]
-        return (*jax.device_put(padded, self._sharding(P())), jax.device_put(np.int32(tables.ticks), self._sharding(P())))
+        if tables.ticks and (
+            tables.action[..., 1].max() >= self.workload.micro_batches or tables.action[..., 2].max() >= self.chunks
+        ):
+            raise LabError(
+                "these tables name more micro-batches or chunks than the program "
+                f"has (m={self.workload.micro_batches}, v={self.chunks}); build "
+                "it for them"
+            )
+        padded = [
+            np.pad(t, ((0, self.max_ticks - tables.ticks), (0, 0), (0, 0)), constant_values=fill)
+            for t, fill in ((tables.action, 0), (tables.receive_forward, -1), (tables.receive_backward, -1))
+        ]
+        return (
+            *jax.device_put(padded, self._sharding(P())),
+            jax.device_put(np.int32(tables.ticks), self._sharding(P())),
+        )
 
     def run(self, placed: tuple, tables: Tables):
         """(loss, grads) of one step run by `tables`."""
@@ -175,7 +212,11 @@ class PipelineProgram:
 def pipeline_mesh(devices, stages: int) -> jax.sharding.Mesh:
     """A mesh whose ``stage`` axis has P devices (the first P of `devices`)."""
     if stages > len(devices):
-        raise LabError(f"a {stages}-stage pipeline needs a stage axis of {stages} devices, but the target has {len(devices)}; use at most {len(devices)} stages (or a target with more devices)")
+        raise LabError(
+            f"a {stages}-stage pipeline needs a stage axis of {stages} devices, "
+            f"but the target has {len(devices)}; use at most {len(devices)} "
+            "stages (or a target with more devices)"
+        )
     return MeshSpec(stage=stages).build(list(devices)[:stages])
 
 
@@ -183,10 +224,17 @@ def build(workload: Workload, mesh: jax.sharding.Mesh, tables: list[Tables], chu
     """A program that can run each of `tables`: buffers as deep as the deepest, a loop as long as the longest."""
     stages = dict(zip(mesh.axis_names, mesh.devices.shape))["stage"]
     if len(workload.split.layers) != stages * chunks:
-        raise LabError(f"the split names {len(workload.split.layers)} stages but the pipeline has {stages * chunks} (P={stages} x v={chunks}); give one layer count per virtual stage")
+        raise LabError(
+            f"the split names {len(workload.split.layers)} stages but the "
+            f"pipeline has {stages * chunks} (P={stages} x v={chunks}); give "
+            "one layer count per virtual stage"
+        )
     for t in tables:
         if t.action.shape[1] != stages:
-            raise LabError(f"a schedule for P={t.action.shape[1]} stages cannot run on a stage axis of {stages} devices; build the mesh with stage={t.action.shape[1]}")
+            raise LabError(
+                f"a schedule for P={t.action.shape[1]} stages cannot run on "
+                f"a stage axis of {stages} devices; build the mesh with stage={t.action.shape[1]}"
+            )
     return _program(workload, mesh, chunks, max(t.depth for t in tables), max(t.ticks for t in tables))
 
 
@@ -196,7 +244,9 @@ def _program(workload: Workload, mesh: jax.sharding.Mesh, chunks: int, depth: in
     stages = dict(zip(mesh.axis_names, mesh.devices.shape))["stage"]
     loop = functools.partial(_device_loop, stages=stages, chunks=chunks, depth=depth, workload=workload)
     weights = {"blocks": P("stage"), "active": P("stage")}
-    step = jax.jit(jax.shard_map(loop, mesh=mesh, in_specs=(weights, P(), P(), P(), P(), P(), P()), out_specs=(P(), P("stage"))))
+    step = jax.jit(
+        jax.shard_map(loop, mesh=mesh, in_specs=(weights, P(), P(), P(), P(), P(), P()), out_specs=(P(), P("stage")))
+    )
     return PipelineProgram(workload, mesh, chunks, depth, max_ticks, step)
 
 
@@ -257,9 +307,15 @@ class _Device:
         activation = self.zeros(self.workload.activation_shape)
         _, _, residual_shapes = self.pullback
         return _Carry(
-            grads=jax.tree.map(jnp.zeros_like, self.weights), inputs=self.buffer(activation.shape), cotangents=self.buffer(activation.shape),
-            residuals=[self.buffer(r.shape, r.dtype) for r in residual_shapes], out_forward=activation, out_backward=activation,
-            arrived_forward=activation, arrived_backward=activation, loss=self.zeros(()),
+            grads=jax.tree.map(jnp.zeros_like, self.weights),
+            inputs=self.buffer(activation.shape),
+            cotangents=self.buffer(activation.shape),
+            residuals=[self.buffer(r.shape, r.dtype) for r in residual_shapes],
+            out_forward=activation,
+            out_backward=activation,
+            arrived_forward=activation,
+            arrived_backward=activation,
+            loss=self.zeros(()),
         )
 
     # The branches read the buffers but return only one micro-batch's results, which `record` writes after
@@ -269,8 +325,14 @@ class _Device:
     def idle(self, carry: _Carry, micro_batch, chunk) -> _Work:
         _, _, residual_shapes = self.pullback
         activation = self.zeros(self.workload.activation_shape)
-        return _Work(activation, [self.zeros(r.shape, r.dtype) for r in residual_shapes], activation, self.zeros(()),
-                     jax.tree.map(lambda w: self.zeros(w.shape[1:], w.dtype), self.weights), activation)
+        return _Work(
+            activation,
+            [self.zeros(r.shape, r.dtype) for r in residual_shapes],
+            activation,
+            self.zeros(()),
+            jax.tree.map(lambda w: self.zeros(w.shape[1:], w.dtype), self.weights),
+            activation,
+        )
 
     def run_forward(self, carry: _Carry, micro_batch, chunk) -> _Work:
         first = chunk * self.stages + self.index == 0
@@ -279,12 +341,17 @@ class _Device:
         _, weight_positions, _ = self.pullback
         residuals = [leaf for leaf, at in zip(jax.tree.leaves(pullback), weight_positions) if at is None]
         loss, dloss_dy = jax.value_and_grad(stage_loss)(y, self.targets_MBSD[micro_batch], self.workload.micro_batches)
-        return self.idle(carry, micro_batch, chunk)._replace(out_forward=y, residuals=residuals, dloss_dy=dloss_dy, loss=loss)
+        return self.idle(carry, micro_batch, chunk)._replace(
+            out_forward=y, residuals=residuals, dloss_dy=dloss_dy, loss=loss
+        )
 
     def run_backward(self, carry: _Carry, micro_batch, chunk) -> _Work:
         treedef, weight_positions, _ = self.pullback
         slot = self.slot(micro_batch)
-        weights, stored = jax.tree.leaves(self.chunk_weights(chunk)), iter([_get(r, chunk, slot) for r in carry.residuals])
+        weights, stored = (
+            jax.tree.leaves(self.chunk_weights(chunk)),
+            iter([_get(r, chunk, slot) for r in carry.residuals]),
+        )
         pullback = jax.tree.unflatten(treedef, [next(stored) if at is None else weights[at] for at in weight_positions])
         dweights, dx = pullback(_get(carry.cotangents, chunk, slot))
         return self.idle(carry, micro_batch, chunk)._replace(dweights=dweights, out_backward=dx)
@@ -293,12 +360,20 @@ class _Device:
         """Write what the action produced into its micro-batch's slot (the scratch slot when it produced nothing)."""
         is_forward = kind == FORWARD_CODE
         is_last = is_forward & (chunk * self.stages + self.index == self.stages * self.chunks - 1)
-        residuals = [_put(r, leaf, chunk, self.slot(micro_batch, is_forward)) for r, leaf in zip(carry.residuals, work.residuals)]
+        residuals = [
+            _put(r, leaf, chunk, self.slot(micro_batch, is_forward)) for r, leaf in zip(carry.residuals, work.residuals)
+        ]
         # on the last virtual stage the loss's gradient starts the backward right here
         cotangents = _put(carry.cotangents, work.dloss_dy, chunk, self.slot(micro_batch, is_last))
         grads = jax.tree.map(lambda g, d: _add_at(g, d, chunk), carry.grads, work.dweights)
-        return carry._replace(residuals=residuals, cotangents=cotangents, grads=grads, loss=carry.loss + jnp.where(is_last, work.loss, 0.0),
-                              out_forward=work.out_forward, out_backward=work.out_backward)
+        return carry._replace(
+            residuals=residuals,
+            cotangents=cotangents,
+            grads=grads,
+            loss=carry.loss + jnp.where(is_last, work.loss, 0.0),
+            out_forward=work.out_forward,
+            out_backward=work.out_backward,
+        )
 
     def file(self, buffer, arrived, micro_batch, chunk):
         """Store what arrived in its micro-batch's slot (-1: nothing useful arrived, so the scratch slot)."""
@@ -306,19 +381,38 @@ class _Device:
         return _put(buffer, arrived, jnp.where(useful, chunk, 0), self.slot(micro_batch, useful))
 
     def tick(self, t, carry: _Carry, tables) -> _Carry:
-        action, receive_forward, receive_backward = (jax.lax.dynamic_index_in_dim(table, t, keepdims=False)[self.index] for table in tables)
-        carry = carry._replace(inputs=self.file(carry.inputs, carry.arrived_forward, *receive_forward),
-                               cotangents=self.file(carry.cotangents, carry.arrived_backward, *receive_backward))
+        action, receive_forward, receive_backward = (
+            jax.lax.dynamic_index_in_dim(table, t, keepdims=False)[self.index] for table in tables
+        )
+        carry = carry._replace(
+            inputs=self.file(carry.inputs, carry.arrived_forward, *receive_forward),
+            cotangents=self.file(carry.cotangents, carry.arrived_backward, *receive_backward),
+        )
         work = jax.lax.switch(action[0], (self.idle, self.run_forward, self.run_backward), carry, action[1], action[2])
         carry = self.record(carry, work, *action)
         # with several chunks the pipe is a ring: the last device feeds chunk c+1 of the first
         links = range(self.stages if self.chunks > 1 else self.stages - 1)
         down, up = [(d, (d + 1) % self.stages) for d in links], [((d + 1) % self.stages, d) for d in links]
-        return carry._replace(arrived_forward=jax.lax.ppermute(carry.out_forward, "stage", down),
-                              arrived_backward=jax.lax.ppermute(carry.out_backward, "stage", up))
+        return carry._replace(
+            arrived_forward=jax.lax.ppermute(carry.out_forward, "stage", down),
+            arrived_backward=jax.lax.ppermute(carry.out_backward, "stage", up),
+        )
 
 
-def _device_loop(weights, inputs_MBSD, targets_MBSD, action_TP3, receive_forward_TP2, receive_backward_TP2, ticks, *, stages, chunks, depth, workload):
+def _device_loop(
+    weights,
+    inputs_MBSD,
+    targets_MBSD,
+    action_TP3,
+    receive_forward_TP2,
+    receive_backward_TP2,
+    ticks,
+    *,
+    stages,
+    chunks,
+    depth,
+    workload,
+):
     """One device's step: its chunks' weights [1, v, widest, ...], every micro-batch's data, the tables; -> (loss, grads)."""
     weights = jax.tree.map(lambda w: w[0], weights)  # [v, widest, ...]
     assert inputs_MBSD.shape == (workload.micro_batches, *workload.activation_shape)
@@ -326,19 +420,33 @@ def _device_loop(weights, inputs_MBSD, targets_MBSD, action_TP3, receive_forward
     inputs_MBSD, targets_MBSD = (jax.lax.pcast(a, "stage", to="varying") for a in (inputs_MBSD, targets_MBSD))
     forward = stage_forward(block_graph(workload.block), workload.split.uneven)
     one_chunk = jax.tree.map(lambda w: w[0], weights)
-    device = _Device(stages, chunks, depth, workload, jax.lax.axis_index("stage"), weights, inputs_MBSD, targets_MBSD, forward,
-                     pullback_structure(forward, one_chunk, inputs_MBSD[0]))
+    device = _Device(
+        stages,
+        chunks,
+        depth,
+        workload,
+        jax.lax.axis_index("stage"),
+        weights,
+        inputs_MBSD,
+        targets_MBSD,
+        forward,
+        pullback_structure(forward, one_chunk, inputs_MBSD[0]),
+    )
     tables = (action_TP3, receive_forward_TP2, receive_backward_TP2)
     carry = jax.lax.fori_loop(0, ticks, lambda t, c: device.tick(t, c, tables), device.start())
     return jax.lax.psum(carry.loss, "stage"), jax.tree.map(lambda g: g[None], carry.grads)
 
 
 def _put(buffer, value, chunk, slot):
-    return jax.lax.dynamic_update_slice(buffer, value[None, None].astype(buffer.dtype), (chunk, slot) + (0,) * value.ndim)
+    return jax.lax.dynamic_update_slice(
+        buffer, value[None, None].astype(buffer.dtype), (chunk, slot) + (0,) * value.ndim
+    )
 
 
 def _get(buffer, chunk, slot):
-    return jax.lax.dynamic_index_in_dim(jax.lax.dynamic_index_in_dim(buffer, chunk, keepdims=False), slot, keepdims=False)
+    return jax.lax.dynamic_index_in_dim(
+        jax.lax.dynamic_index_in_dim(buffer, chunk, keepdims=False), slot, keepdims=False
+    )
 
 
 def _add_at(accumulated, update, chunk):

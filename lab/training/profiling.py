@@ -28,9 +28,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LAYER_SCOPES = ("attention", "mlp", "moe")
-STEP_SCOPES = ("reduce_gradients", "optimizer", "write_back")  # checked before forward/backward: they nest inside forward_backward
+STEP_SCOPES = (
+    "reduce_gradients",
+    "optimizer",
+    "write_back",
+)  # checked before forward/backward: they nest inside forward_backward
 CONTAINERS = ("while", "call", "conditional")  # their time is their children's
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
 
 @contextlib.contextmanager
 def trace(folder: Path | None) -> Iterator[Path | None]:
@@ -83,7 +88,11 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
     than their kind does."""
     from lab.hlo import op_names
 
-    return {name: _part(opcode, op_name) for name, (opcode, op_name) in op_names(hlo_text).items() if opcode not in CONTAINERS}
+    return {
+        name: _part(opcode, op_name)
+        for name, (opcode, op_name) in op_names(hlo_text).items()
+        if opcode not in CONTAINERS
+    }
 
 
 def _part(opcode: str, op_name: str) -> str:

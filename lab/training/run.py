@@ -10,15 +10,15 @@ then. Four things make it a lab rather than a demo:
   one control, many layouts). The synthetic language is arithmetic sequences
   ``t_{i+1} = t_i + stride (mod V)``: learnable, so the loss visibly falls.
 * **Per-step metrics.** Step time is one iteration of the loop on the wall
-  clock, split into its parts: waiting for the batch (`lab.input_pipeline`,
+  clock, split into its parts: waiting for the batch (`lab.training.data`,
   which can be made slow and can prefetch), the step until its loss is ready,
   the blocking part of a checkpoint save; tokens/s = B·S / step time; model
   FLOPs utilisation (Chowdhery et al. 2022, PaLM, Appendix B) = (6Ψ_active +
   12·L·H·K·S) FLOPs per token × tokens/s ÷ peak FLOP/s of the chips
   (`lab.hardware`); the gradient norm and what the model reports (MoE load).
 * **A readable timeline.** The page reads the step-time series with
-  `lab.step_series` (periodic, random, trend or steady), and ``--profile``
-  records a `jax.profiler` trace whose device time `lab.profiling` splits by
+  `lab.training.series` (periodic, random, trend or steady), and ``--profile``
+  records a `jax.profiler` trace whose device time `lab.training.profiling` splits by
   the step's named scopes.
 * **Several processes.** With ``jax.distributed`` the same loop runs once per
   host; every process builds the same global batch (each device loads only
@@ -128,9 +128,13 @@ class RunLog:
     compile_s: float
     peak_flops: float
     idle_axes: tuple[str, ...] = ()  # mesh axes > 1 that nothing splits: their devices repeat the same work
-    state_bytes: int = 0  # the training state (weights, master weights, optimizer), all devices together: what a checkpoint saves
+    state_bytes: int = (
+        0  # the training state (weights, master weights, optimizer), all devices together: what a checkpoint saves
+    )
     steps: list[StepMetrics] = field(default_factory=list)
-    profile: dict[str, float] = field(default_factory=dict)  # device seconds per part of the step, from --profile's trace
+    profile: dict[str, float] = field(
+        default_factory=dict
+    )  # device seconds per part of the step, from --profile's trace
 
     @property
     def losses(self) -> list[float]:
@@ -142,8 +146,8 @@ class RunLog:
         return self.steps[WARMUP_STEPS:] if len(self.steps) > WARMUP_STEPS else self.steps
 
     def series(self):
-        """The step-time series analysis (`lab.step_series`) of the steps after warm-up."""
-        from lab.step_series import analyze
+        """The step-time series analysis (`lab.training.series`) of the steps after warm-up."""
+        from lab.training.series import analyze
 
         timed = self.timed_steps
         return analyze([s.seconds for s in timed], first_step=timed[0].step)
@@ -173,23 +177,40 @@ def flops_per_token(model) -> float:
 
 def run(config: RunConfig, devices=None) -> RunLog:
     """Train as `config` says on `devices` (default: the target's, after jax.distributed when asked)."""
-    from lab import input_pipeline, profiling, progress
+    from lab import progress
     from lab.mesh import describe
+    from lab.training import data as input_pipeline
+    from lab.training import profiling
 
     _check(config)
     devices = _devices(config) if devices is None else devices
     model, trainer = _model(config), trainer_for(config, devices)
     mesh = trainer.mesh
-    trainer.layout.check_batch(config.global_batch, config.micro_batches)  # before any compile: a bad batch fails at once
+    trainer.layout.check_batch(
+        config.global_batch, config.micro_batches
+    )  # before any compile: a bad batch fails at once
     checkpoints = _checkpoints(config)
     start_step, state = _initial_state(config, trainer, checkpoints)
     started = time.perf_counter()
     step_fn = trainer.compiled_step(config.global_batch)
-    log = RunLog(config, describe(mesh), _describe(devices), jax.process_count(), start_step, time.perf_counter() - started,
-                 _peak_flops(devices), trainer.layout.idle_axes, sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.abstract_state())))
+    log = RunLog(
+        config,
+        describe(mesh),
+        _describe(devices),
+        jax.process_count(),
+        start_step,
+        time.perf_counter() - started,
+        _peak_flops(devices),
+        trainer.layout.idle_axes,
+        sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.abstract_state())),
+    )
     writer = _log_writer(config)
-    loader = input_pipeline.Loader(lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
-                                   config.input_ms / 1e3, config.input_jitter_ms / 1e3, config.seed)
+    loader = input_pipeline.Loader(
+        lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
+        config.input_ms / 1e3,
+        config.input_jitter_ms / 1e3,
+        config.seed,
+    )
     data = input_pipeline.batches(loader, start_step, config.steps, config.prefetch)
     loop = _Loop(config, model, step_fn, trainer.batch_sharding(), checkpoints, log.peak_flops)
     try:
@@ -210,16 +231,20 @@ def run(config: RunConfig, devices=None) -> RunLog:
 def trainer_for(config: RunConfig, devices):
     """The Trainer a run of `config` on `devices` uses (cached: a second call, or a second run, reuses its compiled step)."""
     from lab.mesh import MeshSpec
-    from lab.train import TrainConfig
+    from lab.training.step import TrainConfig
 
     mesh = MeshSpec.parse(config.mesh).build(devices)
-    return _trainer(_model(config), TrainConfig(strategy=config.strategy, micro_batches=config.micro_batches, learning_rate=config.learning_rate), mesh)
+    return _trainer(
+        _model(config),
+        TrainConfig(strategy=config.strategy, micro_batches=config.micro_batches, learning_rate=config.learning_rate),
+        mesh,
+    )
 
 
 @functools.lru_cache(maxsize=4)
 def _trainer(model, train_config, mesh):
     """One Trainer per (model, training config, mesh): runs repeated in one process (resume, a sweep) reuse its compiled step."""
-    from lab.train import Trainer
+    from lab.training.step import Trainer
 
     return Trainer(model, train_config, mesh)
 
@@ -230,9 +255,14 @@ def _check(config: RunConfig) -> None:
     if config.resume and config.checkpoint_dir is None:
         raise LabError("--resume needs --checkpoint-dir: the folder an earlier lab train saved to")
     if config.checkpoint_every < 0:
-        raise LabError(f"--checkpoint-every {config.checkpoint_every}: use 0 (only at the end) or a positive step count")
+        raise LabError(
+            f"--checkpoint-every {config.checkpoint_every}: use 0 (only at the end) or a positive step count"
+        )
     if min(config.input_ms, config.input_jitter_ms, config.prefetch) < 0:
-        raise LabError(f"--input-ms {config.input_ms:g}, --input-jitter-ms {config.input_jitter_ms:g} and --prefetch {config.prefetch} must not be negative")
+        raise LabError(
+            f"--input-ms {config.input_ms:g}, --input-jitter-ms {config.input_jitter_ms:g} "
+            f"and --prefetch {config.prefetch} must not be negative"
+        )
     if config.profile is not None and Path(config.profile).is_file():
         raise LabError(f"--profile {str(config.profile)!r} is a file; give a folder for the trace")
 
@@ -252,7 +282,7 @@ def _devices(config: RunConfig) -> tuple:
 
 
 def _checkpoints(config: RunConfig):
-    from lab.checkpoint import CheckpointPolicy, Checkpoints
+    from lab.training.checkpoint import CheckpointPolicy, Checkpoints
 
     if config.checkpoint_dir is None:
         return None
@@ -265,7 +295,10 @@ def _initial_state(config: RunConfig, trainer, checkpoints) -> tuple[int, object
         return 0, trainer.init(config.seed)
     step, state = checkpoints.restore(trainer.abstract_state())
     if step >= config.steps:
-        raise LabError(f"the checkpoint in {str(config.checkpoint_dir)!r} is already at step {step}; ask for more --steps than {step}")
+        raise LabError(
+            f"the checkpoint in {str(config.checkpoint_dir)!r} is already "
+            f"at step {step}; ask for more --steps than {step}"
+        )
     return step, state
 
 
@@ -301,13 +334,17 @@ class _Loop:
                 outputs = {name: float(value) for name, value in jax.device_get(outputs).items()}
             save_tick = time.perf_counter()
             with TraceAnnotation("checkpoint"):
-                saved = self.checkpoints is not None and self.checkpoints.save(step + 1, state, force=step + 1 == self.config.steps)
+                saved = self.checkpoints is not None and self.checkpoints.save(
+                    step + 1, state, force=step + 1 == self.config.steps
+                )
             save_s = time.perf_counter() - save_tick
         seconds = time.perf_counter() - tick
         tokens_per_s = self.config.global_batch * self.model.seq / seconds
         loss, grad_norm = outputs.pop("loss"), outputs.pop("grad_norm")
         mfu = flops_per_token(self.model) * tokens_per_s / self.peak_flops
-        return state, StepMetrics(step, loss, grad_norm, seconds, data_s, save_s, tokens_per_s, mfu, bool(saved), outputs)
+        return state, StepMetrics(
+            step, loss, grad_norm, seconds, data_s, save_s, tokens_per_s, mfu, bool(saved), outputs
+        )
 
 
 def _peak_flops(devices) -> float:
@@ -349,11 +386,16 @@ def _notes(log: RunLog) -> list[str]:
     notes = [f"started at step {log.start_step} (resumed from a checkpoint)"] if log.start_step else []
     if log.idle_axes:
         idle = ", ".join(f"{axis}={sizes[axis]}" for axis in log.idle_axes)
-        notes.append(f"{idle}: neither the batch nor any weight of {log.config.model} with {log.config.strategy} is split over "
-                     "these axes, so their devices hold the same shards and repeat the same work")
+        notes.append(
+            f"{idle}: neither the batch nor any weight of {log.config.model} with {log.config.strategy} is split over "
+            "these axes, so their devices hold the same shards and repeat the same work"
+        )
     if any(s.mfu > 1 for s in log.steps):
-        notes.append("MFU above 1: on cpu the peak is lab.hardware's measured numpy matmul rate, which undershoots what XLA's "
-                     "multi-threaded kernels reach on a shared machine; read MFU there as a ratio between layouts, not as utilisation")
+        notes.append(
+            "MFU above 1: on cpu the peak is lab.hardware's measured numpy matmul rate, which undershoots what XLA's "
+            "multi-threaded kernels reach on a shared machine; read MFU there "
+            "as a ratio between layouts, not as utilisation"
+        )
     return notes
 
 
@@ -361,14 +403,28 @@ def plot_step_times(axes, log: RunLog, label: str | None = None) -> None:
     """Step time over steps: the whole iteration, the saves marked, and the wait for data where it matters
     (a median share of the step above 10 %)."""
     steps = [s.step for s in log.steps]
-    line, = axes.plot(steps, [s.seconds * 1e3 for s in log.steps], marker=".", markersize=3, linewidth=1, label=label or "step")
+    (line,) = axes.plot(
+        steps, [s.seconds * 1e3 for s in log.steps], marker=".", markersize=3, linewidth=1, label=label or "step"
+    )
     if np.median([s.data_s / s.seconds for s in log.steps]) > 0.1:
-        axes.plot(steps, [s.data_s * 1e3 for s in log.steps], linestyle=":", color=line.get_color(), linewidth=1,
-                  label=f"{label + ': ' if label else ''}waiting for data")
+        axes.plot(
+            steps,
+            [s.data_s * 1e3 for s in log.steps],
+            linestyle=":",
+            color=line.get_color(),
+            linewidth=1,
+            label=f"{label + ': ' if label else ''}waiting for data",
+        )
     saves = [s for s in log.steps if s.checkpoint]
     if saves:
-        axes.scatter([s.step for s in saves], [s.seconds * 1e3 for s in saves], marker="v", color=line.get_color(), zorder=3,
-                     label=f"{label + ': ' if label else ''}checkpoint saved")
+        axes.scatter(
+            [s.step for s in saves],
+            [s.seconds * 1e3 for s in saves],
+            marker="v",
+            color=line.get_color(),
+            zorder=3,
+            label=f"{label + ': ' if label else ''}checkpoint saved",
+        )
     axes.set(xlabel="step", ylabel="step time (ms)")
 
 
@@ -390,9 +446,11 @@ def result(log: RunLog):
     axes.legend(fontsize=7)
     series = log.series()
     summary = (
-        f"{len(log.steps)} steps of the {log.config.model} model with {log.config.strategy} on the mesh {log.config.mesh} "
+        f"{len(log.steps)} steps of the {log.config.model} model with {log.config.strategy} "
+        f"on the mesh {log.config.mesh} "
         f"({log.devices}, {log.processes} process(es)): loss {log.losses[0]:.3f} -> {log.losses[-1]:.3f}; median step "
-        f"{log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s; compiling the step took {log.compile_s:.1f} s. "
+        f"{log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s; "
+        f"compiling the step took {log.compile_s:.1f} s. "
         f"Step times: {series.describe()}."
     )
     return Result(
@@ -400,14 +458,21 @@ def result(log: RunLog):
         title=f"Training run: {log.config.model} on {log.config.mesh}",
         question="issue 9",
         summary=summary,
-        theory="MFU = (6Ψ + 12·L·H·K·S) × tokens/s ÷ peak FLOP/s (Chowdhery et al. 2022, PaLM, Appendix B); on emulated CPU devices the peak is the one measured machine's. "
-               "Step times are read with `lab.step_series`: median and spread, slow steps, and a period found from the series itself.",
+        theory="MFU = (6Ψ + 12·L·H·K·S) × tokens/s ÷ peak FLOP/s (Chowdhery "
+        "et al. 2022, PaLM, Appendix B); on emulated CPU devices the "
+        "peak is the one measured machine's. "
+        "Step times are read with `lab.training.series`: median and spread, "
+        "slow steps, and a period found from the series itself.",
         tables=_tables(log),
         plots={"loss": loss_figure, "step_time": time_figure},
         notes=_notes(log),
         provenance=provenance(target=log.config.target, devices=(), mesh=log.config.mesh) | {"devices": log.devices},
-        data={"config": {k: str(v) for k, v in asdict(log.config).items()}, "steps": [asdict(s) for s in log.steps],
-              "compile_s": log.compile_s, "profile_device_s": log.profile},
+        data={
+            "config": {k: str(v) for k, v in asdict(log.config).items()},
+            "steps": [asdict(s) for s in log.steps],
+            "compile_s": log.compile_s,
+            "profile_device_s": log.profile,
+        },
     )
 
 
@@ -420,20 +485,75 @@ def _tables(log: RunLog) -> list:
     tables = []
     extra = sorted({name for s in log.steps for name in s.extra})  # what the model adds (MoE: load skew, drops)
     if len(log.steps) <= MAX_STEP_ROWS:
-        rows = [[s.step, s.loss, s.grad_norm, s.seconds * 1e3, s.data_s * 1e3, s.save_s * 1e3, s.tokens_per_s, s.mfu, "yes" if s.checkpoint else "",
-                 *(s.extra.get(name, "") for name in extra)] for s in log.steps]
-        tables.append(Table("per step", ["step", "loss", "grad norm", "step (ms)", "data (ms)", "save (ms)", "tokens/s", "MFU", "checkpoint", *extra], rows))
+        rows = [
+            [
+                s.step,
+                s.loss,
+                s.grad_norm,
+                s.seconds * 1e3,
+                s.data_s * 1e3,
+                s.save_s * 1e3,
+                s.tokens_per_s,
+                s.mfu,
+                "yes" if s.checkpoint else "",
+                *(s.extra.get(name, "") for name in extra),
+            ]
+            for s in log.steps
+        ]
+        tables.append(
+            Table(
+                "per step",
+                [
+                    "step",
+                    "loss",
+                    "grad norm",
+                    "step (ms)",
+                    "data (ms)",
+                    "save (ms)",
+                    "tokens/s",
+                    "MFU",
+                    "checkpoint",
+                    *extra,
+                ],
+                rows,
+            )
+        )
     else:
         timed = log.timed_steps
         seconds = np.array([[s.seconds, s.data_s, s.save_s] for s in timed]) * 1e3
-        rows = [[name, *np.percentile(seconds[:, i], [50, 10, 90]).tolist(), seconds[:, i].max()] for i, name in enumerate(("step", "waiting for data", "blocking save"))]
-        tables.append(Table(f"step time over steps {timed[0].step}-{timed[-1].step} (ms)", ["part", "median", "p10", "p90", "max"], rows))
+        rows = [
+            [name, *np.percentile(seconds[:, i], [50, 10, 90]).tolist(), seconds[:, i].max()]
+            for i, name in enumerate(("step", "waiting for data", "blocking save"))
+        ]
+        tables.append(
+            Table(
+                f"step time over steps {timed[0].step}-{timed[-1].step} (ms)",
+                ["part", "median", "p10", "p90", "max"],
+                rows,
+            )
+        )
         if extra:
             values = np.array([[s.extra.get(name, np.nan) for name in extra] for s in timed])
-            rows = [[name, *np.nanpercentile(values[:, i], [50, 10, 90]).tolist(), np.nanmax(values[:, i])] for i, name in enumerate(extra)]
-            tables.append(Table(f"what the model reports, over steps {timed[0].step}-{timed[-1].step}", ["metric", "median", "p10", "p90", "max"], rows))
+            rows = [
+                [name, *np.nanpercentile(values[:, i], [50, 10, 90]).tolist(), np.nanmax(values[:, i])]
+                for i, name in enumerate(extra)
+            ]
+            tables.append(
+                Table(
+                    f"what the model reports, over steps {timed[0].step}-{timed[-1].step}",
+                    ["metric", "median", "p10", "p90", "max"],
+                    rows,
+                )
+            )
     if log.profile:
         total = sum(log.profile.values())
         rows = [[part, seconds * 1e3, seconds / total] for part, seconds in log.profile.items()]
-        tables.append(Table(f"device time by part of the step (from the trace in {log.config.profile}; summed over devices and steps)", ["part", "device ms", "share"], rows))
+        tables.append(
+            Table(
+                f"device time by part of the step (from the trace in {log.config.profile}; "
+                "summed over devices and steps)",
+                ["part", "device ms", "share"],
+                rows,
+            )
+        )
     return tables
