@@ -6,7 +6,10 @@ Each module ``qNN_<name>.py`` answers question #NN and defines
 * ``Config``: a frozen dataclass of its options (the CLI is generated from it);
 * ``run(config) -> lab.report.Result``.
 
-Its docstring's first line is its title. `registry()` finds them all.
+Its docstring's first line is its title: the page, ``lab list`` and the
+module say the same. `registry()` finds them all; the package registers it as
+the ``lab.experiments`` entry point, which is how the command line finds them
+(`lab.registry`) without the library importing this package.
 """
 
 from __future__ import annotations
@@ -17,25 +20,10 @@ import matplotlib
 
 matplotlib.use("Agg")  # pages are files: no display, for every experiment, before any imports pyplot
 import pkgutil
-from dataclasses import dataclass
-from types import ModuleType
 
-from lab.errors import LabError
+from lab.registry import Experiment, get
 
-
-@dataclass(frozen=True)
-class Experiment:
-    name: str
-    question: str
-    title: str
-    module: ModuleType
-
-    @property
-    def config(self) -> type:
-        return self.module.Config
-
-    def run(self, config=None):
-        return self.module.run(config if config is not None else self.module.Config())
+__all__ = ["Experiment", "get", "registry"]
 
 
 def registry() -> dict[str, Experiment]:
@@ -49,11 +37,3 @@ def registry() -> dict[str, Experiment]:
         title = (module.__doc__ or name).strip().splitlines()[0].rstrip(".")
         found.append((int(prefix[1:]), Experiment(name, module.QUESTION, title, module)))
     return {e.name: e for _, e in sorted(found, key=lambda p: (p[0], p[1].name))}
-
-
-def get(name: str) -> Experiment:
-    """One experiment by name; an unknown name lists the known ones."""
-    experiments = registry()
-    if name not in experiments:
-        raise LabError(f"unknown experiment {name!r}; known: {', '.join(experiments)} (see `lab list`)")
-    return experiments[name]

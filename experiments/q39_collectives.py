@@ -1,4 +1,4 @@
-"""The five collectives: what each does, what XLA compiles, how fast it runs.
+"""The five collectives: semantics, compiled HLO, bandwidth.
 
 Question #39 asks how all-reduce, all-gather and reduce-scatter differ. The
 answer here is shown rather than told, on N devices of one mesh axis:
@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
+from experiments import kit
 from lab import bench, hardware, hlo, theory
 from lab.bench import measure_collective
-from lab.collectives import build_program
-from lab.devices import devices_for
+from lab.collectives import KINDS, build_program
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.report import Result, Table, provenance
@@ -35,12 +36,11 @@ from lab.units import format_bytes, size_sweep
 from lab.verdict import check
 
 QUESTION = "#39"
-PRIMITIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     begin: str = "1K"
     """smallest size S per device (nccl-tests -b)"""
@@ -48,7 +48,7 @@ class Config:
     """largest size S per device (nccl-tests -e)"""
     factor: int = 4
     """each size is this times the previous (nccl-tests -f)"""
-    ops: tuple[str, ...] = PRIMITIVES
+    ops: tuple[str, ...] = KINDS
     """which collectives to sweep"""
     dtype: str = "float32"
     repeats: int = 5
@@ -77,9 +77,6 @@ def run(config: Config) -> Result:
     summary = _summary(sweep, n, largest_ar, copy_bw)
     parse_s = bench.parse_benchmark(100_000)
     return Result(
-        name="collectives",
-        title="The five collectives: semantics, compiled HLO, bandwidth",
-        question=QUESTION,
         summary=summary,
         theory=THEORY,
         tables=[
@@ -91,7 +88,7 @@ def run(config: Config) -> Result:
                 ["collective", "asked for axis", "XLA's replica groups span", "group size"],
                 axis_rows,
             ),
-            tpu_table,
+            *([tpu_table] if tpu_table else []),
             _performance_table(sweep, largest_ar, copy_bw, parse_s),
         ],
         checks=checks,
@@ -166,7 +163,7 @@ def _axis_checks(devices) -> tuple[list, list]:
         return [], []
     mesh = MeshSpec(data=2, fsdp=2, tensor=2).build(devices)
     checks, rows = [], []
-    for op in PRIMITIVES:
+    for op in KINDS:
         for axis in ("data", "fsdp", "tensor"):
             program = build_program(op, mesh, axis)
             found = hlo.inspect(program.fn, program.abstract_input(1024), mesh=mesh).collectives
@@ -178,18 +175,12 @@ def _axis_checks(devices) -> tuple[list, list]:
 
 def _on_tpu(topology: str) -> tuple[Table | None, list]:
     """The same programs compiled by the TPU compiler (no TPU needed): what it wrote instead."""
-    if not topology:
-        return None, []
-    from lab.devices import topology_devices
-    from lab.errors import LabError
-
-    try:
-        chips = topology_devices(topology)
-    except LabError as err:
-        return Table(f"Compiled for tpu:{topology}", ["note"], [[f"skipped: {err}"]]), []
-    mesh = MeshSpec(fsdp=len(chips)).build(chips)
+    tpu = kit.tpu_chips(topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return (tpu.table() if tpu else None), []
+    mesh = tpu.mesh("fsdp")
     rows, checks = [], []
-    for op in PRIMITIVES:
+    for op in KINDS:
         program = build_program(op, mesh, "fsdp")
         found = hlo.inspect(program.fn, program.abstract_input(2**20), mesh=mesh).collectives
         written = "; ".join(
@@ -201,10 +192,13 @@ def _on_tpu(topology: str) -> tuple[Table | None, list]:
         kinds = [c.kind for c in found]
         explained = None
         if kinds != [op] and op == "reduce-scatter" and kinds == ["all-reduce"]:
-            sent = theory.bus_bandwidth_factor("all-reduce", len(chips)) / theory.bus_bandwidth_factor(
-                "reduce-scatter", len(chips)
+            sent = theory.bus_bandwidth_factor("all-reduce", len(tpu)) / theory.bus_bandwidth_factor(
+                "reduce-scatter", len(tpu)
             )
-            explained = f"the TPU compiler ran the standalone psum_scatter as a full all-reduce and kept its own slice (dynamic-slice): {sent:.0f}x the ring bytes of a reduce-scatter (see allreduce_equivalence)"
+            explained = (
+                "the TPU compiler ran the standalone psum_scatter as a full all-reduce and kept its own slice "
+                f"(dynamic-slice): {sent:.0f}x the ring bytes of a reduce-scatter (see allreduce_equivalence)"
+            )
         checks.append(
             check(
                 f"tpu:{topology} {op}: collectives in the HLO",
@@ -224,7 +218,7 @@ def _semantics_tables(mesh) -> list[Table]:
     """Before and after on each device, small integer arrays (N = all devices)."""
     n = mesh.devices.size
     tables = []
-    for op in PRIMITIVES:
+    for op in KINDS:
         program = build_program(op, mesh, "fsdp")
         x = program.example_input(4 * n)  # n float32 per device (gathers: n after)
         y = np.asarray(program.fn(program.place(x)))
@@ -275,7 +269,8 @@ def _hlo_table(sweep: list[dict], n: int) -> Table:
 
 
 def _busbw_plot(sweep: list[dict], n: int, copy_bw: float | None):
-    figure, axes = plt.subplots(figsize=(7, 4.2))
+    figure = Figure(figsize=(7, 4.2))
+    axes = figure.subplots()
     for op in dict.fromkeys(r["op"] for r in sweep):
         rows = [r for r in sweep if r["op"] == op]
         axes.plot([r["size"] for r in rows], [r["busbw"] / 1e9 for r in rows], marker="o", label=op)
@@ -310,7 +305,8 @@ def _summary(sweep, n, largest_ar, copy_bw) -> str:
         f"Each compiled to exactly the collective its name says, on the mesh axis it was asked for."
     )
     if largest_ar:
-        text += f" The {format_bytes(largest_ar['size'])} all-reduce reached a busbw of {largest_ar['busbw'] / 1e9:.2f} GB/s"
+        busbw = largest_ar["busbw"] / 1e9
+        text += f" The {format_bytes(largest_ar['size'])} all-reduce reached a busbw of {busbw:.2f} GB/s"
         text += (
             f", {largest_ar['busbw'] / copy_bw:.0%} of this machine's measured memory-copy bandwidth."
             if copy_bw

@@ -1,4 +1,4 @@
-"""Ring all-reduce by hand: 2(N-1) permutes of D/N, against psum and against trees.
+"""Ring all-reduce by hand: 2(N-1) permutes, against psum and trees.
 
 Question #39 says a ring all-reduce is a reduce-scatter followed by an
 all-gather, 2(N-1) steps each moving D/N per device, 2(N-1)/N·D in all. Here
@@ -18,18 +18,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
+import matplotlib
 import numpy as np
+from matplotlib.figure import Figure
 
-from lab import hlo, theory
-from lab.bench import crossover, time_fn, time_interleaved
+from experiments import kit
+from lab import theory
+from lab.bench import Timing, crossover, time_fn, time_interleaved
 from lab.collectives import build_program
-from lab.devices import devices_for
-from lab.mesh import AXES, MeshSpec
+from lab.devices import DEFAULT_TARGET, devices_for
+from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.units import format_bytes, parse_size, size_sweep
-from lab.verdict import check
+from lab.verdict import Check, check
 
 QUESTION = "#39"
 
@@ -44,7 +46,7 @@ ALGORITHMS = {
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     size: str = "16M"
     """D per device for the ring-against-psum comparison"""
@@ -59,6 +61,28 @@ class Config:
     """timed calls per point, after warm-up (the median is reported)"""
 
 
+@dataclass(frozen=True)
+class RingRun:
+    """The hand-written ring against psum on N devices: its HLO, its bytes, both times."""
+
+    n: int
+    size: int  # D per device
+    permutes: int  # collective-permutes in the compiled ring
+    sent: int  # bytes each device sends, from the HLO
+    ring: Timing
+    psum: Timing
+    checks: tuple[Check, ...]
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where the ring overtakes recursive doubling: alpha-beta theory against the measured curves."""
+
+    predicted: float  # bytes
+    measured: float | None  # bytes; None when the curves did not cross in the sweep
+    checks: tuple[Check, ...]
+
+
 def run(config: Config) -> Result:
     devices = devices_for(config.target)
     size = parse_size(config.size)
@@ -67,7 +91,7 @@ def run(config: Config) -> Result:
         for n in track(config.group_sizes, "ring vs psum")
         if n <= len(devices)
     ]
-    n = max(r["n"] for r in rings)
+    n = max(r.n for r in rings)
     sizes = size_sweep(config.begin, config.end, config.factor)
     mesh = MeshSpec(tensor=n).build(devices[:n])
     alpha, beta, permutes = _fit_alpha_beta(mesh, sizes, config.repeats)
@@ -82,11 +106,8 @@ def run(config: Config) -> Result:
         for name, algo in ALGORITHMS.items()
     }
     crossover = _crossovers(sizes, sweep, n, alpha, beta)
-    checks = [c for r in rings for c in r["checks"]] + _model_checks(sizes, sweep, predicted) + crossover["checks"]
+    checks = [c for r in rings for c in r.checks] + _model_checks(sizes, sweep, predicted) + list(crossover.checks)
     return Result(
-        name="ring_allreduce",
-        title="Ring all-reduce by hand: 2(N-1) permutes, against psum and trees",
-        question=QUESTION,
         summary=_summary(rings, crossover, alpha, beta),
         theory=THEORY,
         tables=[_ring_table(rings), _fit_table(permutes, alpha, beta), _sweep_table(sizes, sweep, predicted)],
@@ -99,17 +120,18 @@ def run(config: Config) -> Result:
             mesh=f"tensor=N on the first N devices, N in {list(config.group_sizes)}",
         ),
         data={
-            "rings": [{k: v for k, v in r.items() if k != "checks"} for r in rings],
+            "rings": [kit.numbers(r) for r in rings],
             "alpha_s": alpha,
             "beta_Bps": beta,
             "sizes": sizes,
             "measured_s": sweep,
             "predicted_s": predicted,
-            "crossover": {k: v for k, v in crossover.items() if k != "checks"},
+            "crossover": kit.numbers(crossover),
         },
     )
 
 
+# a markdown table keeps each row on one line
 THEORY = r"""
 Alpha-beta model (Hockney): sending m bytes costs α + m/β. For an all-reduce of D bytes per device on N devices
 (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009):
@@ -125,18 +147,17 @@ Recursive doubling wins below the crossover S* = αβ·(2(N-1) − log2N)/(log2N
 and the ring wins above it. Halving-doubling sends exactly the ring's bytes in fewer steps, so in this model it is
 never slower; what makes rings win on real clusters is link contention (distant partners share links on a ring or
 torus), which the model leaves out. α and β are fitted here from single collective-permutes on this machine.
-"""
+"""  # noqa: E501
 
 
-def _ring_against_psum(n: int, devices, size: int, repeats: int) -> dict:
+def _ring_against_psum(n: int, devices, size: int, repeats: int) -> RingRun:
     mesh = MeshSpec(tensor=n).build(devices[:n])
     ring, psum = build_program("ring-all-reduce", mesh, "tensor"), build_program("all-reduce", mesh, "tensor")
     x = ring.example_input(size)
     placed = ring.place(x)
-    compiled_ring = ring.fn.lower(ring.abstract_input(size)).compile()
+    compiled_ring, inspection = kit.compile_and_inspect(ring.fn, ring.abstract_input(size), mesh=mesh)
     compiled_psum = psum.fn.lower(psum.abstract_input(size)).compile()
-    found, _ = hlo.parse_collectives(compiled_ring.as_text(), mesh.devices.shape, AXES)
-    permutes = [c for c in found if c.kind == "collective-permute"]
+    permutes = [c for c in inspection.collectives if c.kind == "collective-permute"]
     sent = sum(c.operand_bytes * (c.repeats or 1) for c in permutes)
     same = bool(np.array_equal(np.asarray(compiled_ring(placed)), np.asarray(compiled_psum(placed))))
     timings = time_interleaved(
@@ -144,7 +165,7 @@ def _ring_against_psum(n: int, devices, size: int, repeats: int) -> dict:
     )
     t_ring, t_psum = timings["ring"], timings["psum"]
     expected = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1)
-    checks = [
+    checks = (
         check(f"N={n}: ring result equals psum (all elements)", True, same),
         check(f"N={n}: collective-permutes in the HLO", expected.steps, len(permutes)),
         check(f"N={n}: bytes per permute (D/N)", size // n, _the_one({c.operand_bytes for c in permutes})),
@@ -154,16 +175,8 @@ def _ring_against_psum(n: int, devices, size: int, repeats: int) -> dict:
             "tensor",
             ",".join(sorted({",".join(c.axes or ("?",)) for c in permutes})),
         ),
-    ]
-    return {
-        "n": n,
-        "size": size,
-        "permutes": len(permutes),
-        "sent": sent,
-        "ring": t_ring,
-        "psum": t_psum,
-        "checks": checks,
-    }
+    )
+    return RingRun(n, size, len(permutes), sent, t_ring, t_psum, checks)
 
 
 def _the_one(values: set):
@@ -193,7 +206,7 @@ def _time_program(program, size: int, repeats: int):
     return time_fn(compiled, program.place(program.example_input(size)), repeats=repeats, min_seconds=0.02)
 
 
-def _crossovers(sizes, sweep, n, alpha, beta) -> dict:
+def _crossovers(sizes, sweep, n, alpha, beta) -> Crossover:
     """Where recursive doubling stops beating the ring: theory (fitted alpha, beta) against measured."""
     predicted = theory.crossover_bytes("all-reduce", "recursive-doubling", "ring", n, alpha=alpha, beta=beta)
     ring = [t.median for t in sweep["ring-all-reduce"]]
@@ -201,8 +214,8 @@ def _crossovers(sizes, sweep, n, alpha, beta) -> dict:
     measured = crossover(sizes, np.asarray(ring) / np.asarray(doubling))  # where the ring overtakes doubling
     # rtol 0.5 (relative to the larger) accepts exactly a factor of 2 either way
     label = "size where the ring overtakes recursive doubling (bytes; within 2x)"
-    checks = [check(label, round(predicted), round(measured) if measured else "no crossing in the sweep", rtol=0.5)]
-    return {"predicted": predicted, "measured": measured, "checks": checks}
+    checks = (check(label, round(predicted), round(measured) if measured else "no crossing in the sweep", rtol=0.5),)
+    return Crossover(predicted, measured, checks)
 
 
 def _model_checks(sizes, sweep, predicted) -> list:
@@ -212,9 +225,16 @@ def _model_checks(sizes, sweep, predicted) -> list:
         measured = sweep[name][-1].median
         explained = None
         if name == "bidirectional-ring-all-reduce":
-            explained = "the model gives each direction its own link; emulated devices share one memory bus, so two directions do not double bandwidth"
+            explained = (
+                "the model gives each direction its own link; emulated devices share one memory bus, "
+                "so two directions do not double bandwidth"
+            )
         elif not math.isclose(measured, times[-1], rel_tol=0.5):
-            explained = "likely cause: the model counts only sends, but each step also reads, adds (or copies) and writes D/N in the same shared memory, which on emulated devices costs about as much as the send itself"
+            explained = (
+                "likely cause: the model counts only sends, but each step also reads, adds (or copies) and "
+                "writes D/N in the same shared memory, which on emulated devices costs about as much as the "
+                "send itself"
+            )
         rows.append(
             check(
                 f"{name} at {format_bytes(sizes[-1])}: time (s), fitted alpha-beta model, within 2x",
@@ -230,13 +250,13 @@ def _model_checks(sizes, sweep, predicted) -> list:
 def _ring_table(rings) -> Table:
     rows = [
         [
-            r["n"],
-            format_bytes(r["size"]),
-            r["permutes"],
-            format_bytes(r["sent"]),
-            str(r["ring"]),
-            str(r["psum"]),
-            f"{r['ring'].median / r['psum'].median:.2f}",
+            r.n,
+            format_bytes(r.size),
+            r.permutes,
+            format_bytes(r.sent),
+            str(r.ring),
+            str(r.psum),
+            f"{r.ring.median / r.psum.median:.2f}",
         ]
         for r in rings
     ]
@@ -280,17 +300,16 @@ def _sweep_table(sizes, sweep, predicted) -> Table:
 
 
 def _plot(sizes, sweep, predicted, crossover, n):
-    figure, axes = plt.subplots(figsize=(7.5, 4.5))
-    for color, name in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], sweep):
+    figure = Figure(figsize=(7.5, 4.5))
+    axes = figure.subplots()
+    for color, name in zip(matplotlib.rcParams["axes.prop_cycle"].by_key()["color"], sweep):
         axes.plot(sizes, [t.median for t in sweep[name]], marker="o", color=color, label=f"{name} (measured)")
         if name in predicted:
             axes.plot(sizes, predicted[name], linestyle="--", color=color, alpha=0.6)
-    if math.isfinite(crossover["predicted"]):
-        axes.axvline(
-            crossover["predicted"], color="gray", linestyle=":", label="predicted crossover (doubling vs ring)"
-        )
-    if crossover["measured"]:
-        axes.axvline(crossover["measured"], color="black", linestyle="-.", label="measured crossover")
+    if math.isfinite(crossover.predicted):
+        axes.axvline(crossover.predicted, color="gray", linestyle=":", label="predicted crossover (doubling vs ring)")
+    if crossover.measured:
+        axes.axvline(crossover.measured, color="black", linestyle="-.", label="measured crossover")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("D per device (bytes)")
@@ -304,29 +323,27 @@ def _plot(sizes, sweep, predicted, crossover, n):
 def _summary(rings, crossover, alpha, beta) -> str:
     parts = [
         (
-            f"For N = {', '.join(str(r['n']) for r in rings)} the hand-written "
+            f"For N = {', '.join(str(r.n) for r in rings)} the hand-written "
             "ring gave psum's result exactly and compiled to "
-            f"{', '.join(str(r['permutes']) for r in rings)} collective-permutes, "
-            f"sending {', '.join(format_bytes(r['sent']) for r in rings)} "
+            f"{', '.join(str(r.permutes) for r in rings)} collective-permutes, "
+            f"sending {', '.join(format_bytes(r.sent) for r in rings)} "
             "per device "
-            f"for D = {format_bytes(rings[0]['size'])}: 2(N-1) steps and 2(N-1)/N·D, as the textbook says."
+            f"for D = {format_bytes(rings[0].size)}: 2(N-1) steps and 2(N-1)/N·D, as the textbook says."
         )
     ]
     largest = rings[-1]
-    parts.append(
-        f"At N = {largest['n']} the ring took {largest['ring'].median / largest['psum'].median:.2f}x psum's time."
-    )
-    if crossover["measured"]:
+    parts.append(f"At N = {largest.n} the ring took {largest.ring.median / largest.psum.median:.2f}x psum's time.")
+    if crossover.measured:
         parts.append(
             f"With α = {alpha * 1e6:.0f} µs and β = {beta / 1e9:.1f} GB/s "
             "fitted on this machine, theory puts the doubling/ring crossover "
             "at "
-            f"{format_bytes(crossover['predicted'])}; it was measured at {format_bytes(crossover['measured'])}."
+            f"{format_bytes(crossover.predicted)}; it was measured at {format_bytes(crossover.measured)}."
         )
     else:
         parts.append(
             f"Theory (α = {alpha * 1e6:.0f} µs, β = {beta / 1e9:.1f} GB/s) "
-            f"puts the doubling/ring crossover at {format_bytes(crossover['predicted'])}; "
+            f"puts the doubling/ring crossover at {format_bytes(crossover.predicted)}; "
             "the measured curves did not cross in the sweep."
         )
     return " ".join(parts)

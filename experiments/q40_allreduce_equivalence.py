@@ -26,29 +26,43 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from experiments import kit
 from lab import hlo, theory
-from lab.bench import time_interleaved
+from lab.bench import Timing, time_interleaved
 from lab.collectives import all_gather, all_reduce, reduce_scatter
-from lab.devices import devices_for, topology_devices
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.units import format_bytes, parse_size
-from lab.verdict import check
+from lab.verdict import Check, check
 
 QUESTION = "#40"
 
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     sizes: tuple[str, ...] = ("64K", "4M")
     """D per device"""
     repeats: int = 7
     tpu_topology: str = "v5e:2x4"
     """also compile both programs for this TPU topology (compile-only); empty to skip"""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The fused and the split all-reduce at one size D: results, HLO, ring bytes and times."""
+
+    size: int  # D per device
+    n: int
+    same: bool  # identical results on every device
+    kinds: dict[str, str]  # program -> the collectives it compiled to
+    sent: dict[str, float]  # program -> ring bytes sent per device, from the HLO
+    time: dict[str, Timing]
+    checks: tuple[Check, ...]
 
 
 def run(config: Config) -> Result:
@@ -59,32 +73,15 @@ def run(config: Config) -> Result:
         _compare(mesh, parse_size(s), config.repeats)
         for s in track(config.sizes, "all-reduce vs reduce-scatter + all-gather")
     ]
-    tpu_rows, tpu_checks = _on_tpu(config.tpu_topology, parse_size(config.sizes[-1]))
-    checks = [c for r in rows for c in r.pop("checks")] + tpu_checks
+    tpu_tables, tpu_checks, tpu_notes = _on_tpu(config.tpu_topology, parse_size(config.sizes[-1]))
     return Result(
-        name="allreduce_equivalence",
-        title="all-reduce = all-gather(reduce-scatter(x))",
-        question=QUESTION,
         summary=_summary(rows, n),
         theory=THEORY,
-        tables=[
-            _table(rows),
-            *(
-                [
-                    Table(
-                        f"Compiled for tpu:{config.tpu_topology} (compile-only)",
-                        ["program", "collectives the TPU compiler wrote", "ring bytes sent per device"],
-                        tpu_rows,
-                    )
-                ]
-                if tpu_rows
-                else []
-            ),
-        ],
-        checks=checks,
-        notes=_notes(rows, tpu_rows),
+        tables=[_table(rows), *tpu_tables],
+        checks=[c for r in rows for c in r.checks] + tpu_checks,
+        notes=[CPU_NOTE, *tpu_notes],
         provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={n}"),
-        data={"rows": [{k: (str(v) if hasattr(v, "median") else v) for k, v in r.items()} for r in rows]},
+        data={"rows": [kit.numbers(r) for r in rows]},
     )
 
 
@@ -117,7 +114,7 @@ def _programs(mesh):
     return jax.jit(fused), jax.jit(split)
 
 
-def _compare(mesh, size: int, repeats: int) -> dict:
+def _compare(mesh, size: int, repeats: int) -> Comparison:
     n = mesh.devices.size
     if size % (4 * n):
         raise LabError(f"size {size} bytes: D must be a multiple of {4 * n} bytes (float32, split into {n} pieces)")
@@ -127,8 +124,8 @@ def _compare(mesh, size: int, repeats: int) -> dict:
     placed = jax.device_put(x, abstract.sharding)
     seen, compiled = {}, {}
     for name, program in (("all-reduce", fused), ("reduce-scatter + all-gather", split)):
-        compiled[name] = program.lower(abstract).compile()
-        seen[name], _ = hlo.parse_collectives(compiled[name].as_text(), mesh.devices.shape)
+        compiled[name], inspection = kit.compile_and_inspect(program, abstract, mesh=mesh)
+        seen[name] = inspection.collectives
     same = bool(
         np.array_equal(
             np.asarray(compiled["all-reduce"](placed)), np.asarray(compiled["reduce-scatter + all-gather"](placed))
@@ -141,7 +138,7 @@ def _compare(mesh, size: int, repeats: int) -> dict:
     timing = time_interleaved({name: (c, (placed,)) for name, c in compiled.items()}, repeats=repeats)
     ring = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1).bytes_sent
     label = f"D={format_bytes(size)}"
-    checks = [
+    checks = (
         check(f"{label}: results identical on every device", True, same),
         check(f"{label}: all-reduce program compiles to", "all-reduce", _kinds(seen["all-reduce"])),
         check(
@@ -161,32 +158,20 @@ def _compare(mesh, size: int, repeats: int) -> dict:
             sent["reduce-scatter + all-gather"],
             rtol=1e-9,
         ),
-    ]
-    return {
-        "size": size,
-        "n": n,
-        "same": same,
-        "kinds": {k: _kinds(v) for k, v in seen.items()},
-        "sent": sent,
-        "time": timing,
-        "checks": checks,
-    }
+    )
+    return Comparison(size, n, same, {k: _kinds(v) for k, v in seen.items()}, sent, timing, checks)
 
 
 def _kinds(found) -> str:
     return ", ".join(c.kind for c in found) or "none"
 
 
-def _on_tpu(topology: str, size: int) -> tuple[list, list]:
-    """What the TPU compiler writes for the two programs (no TPU needed)."""
-    if not topology:
-        return [], []
-    try:
-        chips = topology_devices(topology)
-    except LabError as err:
-        return [["(skipped)", str(err), "-"]], []
-    mesh = MeshSpec(fsdp=len(chips)).build(chips)
-    n = len(chips)
+def _on_tpu(topology: str, size: int) -> tuple[list[Table], list, list[str]]:
+    """What the TPU compiler writes for the two programs (no TPU needed): its table, checks and notes."""
+    tpu = kit.tpu_chips(topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return [tpu.table()] if tpu else [], [], []
+    mesh, n = tpu.mesh("fsdp"), len(tpu)
     abstract = jax.ShapeDtypeStruct((n, size // 4), np.float32, sharding=NamedSharding(mesh, P("fsdp")))
     rows, checks = [], []
     ring = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1).bytes_sent
@@ -205,23 +190,34 @@ def _on_tpu(topology: str, size: int) -> tuple[list, list]:
         checks.append(
             check(f"tpu:{topology} {name}: ring bytes per device", ring, sent, rtol=1e-9, explained=explained)
         )
-    return rows, checks
+    table = Table(
+        f"Compiled for tpu:{topology} (compile-only)",
+        ["program", "collectives the TPU compiler wrote", "ring bytes sent per device"],
+        rows,
+    )
+    notes = []
+    if "all-reduce" in rows[-1][1]:
+        notes.append(
+            "On TPU the reduce-scatter of a program that does nothing with "
+            "its piece became an all-reduce plus a slice, so the split costs "
+            "more bytes than the fused all-reduce there: the compiler's choice, "
+            "visible only in the HLO."
+        )
+    return [table], checks, notes
 
 
 def _table(rows) -> Table:
     body = []
     for r in rows:
         for name in ("all-reduce", "reduce-scatter + all-gather"):
-            body.append(
-                [format_bytes(r["size"]), name, r["kinds"][name], format_bytes(r["sent"][name]), str(r["time"][name])]
-            )
+            body.append([format_bytes(r.size), name, r.kinds[name], format_bytes(r.sent[name]), str(r.time[name])])
         body.append(
             [
-                format_bytes(r["size"]),
+                format_bytes(r.size),
                 "split / fused time",
                 "",
                 "",
-                f"{r['time']['reduce-scatter + all-gather'].median / r['time']['all-reduce'].median:.2f}x",
+                f"{r.time['reduce-scatter + all-gather'].median / r.time['all-reduce'].median:.2f}x",
             ]
         )
     return Table(
@@ -233,28 +229,19 @@ def _table(rows) -> Table:
 
 def _summary(rows, n) -> str:
     last = rows[-1]
-    ratio = last["time"]["reduce-scatter + all-gather"].median / last["time"]["all-reduce"].median
+    ratio = last.time["reduce-scatter + all-gather"].median / last.time["all-reduce"].median
     return (
         f"On {n} devices the two programs gave identical results on every "
         "device, compiled to one all-reduce against one reduce-scatter "
-        f"and one all-gather on the same axis, and send the same {format_bytes(last['sent']['all-reduce'])} "
-        f"per device for D = {format_bytes(last['size'])} "
+        f"and one all-gather on the same axis, and send the same {format_bytes(last.sent['all-reduce'])} "
+        f"per device for D = {format_bytes(last.size)} "
         "(2(N-1)/N·D). They pair up because the state between them, one "
         "piece of the sum per device, is what a sharded optimizer needs. "
         f"On this target the split took {ratio:.2f}x the fused all-reduce's time."
     )
 
 
-def _notes(rows, tpu_rows) -> list[str]:
-    notes = [
-        "The CPU compiler keeps reduce-scatter and all-gather as two collectives: "
-        "it does not fuse them back into an all-reduce, nor split the all-reduce."
-    ]
-    if tpu_rows and "all-reduce" in tpu_rows[-1][1]:
-        notes.append(
-            "On TPU the reduce-scatter of a program that does nothing with "
-            "its piece became an all-reduce plus a slice, so the split costs "
-            "more bytes than the fused all-reduce there: the compiler's choice, "
-            "visible only in the HLO."
-        )
-    return notes
+CPU_NOTE = (
+    "The CPU compiler keeps reduce-scatter and all-gather as two collectives: "
+    "it does not fuse them back into an all-reduce, nor split the all-reduce."
+)

@@ -26,8 +26,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lab import hlo
-from lab.devices import devices_for, parse_target
+from experiments import kit
+from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import preset
@@ -40,7 +40,7 @@ QUESTION = "#40"
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run: cpu:N, gpu, tpu (tpu:<gen>:<topology> compiles without running)"""
     elements: int = 4096
     """elements of the weight vector in the hand-written step"""
@@ -48,7 +48,7 @@ class Config:
     """model preset for the ZeRO-2 and ZeRO-3 training steps"""
     global_batch: int = 16
     """sequences per training step"""
-    tpu: str = "tpu:v5e:2x4"
+    tpu_topology: str = "v5e:2x4"
     """also compile both programs for this TPU topology (compile-only); empty to skip"""
 
 
@@ -80,24 +80,17 @@ def run(config: Config) -> Result:
         raise LabError(f"elements={config.elements} is not divisible by the {n} devices; use a multiple of {n}")
     difference, manual = _manual(devices, config.elements, config.target)
     pairings = [manual, _training(devices, config, "zero2"), _training(devices, config, "zero3")]
-    if config.tpu and not parse_target(config.target).compile_only:
-        try:
-            chips = devices_for(config.tpu)
-        except LabError:
-            chips = ()
-        if chips:
-            pairings += [
-                _manual(chips, config.elements, config.tpu, run=False)[1],
-                _training(chips, config, "zero2", target=config.tpu),
-                _training(chips, config, "zero3", target=config.tpu),
-            ]
+    tpu = None if parse_target(config.target).compile_only else kit.tpu_chips(config.tpu_topology)
+    if isinstance(tpu, kit.TpuChips):
+        pairings += [
+            _manual(tpu.devices, config.elements, tpu.target, run=False)[1],
+            _training(tpu.devices, config, "zero2", target=tpu.target),
+            _training(tpu.devices, config, "zero3", target=tpu.target),
+        ]
     return Result(
-        name="reduce_scatter_pairing",
-        title="Why reduce-scatter and all-gather pair up in sharded training: the update needs only its shard",
-        question=QUESTION,
         summary=_summary(pairings, difference, n, config),
         theory=THEORY,
-        tables=[_table(pairings), _path_table(pairings)],
+        tables=[_table(pairings), _path_table(pairings), *([tpu.table()] if isinstance(tpu, kit.Skipped) else [])],
         checks=_checks(pairings, difference, config.elements, n),
         notes=_notes(pairings),
         provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={n}"),
@@ -152,10 +145,13 @@ def _manual(devices, elements: int, target: str, run: bool = True) -> tuple[floa
         ),
         shardings,
     )
-    compiled = step.lower(*abstract).compile()
-    found, _ = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
+    compiled, inspection = kit.compile_and_inspect(step, *abstract, mesh=mesh)
     pairing = _pairing(
-        "hand-written sharded AdamW (shard_map)", target, compiled.as_text(), found, lambda c: c.kind == "all-gather"
+        "hand-written sharded AdamW (shard_map)",
+        target,
+        inspection.optimized_hlo,
+        inspection.collectives,
+        lambda c: c.kind == "all-gather",
     )
     if not run:
         return None, pairing
@@ -173,10 +169,11 @@ def _manual(devices, elements: int, target: str, run: bool = True) -> tuple[floa
 def _training(devices, config: Config, strategy: str, target: str | None = None) -> Pairing:
     trainer = Trainer(preset(config.model), TrainConfig(strategy=strategy), MeshSpec(fsdp=len(devices)).build(devices))
     step = trainer.inspect_step(config.global_batch, to_read=True)
-    # the updated weights' all-gathers: in the entry computation, outside the forward (jvp) and backward (transpose)
-    is_weight_gather = lambda c: (
-        c.kind == "all-gather" and "jvp" not in (c.op_name or "") and "transpose" not in (c.op_name or "")
-    )
+
+    def is_weight_gather(c) -> bool:
+        """The updated weights' all-gathers: entry computation, outside the forward (jvp) and backward (transpose)."""
+        return c.kind == "all-gather" and "jvp" not in (c.op_name or "") and "transpose" not in (c.op_name or "")
+
     return _pairing(
         f"lab {strategy} training step (XLA-inserted)",
         target or config.target,

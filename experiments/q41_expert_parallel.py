@@ -25,27 +25,28 @@ from dataclasses import asdict, dataclass, replace
 
 import jax
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
+from experiments import kit
 from lab import hlo, theory
-from lab.bench import time_fn
-from lab.devices import devices_for, topology_devices
+from lab.bench import Timing, time_fn
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.moe import RouterConfig
-from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_params, moe_local, moe_reference
+from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_experts, moe_local, moe_reference
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.units import format_bytes
-from lab.verdict import check
+from lab.verdict import Check, check
 
 QUESTION = "#41"
 
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     d_model: int = 64
     """model width d"""
@@ -91,11 +92,33 @@ class Case:
         return MoEConfig(config.d_model, config.d_ff, RouterConfig(self.experts, self.top_k, self.capacity_factor))
 
 
+@dataclass(frozen=True)
+class Timed:
+    """One case's compiled layers run: their error against the reference, and their forward times."""
+
+    case: Case
+    times: dict[str, Timing]  # program -> forward time
+    errors: dict[str, float]  # program -> max |sharded - reference|
+    checks: tuple[Check, ...]
+
+
+@dataclass(frozen=True)
+class Composed:
+    """EP with data and FSDP axes: its collectives' table, and the ones the notes explain."""
+
+    table: Table
+    singletons: tuple[hlo.Collective, ...]  # backward all-reduces over groups of one device
+    data_sums: tuple[hlo.Collective, ...]  # expert-weight gradients summed over data
+    scatters: tuple[hlo.Collective, ...]  # expert-weight gradients reduce-scattered over fsdp
+    checks: tuple[Check, ...]
+
+
 THEORY = r"""
 Each of the N devices of an EP group routes its T tokens to k experts each. Dispatch sends every routed copy to the
 device of its expert, combine brings the result back (GShard, Lepikhin et al. 2020, §2.2 and Algorithm 2):
 
-- routed elements, dispatch + combine, over the group: **2 · B·L · d · k** (B·L = N·T tokens, the quick reference's count);
+- routed elements, dispatch + combine, over the group: **2 · B·L · d · k** (B·L = N·T tokens, the quick
+  reference's count);
 - a share **(N-1)/N** of them crosses devices when experts are chosen uniformly (nccl-tests' all-to-all factor);
 - static shapes give each expert **C = ceil(T·k/E · cf)** slots per device (Switch Transformer eq. 3), and the
   all-to-all carries the whole padded buffer, **E · C · d** elements per device and direction, however many
@@ -118,36 +141,23 @@ def run(config: Config) -> Result:
     timed = [r for r in rows if r["case"] in (base, replace(base, capacity_factor=None))]
     timings = [_run(row, config, devices) for row in track(timed, "run and time EP layers")]
     composed = _with_fsdp(config, base, devices)
-    tpu_rows, tpu_checks = _on_tpu(config, base)
+    tpu_tables, tpu_rows, tpu_checks = _on_tpu(config, base)
     base_row = rows[0]
     checks = [
-        *(c for t in timings for c in t["checks"]),
+        *(c for t in timings for c in t.checks),
         *_traffic_checks(rows, base_row),
-        *composed["checks"],
+        *composed.checks,
         *tpu_checks,
     ]
     return Result(
-        name="expert_parallel",
-        title="Expert parallelism: two all-to-alls per MoE layer, padded to capacity",
-        question=QUESTION,
         summary=_summary(base_row, rows, timings, n),
         theory=THEORY,
         tables=[
             _sweep_table(rows),
             _gshard_table(rows, base_row),
-            composed["table"],
+            composed.table,
             _timing_table(timings),
-            *(
-                [
-                    Table(
-                        f"Compiled for tpu:{config.tpu_topology} (compile-only), base case",
-                        ["program", "matmul precision", "collectives the TPU compiler wrote"],
-                        tpu_rows,
-                    )
-                ]
-                if tpu_rows
-                else []
-            ),
+            *tpu_tables,
         ],
         checks=checks,
         plots={"bytes": _plot(rows)},
@@ -165,9 +175,7 @@ def run(config: Config) -> Result:
                 }
                 for r in rows
             ],
-            "timings_ms": [
-                {"case": t["case"].label, **{k: v.median * 1e3 for k, v in t["times"].items()}} for t in timings
-            ],
+            "timings_ms": [{"case": t.case.label, **{k: v.median * 1e3 for k, v in t.times.items()}} for t in timings],
         },
     )
 
@@ -275,11 +283,14 @@ def _traffic_checks(rows: list[dict], base: dict) -> list:
     return checks
 
 
-def _run(row: dict, config: Config, devices) -> dict:
-    """Numerics and time of one case's compiled layers: no dropping must equal one device; dropping, the grouped reference."""
+def _run(row: dict, config: Config, devices) -> Timed:
+    """Numerics and time of one case's compiled layers.
+
+    Without dropping they must equal one device; with dropping, the reference with the same groups.
+    """
     case, moe, tokens = row["case"], row["case"].moe(config), config.tokens_per_device * len(devices)
     x = jax.random.normal(jax.random.key(1), (tokens, config.d_model))
-    params = init_params(moe, jax.random.key(0))
+    params = init_experts(moe, jax.random.key(0))
     params = params.replace(router_DE=params.router_DE * 50)  # a decisive router: capacity really drops tokens
     groups = 1 if case.capacity_factor is None else len(devices)
     reference = np.asarray(jax.jit(moe_reference, static_argnums=(2, 3))(params, x, moe, groups))
@@ -293,15 +304,15 @@ def _run(row: dict, config: Config, devices) -> dict:
         one_device, jax.device_put(params, devices[0]), jax.device_put(x, devices[0]), repeats=config.repeats
     )
     against = "the single-device MoE" if groups == 1 else "the reference with the same groups"
-    checks = [
+    checks = tuple(
         check(f"{case.label}, {name}: max |sharded - {against}| <= 1e-5 (got {err:.1e})", True, err <= 1e-5)
         for name, err in errors.items()
-    ]
-    return {"case": case, "times": times, "errors": errors, "checks": checks}
+    )
+    return Timed(case, times, errors, checks)
 
 
-def _with_fsdp(config: Config, base: Case, devices) -> dict:
-    """EP over `expert`, experts also split over `fsdp`, tokens over `data` too: forward and forward+backward collectives."""
+def _with_fsdp(config: Config, base: Case, devices) -> Composed:
+    """EP over `expert`, experts also split over `fsdp`, tokens over `data` too: collectives with and without grads."""
     data = 2 if len(devices) % 8 == 0 else 1
     case = replace(base, ep=len(devices) // (2 * data))
     mesh = MeshSpec(data=data, fsdp=2, expert=case.ep).build(devices)
@@ -356,22 +367,19 @@ def _with_fsdp(config: Config, base: Case, devices) -> dict:
     table = Table(
         f"EP with data and FSDP: mesh {label}, base case", ["program", "collective", "axes", "size S", "JAX op"], rows
     )
-    singletons = [c for c in backward if c.group_size == 1]
-    data_sums = [c for c in backward if c.kind == "all-reduce" and c.axes == ("data",)]
-    scatters = [c for c in backward if c.kind == "reduce-scatter" and c.axes == ("fsdp",)]
-    return {"checks": checks, "table": table, "singletons": singletons, "data_sums": data_sums, "scatters": scatters}
+    singletons = tuple(c for c in backward if c.group_size == 1)
+    data_sums = tuple(c for c in backward if c.kind == "all-reduce" and c.axes == ("data",))
+    scatters = tuple(c for c in backward if c.kind == "reduce-scatter" and c.axes == ("fsdp",))
+    return Composed(table, singletons, data_sums, scatters, tuple(checks))
 
 
-def _on_tpu(config: Config, base: Case) -> tuple[list, list]:
-    """The base case for a TPU topology: which collectives, and in which dtype."""
-    if not config.tpu_topology:
-        return [], []
-    try:
-        chips = topology_devices(config.tpu_topology)
-    except LabError as err:
-        return [["(skipped)", "-", str(err)]], []
-    case = replace(base, ep=min(base.ep, len(chips)))
-    mesh, moe, tokens = _mesh(case, chips), case.moe(config), config.tokens_per_device * len(chips)
+def _on_tpu(config: Config, base: Case) -> tuple[list[Table], list, list]:
+    """The base case for a TPU topology: which collectives, and in which dtype (its table, rows and checks)."""
+    tpu = kit.tpu_chips(config.tpu_topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return [tpu.table()] if tpu else [], [], []
+    case = replace(base, ep=min(base.ep, len(tpu)))
+    mesh, moe, tokens = _mesh(case, tpu.devices), case.moe(config), config.tokens_per_device * len(tpu)
     rows, dispatch = [], {}
     for precision, builds in (("default", (expert_parallel, gshard)), ("highest", (expert_parallel,))):
         with jax.default_matmul_precision(precision):
@@ -414,7 +422,12 @@ def _on_tpu(config: Config, base: Case) -> tuple[list, list]:
                 explained=explained,
             )
         )
-    return rows, checks
+    table = Table(
+        f"Compiled for {tpu.target} (compile-only), base case",
+        ["program", "matmul precision", "collectives the TPU compiler wrote"],
+        rows,
+    )
+    return [table], rows, checks
 
 
 # --- the page ----------------------------------------------------------------------------
@@ -465,11 +478,11 @@ def _describe(found) -> str:
     return "; ".join(f"{c.kind}[{','.join(c.axes) if c.axes else '-'}] {format_bytes(c.operand_bytes)}" for c in found)
 
 
-def _timing_table(timings: list[dict]) -> Table:
+def _timing_table(timings: list[Timed]) -> Table:
     body = [
-        [t["case"].label, name, str(timing), f"{timing.median / t['times']['expert_parallel'].median:.2f}x"]
+        [t.case.label, name, str(timing), f"{timing.median / t.times['expert_parallel'].median:.2f}x"]
         for t in timings
-        for name, timing in t["times"].items()
+        for name, timing in t.times.items()
     ]
     return Table(
         "Forward time on this target (median [min, max])", ["case", "program", "time", "vs hand-written"], body
@@ -477,7 +490,8 @@ def _timing_table(timings: list[dict]) -> Table:
 
 
 def _plot(rows: list[dict]):
-    figure, axes = plt.subplots(figsize=(8, 4.2))
+    figure = Figure(figsize=(8, 4.2))
+    axes = figure.subplots()
     positions = np.arange(len(rows))
     axes.bar(positions - 0.2, [r["routed_bytes"] for r in rows], 0.4, label="routed: 2·T·k·d·4 (theory, no padding)")
     axes.bar(
@@ -491,9 +505,9 @@ def _plot(rows: list[dict]):
     return figure
 
 
-def _summary(base: dict, rows: list[dict], timings: list[dict], n: int) -> str:
+def _summary(base: dict, rows: list[dict], timings: list[Timed], n: int) -> str:
     no_drop = next((r for r in rows if r["case"].capacity_factor is None), None)
-    times = timings[0]["times"]
+    times = timings[0].times
     text = (
         f"On {n} devices the hand-written EP layer ({base['label']}) compiles "
         "to exactly two all-to-alls over the expert axis, "
@@ -520,7 +534,7 @@ def _summary(base: dict, rows: list[dict], timings: list[dict], n: int) -> str:
     return text
 
 
-def _notes(base: dict, composed: dict, tpu_rows: list, timings: list[dict]) -> list[str]:
+def _notes(base: dict, composed: Composed, tpu_rows: list, timings: list[Timed]) -> list[str]:
     notes = []
     extra = [c for c in base["gshard"] if c.kind != "all-to-all" and "top_k" in (c.op_name or "")]
     if extra:
@@ -548,8 +562,8 @@ def _notes(base: dict, composed: dict, tpu_rows: list, timings: list[dict]) -> l
             "(the routing's sharding is lost in propagation, so the partitioner "
             "gathers tokens and masks and reduces the combine)."
         )
-    if composed["singletons"]:
-        c = composed["singletons"][0]
+    if composed.singletons:
+        c = composed.singletons[0]
         notes.append(
             "In the backward pass XLA keeps an all-reduce whose replica groups "
             f"hold one device each ({format_bytes(c.operand_bytes)}, "
@@ -558,13 +572,13 @@ def _notes(base: dict, composed: dict, tpu_rows: list, timings: list[dict]) -> l
             "does not remove the no-op collective."
         )
     if (
-        composed["data_sums"]
-        and composed["scatters"]
-        and composed["data_sums"][0].size_bytes > sum(c.size_bytes for c in composed["scatters"]) / 2
+        composed.data_sums
+        and composed.scatters
+        and composed.data_sums[0].size_bytes > sum(c.size_bytes for c in composed.scatters) / 2
     ):
         notes.append(
             f"The backward pass sums the expert-weight gradients over data first, on the whole gathered weights "
-            f"({format_bytes(composed['data_sums'][0].size_bytes)} all-reduce), "
+            f"({format_bytes(composed.data_sums[0].size_bytes)} all-reduce), "
             "and reduce-scatters over fsdp after. Reduce-scattering first "
             "would all-reduce only each device's 1/fsdp shard. JAX puts the "
             "sum over data at the transpose of the expert matmul "
@@ -583,7 +597,7 @@ def _notes(base: dict, composed: dict, tpu_rows: list, timings: list[dict]) -> l
             "default matmul precision: its only consumer is a "
             f"matmul that would round its input anyway.{combine}"
         )
-    no_drop = timings[-1]["times"]
+    no_drop = timings[-1].times
     ratio = no_drop["gshard"].median / no_drop["expert_parallel"].median
     if ratio > 1:
         notes.append(

@@ -24,17 +24,15 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from lab import hlo, theory
 from lab.bench import time_fn
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.moe import RouterConfig, load_metrics
-from lab.parallel.expert import MoEConfig, expert_parallel, init_params
+from lab.parallel.expert import MoEConfig, expert_parallel, init_experts
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.units import format_bytes
@@ -45,7 +43,7 @@ QUESTION = "#42"
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     slots: int = 16
     """expert slots (physical experts) over the whole expert axis"""
@@ -98,9 +96,6 @@ def run(config: Config) -> Result:
     timings = {factor: _time(config, programs[factor]) for factor in track(factors, "time each capacity factor")}
     checks = _checks(config, factors, programs, grid, replicated)
     return Result(
-        name="hot_expert",
-        title="What a hot expert costs: dropped tokens, not time",
-        question=QUESTION,
         summary=_summary(config, factors, grid, replicated, timings),
         theory=THEORY,
         tables=[
@@ -155,7 +150,7 @@ def _program(config: Config, mesh, factor: float | None):
 
 
 def _targets(config: Config, hot_share: float, replicas: int) -> np.ndarray:
-    """Each token's slot in one group: the first h·T round-robin over the hot expert's replicas, the rest over the others."""
+    """Each token's slot in one group: the first h·T round-robin over the hot expert's replicas, the rest elsewhere."""
     tokens = config.tokens_per_device
     hot = round(hot_share * tokens)
     index = np.arange(tokens)
@@ -171,9 +166,12 @@ def _inputs(config: Config, layer, hot_share: float, replicas: int):
     x_TD[:, : config.slots] = (
         8.0 * np.eye(config.slots)[target_T]
     )  # softmax over 8·one-hot: the target wins with p > 0.99
-    params = init_params(layer.config, jax.random.key(0))
+    params = init_experts(layer.config, jax.random.key(0))
     router_DE = jnp.eye(config.d_model, config.slots)
-    replicated = lambda w: w.at[1:replicas].set(w[0])
+
+    def replicated(w):
+        return w.at[1:replicas].set(w[0])
+
     params = params.replace(
         router_DE=router_DE, w_in_EDF=replicated(params.w_in_EDF), w_out_EFD=replicated(params.w_out_EFD)
     )
@@ -322,8 +320,9 @@ def _time_table(config: Config, factors, programs, timings) -> Table:
 
 
 def _plot(config: Config, factors, grid, replicated, timings):
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    shares, colors = np.asarray(config.hot_shares), plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figure = Figure(figsize=(11, 4))
+    left, right = figure.subplots(1, 2)
+    shares, colors = np.asarray(config.hot_shares), matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for color, factor in zip(colors, factors):
         left.plot(
             shares, [grid[h, factor]["measured"] for h in shares], "o-", color=color, label=f"cf={_label(factor)}"

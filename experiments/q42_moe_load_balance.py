@@ -26,17 +26,14 @@ from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
-import matplotlib
 import numpy as np
 import optax
 from flax import nnx
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
-from lab.model import Attention, ModelConfig, RMSNorm, next_token_loss
+from lab.model import Attention, ModelConfig, RMSNorm, WholeWeights, next_token_loss
 from lab.moe import Balance, RouterConfig, load_metrics, update_bias
 from lab.parallel.expert import ExpertParams, MoEConfig, moe_local
 from lab.progress import track
@@ -49,7 +46,7 @@ QUESTION = "#42"
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run; training uses one device of it"""
     steps: int = 240
     """optimizer steps per run"""
@@ -113,8 +110,8 @@ the top-k, and after each step b_i += γ · sign(mean load − load_i). No gradi
 **Expert choice** (Zhou et al. 2022, arXiv:2202.09368): each expert takes its top-C tokens, C = T·k/E·cf, so the load
 is exactly balanced; the cost moves to tokens: some get several experts, some none.
 
-**Capacity** C = ceil(T·k/E · cf) per expert (here T = batch · 32 tokens per step and layer): what overflows is dropped and
-skips the layer through the residual connection.
+**Capacity** C = ceil(T·k/E · cf) per expert (here T = batch · 32 tokens per step and layer): what overflows is
+dropped and skips the layer through the residual connection.
 """
 
 
@@ -125,9 +122,6 @@ def run(config: Config) -> Result:
     histories = {r.name: _train(r, config, batches, devices[0]) for r in track(runs, "train MoE language models")}
     checks = _checks(config, histories)
     return Result(
-        name="moe_load_balance",
-        title="Load balance in MoE: the router's rich get richer, and what stops it",
-        question=QUESTION,
         summary=_summary(config, histories),
         theory=THEORY,
         tables=[_table(config, histories)],
@@ -187,17 +181,7 @@ def skewed_tokens(config: Config, count: int, follow: float = 0.8) -> np.ndarray
 # --- the model: lab.model's attention, an MoE layer instead of the MLP -----------------------
 
 
-class _WholeWeights:
-    """`lab.model.Layout` for one device: weights are used as stored."""
-
-    compute_dtype = jnp.float32
-    remat_policy = None
-
-    def use(self, param: nnx.Param) -> jax.Array:
-        return param[...]
-
-
-WHOLE = _WholeWeights()
+WHOLE = WholeWeights()  # one device: weights are used as stored
 
 
 class RouterBias(nnx.Variable):
@@ -257,7 +241,7 @@ class MoELanguageModel(nnx.Module):
 
 
 def _train(run_: Run, config: Config, batches: np.ndarray, device) -> dict[str, np.ndarray]:
-    """Train one run from the shared initial weights; the per-step history of loss and load metrics (last axis: layers)."""
+    """Train one run from the shared initial weights: per step, the loss and load metrics (last axis: layer)."""
     model = model_config(config)
     moe = MoEConfig(d_model=model.embed, d_ff=model.mlp, router=run_.router)
     params, state = _initial_weights(model, config.experts, config.seed)
@@ -436,7 +420,8 @@ def _plot_load(histories: dict):
         *[n for n in shown if n.startswith("aux loss")][-1:],
         *[n for n in shown if n.startswith(("bias", "expert"))],
     ]
-    figure, axes = plt.subplots(1, len(shown), figsize=(3.2 * len(shown), 3.4), sharey=True)
+    figure = Figure(figsize=(3.2 * len(shown), 3.4))
+    axes = figure.subplots(1, len(shown), sharey=True)
     for ax, name in zip(np.atleast_1d(axes), shown):
         load_SE = histories[name]["tokens_per_expert"][:, -1, :]  # last layer
         share_ES = (load_SE / load_SE.sum(-1, keepdims=True)).T
@@ -453,7 +438,8 @@ def _smooth(values: np.ndarray, width: int = 9) -> np.ndarray:
 
 
 def _plot_imbalance(histories: dict):
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure = Figure(figsize=(11, 4))
+    left, right = figure.subplots(1, 2)
     for name, h in histories.items():
         left.plot(_smooth(h["max_over_mean"].mean(-1)), label=name)
         right.plot(_smooth(h["dropped_share"].mean(-1)), label=name)
@@ -464,7 +450,8 @@ def _plot_imbalance(histories: dict):
 
 
 def _plot_loss_vs_balance(histories: dict):
-    figure, axes = plt.subplots(figsize=(6.5, 4.2))
+    figure = Figure(figsize=(6.5, 4.2))
+    axes = figure.subplots()
     for name, h in histories.items():
         axes.scatter(_late(h, "max_over_mean"), float(h["eval_loss"]))
         axes.annotate(

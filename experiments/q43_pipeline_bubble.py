@@ -30,11 +30,12 @@ import re
 from dataclasses import dataclass
 
 import jax
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
+from experiments import kit
 from lab import hlo, theory
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.model import preset
 from lab.parallel.pipeline import loop
@@ -67,7 +68,7 @@ from lab.parallel.pipeline.timing import (
 )
 from lab.progress import track
 from lab.report import Result, Table, provenance
-from lab.verdict import check
+from lab.verdict import Check, check
 
 QUESTION = "#43"
 
@@ -84,7 +85,7 @@ SIMULATED_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     stages: tuple[int, ...] = (2, 4, 8)
     """P for the simulated bubble table"""
@@ -105,23 +106,62 @@ class Config:
     repeats: int = 5
 
 
+@dataclass(frozen=True)
+class WorkedExample:
+    """The quick-reference's P = 4, m = 4 figure and arithmetic against the simulator (F = B = 1 tick)."""
+
+    grid: str  # the simulated schedule, drawn as the textbook grid
+    makespan: float  # ticks
+    bubble: float
+    idle_per_stage: tuple[float, ...]
+    textbook_total: int
+    textbook_ideal: int
+    textbook_figure_span: float  # ticks the quoted figure spans
+    violations: tuple[str, ...]  # the figure's actions that start before their input exists
+    ideal: float  # one stage's own work, m(F+B)
+    checks: tuple[Check, ...]
+
+
+@dataclass(frozen=True)
+class Executed:
+    """GPipe and 1F1B executed on P stages for each measured m, with the per-stage times behind the models."""
+
+    P: int
+    rows: list[dict]  # per m: the ideal, the formula, and per schedule time, bubble and both predictions
+    stage_times: dict
+    sharing: float  # a tick with every stage busy over a tick with one
+    reference_loss: float | None  # the unpipelined loss, for the largest P
+    checks: tuple[Check, ...]
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """Interleaved 1F1B executed on the same layers, weights and data."""
+
+    P: int
+    m: int
+    v: int
+    time_s: float
+    ideal_s: float
+    bubble: float
+    formula: float
+    checks: tuple[Check, ...]
+
+
 def run(config: Config) -> Result:
     devices = devices_for(config.target)
     _check(config, len(devices))
     simulated = _simulate_sweep(config)
     example = _worked_example()
     executed = [_execute(config, p, devices) for p in track(config.measured_stages, "executing pipelines")]
-    interleaved = _execute_interleaved(config, max(config.measured_stages), devices, executed[-1]["reference_loss"])
-    checks = (
-        _simulation_checks(simulated, config)
-        + example["checks"]
-        + [c for e in executed for c in e["checks"]]
-        + interleaved["checks"]
-    )
+    interleaved = _execute_interleaved(config, max(config.measured_stages), devices, executed[-1].reference_loss)
+    checks = [
+        *_simulation_checks(simulated, config),
+        *example.checks,
+        *(c for e in executed for c in e.checks),
+        *(interleaved.checks if isinstance(interleaved, Interleaved) else ()),
+    ]
     return Result(
-        name="pipeline_bubble",
-        title="Pipeline bubbles: GPipe, 1F1B, interleaved and ZB-H1, simulated and executed",
-        question=QUESTION,
         summary=_summary(simulated, example, executed, interleaved, config),
         theory=_theory(example),
         tables=[
@@ -135,9 +175,9 @@ def run(config: Config) -> Result:
         provenance=provenance(target=config.target, devices=devices, mesh=f"stage={max(config.measured_stages)}"),
         data={
             "simulated": simulated,
-            "worked_example": {k: v for k, v in example.items() if k != "checks"},
-            "executed": [{k: v for k, v in e.items() if k != "checks"} for e in executed],
-            "interleaved": {k: v for k, v in interleaved.items() if k != "checks"},
+            "worked_example": kit.numbers(example),
+            "executed": [kit.numbers(e) for e in executed],
+            "interleaved": kit.numbers(interleaved),
         },
         # Chrome trace-event files: open them in Perfetto (ui.perfetto.dev) or chrome://tracing
         files={
@@ -266,7 +306,7 @@ def _parse_textbook_figure(text: str) -> dict[tuple[int, Action], int]:
     return starts
 
 
-def _worked_example() -> dict:
+def _worked_example() -> WorkedExample:
     """P = 4, m = 4, F = B = 1 tick: the simulator against the quick-reference's figure and arithmetic."""
     schedule = gpipe(4, 4)
     timeline = simulate(schedule, Costs.uniform(4))
@@ -283,7 +323,7 @@ def _worked_example() -> dict:
         f"(m+P-1)(F+B) = {timeline.makespan:g} ticks; 4+4+4-1 counts one "
         "pass of the backward as if it overlapped the forward"
     )
-    checks = [
+    checks = (
         check(
             "P=4, m=4 GPipe makespan: (m+P-1)(F+B) against the simulator (ticks)",
             theory.pipeline_step_time(4, 4, 1, 1),
@@ -319,19 +359,19 @@ def _worked_example() -> dict:
             timeline.bubble_fraction,
             rtol=1e-9,
         ),
-    ]
-    return {
-        "grid": ascii_grid(schedule),
-        "makespan": timeline.makespan,
-        "bubble": timeline.bubble_fraction,
-        "idle_per_stage": timeline.idle,
-        "textbook_total": claimed_total,
-        "textbook_ideal": claimed_ideal,
-        "textbook_figure_span": drawn_span,
-        "violations": violations,
-        "ideal": ideal,
-        "checks": checks,
-    }
+    )
+    return WorkedExample(
+        grid=ascii_grid(schedule),
+        makespan=timeline.makespan,
+        bubble=timeline.bubble_fraction,
+        idle_per_stage=tuple(timeline.idle),
+        textbook_total=claimed_total,
+        textbook_ideal=claimed_ideal,
+        textbook_figure_span=drawn_span,
+        violations=tuple(violations),
+        ideal=ideal,
+        checks=checks,
+    )
 
 
 # --- 3. the executed pipelines ---------------------------------------------------------------
@@ -345,7 +385,7 @@ def _workload(config: Config, stages: int, micro_batches: int, chunks: int = 1) 
     )
 
 
-def _execute(config: Config, stages: int, devices) -> dict:
+def _execute(config: Config, stages: int, devices) -> Executed:
     """GPipe and 1F1B for each measured m on one program, against the ideal and the simulator."""
     m_max = max(config.measured_micro_batches)
     workload = _workload(config, stages, m_max)
@@ -367,23 +407,20 @@ def _execute(config: Config, stages: int, devices) -> dict:
         {key: program.runner(placed, t) for key, t in (runs | ideals | calibration).items()}, config.repeats
     )
     times = stage_times(timings, calibration, stages)
-    rows = [_executed_row(stages, m, timings, times, perf=m == m_max) for m in config.measured_micro_batches]
-    checks = [c for row in rows for c in row.pop("checks")]
+    rows, checks = [], []
+    for m in config.measured_micro_batches:
+        row, row_checks = _executed_row(stages, m, timings, times, perf=m == m_max)
+        rows.append(row)
+        checks += row_checks
     reference_loss = None
     if stages == max(config.measured_stages):
         reference_loss, numerics = _numerics_checks(program, placed, workload, weights, inputs, targets, runs, m_max)
         checks += numerics + _collective_checks(program, workload)
-    return {
-        "P": stages,
-        "rows": rows,
-        "stage_times": dataclasses.asdict(times),
-        "sharing": times.sharing,
-        "reference_loss": reference_loss,
-        "checks": checks,
-    }
+    return Executed(stages, rows, dataclasses.asdict(times), times.sharing, reference_loss, tuple(checks))
 
 
-def _executed_row(stages: int, m: int, timings: dict, times, *, perf: bool) -> dict:
+def _executed_row(stages: int, m: int, timings: dict, times, *, perf: bool) -> tuple[dict, list]:
+    """One measured m: the row of numbers, and its checks (for the largest m only)."""
     ideal_grid = calibration_grid(stages, m, 1, tuple(range(stages)))
     host_ideal = lockstep_makespan(ideal_grid, times.tick) + times.call
     row = {
@@ -391,8 +428,8 @@ def _executed_row(stages: int, m: int, timings: dict, times, *, perf: bool) -> d
         "m": m,
         "ideal_s": timings.timing(("ideal", m)).median,
         "formula": theory.pipeline_bubble_fraction(stages, m),
-        "checks": [],
     }
+    checks = []
     for name in ("gpipe", "1f1b"):
         schedule = make_schedule(name, stages, m)
         measured = timings.timing((name, m)).median
@@ -417,7 +454,7 @@ def _executed_row(stages: int, m: int, timings: dict, times, *, perf: bool) -> d
             f"and the shared-host model predicts {row[name]['host_bubble']:.1%}"
         )
         accounted = abs(row[name]["bubble"] - row[name]["host_bubble"]) <= 0.08
-        row["checks"].append(
+        checks.append(
             check(
                 f"executed {name} P={stages} m={m}: bubble, measured against (P-1)/(m+P-1)",
                 row["formula"],
@@ -427,7 +464,7 @@ def _executed_row(stages: int, m: int, timings: dict, times, *, perf: bool) -> d
             )
         )
         if name == "1f1b":
-            row["checks"].append(
+            checks.append(
                 check(
                     f"executed 1f1b P={stages} m={m}: step time, simulator from per-stage F and B measured alone (s)",
                     simulated,
@@ -436,7 +473,7 @@ def _executed_row(stages: int, m: int, timings: dict, times, *, perf: bool) -> d
                     explained=why.split(":")[0] + "; the simulator assumes a device per stage" if shared else None,
                 )
             )
-            row["checks"].append(
+            checks.append(
                 check(
                     f"executed 1f1b P={stages} m={m}: step time, shared-host lockstep model (s)",
                     host,
@@ -444,7 +481,7 @@ def _executed_row(stages: int, m: int, timings: dict, times, *, perf: bool) -> d
                     rtol=0.15,
                 )
             )
-    return row
+    return row, checks
 
 
 def _numerics_checks(program, placed, workload, weights, inputs, targets, runs, m: int) -> list:
@@ -484,7 +521,7 @@ def _numerics_checks(program, placed, workload, weights, inputs, targets, runs, 
 
 def _collective_checks(program, workload: Workload) -> list:
     """What XLA compiled for the exchange: per tick, one activation down and one gradient up the stage axis."""
-    found, _ = hlo.parse_collectives(program.compiled.as_text(), program.mesh.devices.shape, program.mesh.axis_names)
+    found = hlo.inspect_compiled(program.compiled, program.mesh).collectives
     permutes = [c for c in found if c.kind == "collective-permute"]
     activation = math.prod(workload.activation_shape) * 4
     label = f"executed step P={program.stages}"
@@ -508,11 +545,11 @@ def _collective_checks(program, workload: Workload) -> list:
     ]
 
 
-def _execute_interleaved(config: Config, stages: int, devices, reference_loss: float) -> dict:
-    """Interleaved 1F1B on the same layers, weights and data as the P-stage run (whose unpipelined loss is `reference_loss`)."""
+def _execute_interleaved(config: Config, stages: int, devices, reference_loss: float) -> Interleaved | kit.Skipped:
+    """Interleaved 1F1B on the same layers, weights and data as the P-stage run (unpipelined loss `reference_loss`)."""
     m = max(config.measured_micro_batches)
     if m % stages:
-        return {"skipped": f"m={m} is not a multiple of P={stages}", "checks": []}
+        return kit.Skipped(f"interleaved 1F1B on P={stages}", f"m={m} is not a multiple of P={stages}")
     v = config.chunks
     workload = _workload(config, stages, m, v)
     schedule = make_schedule("interleaved", stages, m, v)
@@ -525,31 +562,25 @@ def _execute_interleaved(config: Config, stages: int, devices, reference_loss: f
     loss, _ = program.run(placed, runs["interleaved"])
     bubble = 1 - timings.ratio("ideal", "interleaved")
     formula = theory.pipeline_bubble_fraction(stages, m, v)
-    return {
-        "P": stages,
-        "m": m,
-        "v": v,
-        "time_s": timings.timing("interleaved").median,
-        "ideal_s": timings.timing("ideal").median,
-        "bubble": bubble,
-        "formula": formula,
-        "checks": [
-            check(
-                f"executed interleaved P={stages} m={m} v={v}: loss against the same model without a pipeline",
-                reference_loss,
-                float(loss),
-                rtol=1e-5,
-            )
-        ],
-    }
+    checks = (
+        check(
+            f"executed interleaved P={stages} m={m} v={v}: loss against the same model without a pipeline",
+            reference_loss,
+            float(loss),
+            rtol=1e-5,
+        ),
+    )
+    return Interleaved(
+        stages, m, v, timings.timing("interleaved").median, timings.timing("ideal").median, bubble, formula, checks
+    )
 
 
 # --- the page --------------------------------------------------------------------------------
 
 
-def _theory(example: dict) -> str:
-    violations = "\n".join(f"- {v}" for v in example["violations"][:4]) + (
-        f"\n- ... ({len(example['violations'])} in all)" if len(example["violations"]) > 4 else ""
+def _theory(example: WorkedExample) -> str:
+    violations = "\n".join(f"- {v}" for v in example.violations[:4]) + (
+        f"\n- ... ({len(example.violations)} in all)" if len(example.violations) > 4 else ""
     )
     return f"""
 With P equal stages, m micro-batches, F and B the time of one micro-batch's forward and backward on one stage:
@@ -578,21 +609,21 @@ The quick-reference draws this figure and writes `{TEXTBOOK_TOTAL}`:
 The simulator (one tick per action, F = B = 1) gives:
 
 ```
-{example["grid"]}
+{example.grid}
 ```
 
-Makespan {example["makespan"]:g} ticks, not {example["textbook_total"]}: each stage works {example["ideal"]:g} ticks
-(m(F+B), the real ideal, not {example["textbook_ideal"]}) and idles {example["idle_per_stage"][0]:g}: bubble
-{example["bubble"]:.4f} = 3/7 = (P-1)/(m+P-1). The figure itself spans {example["textbook_figure_span"]:g} ticks, not 11, and it
-cannot run: its backward goes from stage 0 to stage 3, so stage 0 starts B0 before any gradient exists.
+Makespan {example.makespan:g} ticks, not {example.textbook_total}: each stage works {example.ideal:g} ticks
+(m(F+B), the real ideal, not {example.textbook_ideal}) and idles {example.idle_per_stage[0]:g}: bubble
+{example.bubble:.4f} = 3/7 = (P-1)/(m+P-1). The figure itself spans {example.textbook_figure_span:g} ticks, not 11,
+and it cannot run: its backward goes from stage 0 to stage 3, so stage 0 starts B0 before any gradient exists.
 Dependencies it breaks (lab.parallel.pipeline.schedules.dependency_violations):
 
 {violations}
 """
 
 
-def _bubble_table(rows: list[dict], executed: list[dict], config: Config) -> Table:
-    measured = {(e["P"], r["m"]): r for e in executed for r in e["rows"]}
+def _bubble_table(rows: list[dict], executed: list[Executed], config: Config) -> Table:
+    measured = {(e.P, r["m"]): r for e in executed for r in e.rows}
     body = []
     for r in rows:
         if r["m"] & (r["m"] - 1):  # powers of two in the table; the plot has every m
@@ -633,16 +664,16 @@ def _bubble_table(rows: list[dict], executed: list[dict], config: Config) -> Tab
     )
 
 
-def _executed_table(executed: list[dict], interleaved: dict) -> Table:
+def _executed_table(executed: list[Executed], interleaved: Interleaved | kit.Skipped) -> Table:
     body = []
     for e in executed:
-        for r in e["rows"]:
+        for r in e.rows:
             for name in ("gpipe", "1f1b"):
                 x = r[name]
                 body.append(
                     [
                         name,
-                        e["P"],
+                        e.P,
                         r["m"],
                         f"{x['time_s'] * 1e3:.1f}",
                         f"{r['ideal_s'] * 1e3:.1f}",
@@ -650,20 +681,20 @@ def _executed_table(executed: list[dict], interleaved: dict) -> Table:
                         f"{r['formula']:.3f}",
                         f"{x['simulated_s'] * 1e3:.1f}",
                         f"{x['host_s'] * 1e3:.1f}",
-                        f"{e['sharing']:.2f}",
+                        f"{e.sharing:.2f}",
                     ]
                 )
-    if "bubble" in interleaved:
+    if isinstance(interleaved, Interleaved):
         i = interleaved
         body.append(
             [
-                f"interleaved v={i['v']}",
-                i["P"],
-                i["m"],
-                f"{i['time_s'] * 1e3:.1f}",
-                f"{i['ideal_s'] * 1e3:.1f}",
-                f"{i['bubble']:.3f}",
-                f"{i['formula']:.3f}",
+                f"interleaved v={i.v}",
+                i.P,
+                i.m,
+                f"{i.time_s * 1e3:.1f}",
+                f"{i.ideal_s * 1e3:.1f}",
+                f"{i.bubble:.3f}",
+                f"{i.formula:.3f}",
                 "",
                 "",
                 "",
@@ -716,10 +747,9 @@ def _memory_table(rows: list[dict], config: Config) -> Table:
     )
 
 
-def _bubble_plot(rows: list[dict], executed: list[dict], config: Config):
-    figure, axes = plt.subplots(
-        1, len(config.stages), figsize=(4.2 * len(config.stages), 3.6), sharey=True, squeeze=False
-    )
+def _bubble_plot(rows: list[dict], executed: list[Executed], config: Config):
+    figure = Figure(figsize=(4.2 * len(config.stages), 3.6))
+    axes = figure.subplots(1, len(config.stages), sharey=True, squeeze=False)
     for axis, p in zip(axes[0], config.stages):
         mine = [r for r in rows if r["P"] == p]
         ms = [r["m"] for r in mine]
@@ -747,18 +777,18 @@ def _bubble_plot(rows: list[dict], executed: list[dict], config: Config):
         )
         axis.plot(ms, [r["zb-h1"]["bubble"] for r in mine], ".", color="#54A24B", label="ZB-H1, simulated (F=I=W)")
         for e in executed:
-            if e["P"] == p:
+            if p == e.P:
                 axis.plot(
-                    [r["m"] for r in e["rows"]],
-                    [r["1f1b"]["bubble"] for r in e["rows"]],
+                    [r["m"] for r in e.rows],
+                    [r["1f1b"]["bubble"] for r in e.rows],
                     "*",
                     ms=11,
                     color="#E45756",
                     label="1F1B, measured here",
                 )
                 axis.plot(
-                    [r["m"] for r in e["rows"]],
-                    [r["1f1b"]["host_bubble"] for r in e["rows"]],
+                    [r["m"] for r in e.rows],
+                    [r["1f1b"]["host_bubble"] for r in e.rows],
                     "*",
                     ms=11,
                     mfc="none",
@@ -797,7 +827,7 @@ def _summary(rows, example, executed, interleaved, config: Config) -> str:
         if any(r["P"] == 4 and r["m"] == 8 for r in rows)
         else rows[-1]
     )
-    last = executed[-1]["rows"][-1]
+    last = executed[-1].rows[-1]
     text = (
         "A bubble is the time stages wait while the pipe fills and drains: "
         f"(P-1)/(m+P-1) of the step. Simulated for P = {at['P']}, m = {at['m']}: "
@@ -807,20 +837,25 @@ def _summary(rows, example, executed, interleaved, config: Config) -> str:
         f"instead of {at['gpipe']['peak_in_flight']:g}, it does not shrink the bubble), interleaved v={config.chunks} "
         f"{at['interleaved']['bubble']:.1%}, ZB-H1 {at['zb-h1']['bubble']:.1%}. "
         "The quick-reference's 4-stage, 4-micro-batch example takes "
-        f"{example['makespan']:g} ticks, not {example['textbook_total']}, "
+        f"{example.makespan:g} ticks, not {example.textbook_total}, "
         "and its figure runs the backward the wrong way. "
         f"Executed here (P = {last['P']}, m = {last['m']}), GPipe and 1F1B "
         "match the unpipelined loss and gradients and measured bubbles of "
         f"{last['gpipe']['bubble']:.1%} and {last['1f1b']['bubble']:.1%} against {last['formula']:.1%}"
     )
-    if executed[-1]["sharing"] > 1.15:
-        text += f": smaller, because the emulated stages share the host's cores (a busy tick with every stage working is {executed[-1]['sharing']:.2f}x one with a single stage)"
-    if "bubble" in interleaved:
-        text += f"; interleaving (v={interleaved['v']}) measured {interleaved['bubble']:.1%} against {interleaved['formula']:.1%}"
+    if executed[-1].sharing > 1.15:
+        text += (
+            ": smaller, because the emulated stages share the host's cores (a busy tick with every stage working "
+            f"is {executed[-1].sharing:.2f}x one with a single stage)"
+        )
+    if isinstance(interleaved, Interleaved):
+        text += (
+            f"; interleaving (v={interleaved.v}) measured {interleaved.bubble:.1%} against {interleaved.formula:.1%}"
+        )
     return text + "."
 
 
-def _notes(executed: list[dict], interleaved: dict) -> list[str]:
+def _notes(executed: list[Executed], interleaved: Interleaved | kit.Skipped) -> list[str]:
     notes = [
         (
             "Each executed step is one SPMD program: every device runs the "
@@ -845,14 +880,14 @@ def _notes(executed: list[dict], interleaved: dict) -> list[str]:
         load_note(),
     ]
     for e in executed:
-        t = e["stage_times"]
+        t = e.stage_times
         notes.append(
-            f"P={e['P']}: a forward tick alone {np.mean(t['forward']) * 1e3:.2f} "
+            f"P={e.P}: a forward tick alone {np.mean(t['forward']) * 1e3:.2f} "
             f"ms, a backward tick alone {np.mean(t['backward']) * 1e3:.2f} "
             "ms, "
             f"an idle tick {t['idle'] * 1e3:.2f} ms (the exchange and the "
             f"bookkeeping), with every stage busy {t['forward_all'] * 1e3:.2f} "
             "/ "
-            f"{t['backward_all'] * 1e3:.2f} ms: host sharing {e['sharing']:.2f}."
+            f"{t['backward_all'] * 1e3:.2f} ms: host sharing {e.sharing:.2f}."
         )
     return notes

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from experiments import kit
 from lab import theory
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.model import preset
 from lab.parallel.pipeline import loop
@@ -42,7 +43,7 @@ from lab.parallel.pipeline.stages import (
 from lab.parallel.pipeline.timing import calibration_tables, ideal_tables, load_note, stage_times, time_round_robin
 from lab.progress import track
 from lab.report import Result, Table, provenance
-from lab.verdict import check
+from lab.verdict import Check, check
 
 QUESTION = "#43"
 SCHEDULES = ("gpipe", "1f1b")
@@ -50,10 +51,10 @@ SCHEDULES = ("gpipe", "1f1b")
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     split: str = "4,2"
-    """transformer blocks per stage; a stage with twice the blocks is twice as slow (the quick-reference's 2 s and 1 s)"""
+    """transformer blocks per stage; twice the blocks make a stage twice as slow (the quick-reference's 2 s and 1 s)"""
     micro_batches: int = 8
     micro_batch_size: int = 2
     """sequences per micro-batch"""
@@ -62,17 +63,26 @@ class Config:
     repeats: int = 5
 
 
+@dataclass(frozen=True)
+class Textbook:
+    """The quick-reference's case, stage 0 taking 2 s and stage 1 taking 1 s, simulated per schedule."""
+
+    makespan: dict[str, float]  # schedule -> step (s)
+    bubble: dict[str, float]
+    idle: dict[str, tuple[float, ...]]  # schedule -> idle time per stage (s)
+    formula: float  # GPipe's flow-shop step (s)
+    checks: tuple[Check, ...]
+
+
 def run(config: Config) -> Result:
     devices = devices_for(config.target)
     uneven = _parse(config, len(devices))
     even = balanced_split(uneven.total, len(uneven.layers))
     textbook = _textbook_case(config.micro_batches)
-    runs = [_execute(config, split, devices) for split in track((uneven, even), "imbalanced, then rebalanced")]
-    checks = textbook["checks"] + [c for r in runs for c in r.pop("checks")] + _comparison_checks(runs)
+    executed = [_execute(config, split, devices) for split in track((uneven, even), "imbalanced, then rebalanced")]
+    runs = [numbers for numbers, _ in executed]
+    checks = [*textbook.checks, *(c for _, found in executed for c in found), *_comparison_checks(runs)]
     return Result(
-        name="stage_imbalance",
-        title="Stage imbalance: the slowest stage sets the pace, and moving layers fixes it",
-        question=QUESTION,
         summary=_summary(runs, textbook, config),
         theory=THEORY,
         tables=[_table(runs), _textbook_table(textbook)],
@@ -80,7 +90,7 @@ def run(config: Config) -> Result:
         plots={"imbalance": _plot(runs, config)},
         notes=_notes(runs),
         provenance=provenance(target=config.target, devices=devices, mesh=f"stage={len(uneven.layers)}"),
-        data={"runs": runs, "textbook": {k: v for k, v in textbook.items() if k != "checks"}},
+        data={"runs": runs, "textbook": kit.numbers(textbook)},
     )
 
 
@@ -116,14 +126,14 @@ def _parse(config: Config, device_count: int) -> StageSplit:
     return split
 
 
-def _textbook_case(m: int) -> dict:
+def _textbook_case(m: int) -> Textbook:
     """The quick-reference's example: stage 0 takes 2 s, stage 1 takes 1 s (forward and backward alike)."""
     costs = Costs((2.0, 1.0), (2.0, 1.0))
     timelines = {name: simulate(make_schedule(name, 2, m), costs) for name in SCHEDULES}
     gpipe = timelines["gpipe"]
     formula = theory.imbalanced_step_time(costs.forward, costs.backward, m)
     waits = gpipe.idle[1] / m
-    checks = [
+    checks = (
         check(
             f"2 stages of 2 s and 1 s, m={m}: GPipe step, flow-shop formula against the simulator (s)",
             formula,
@@ -144,18 +154,21 @@ def _textbook_case(m: int) -> dict:
             gpipe.bubble_fraction,
             explained="the fast stage waits for the slow one on every micro-batch, not only while the pipe fills",
         ),
-    ]
-    return {
-        "makespan": {n: t.makespan for n, t in timelines.items()},
-        "bubble": {n: t.bubble_fraction for n, t in timelines.items()},
-        "idle": {n: t.idle for n, t in timelines.items()},
-        "formula": formula,
-        "checks": checks,
-    }
+    )
+    return Textbook(
+        makespan={n: t.makespan for n, t in timelines.items()},
+        bubble={n: t.bubble_fraction for n, t in timelines.items()},
+        idle={n: t.idle for n, t in timelines.items()},
+        formula=formula,
+        checks=checks,
+    )
 
 
-def _execute(config: Config, split: StageSplit, devices) -> dict:
-    """Run GPipe and 1F1B with this split, measure every stage, and predict the steps from the measurements."""
+def _execute(config: Config, split: StageSplit, devices) -> tuple[dict, list]:
+    """Run GPipe and 1F1B with this split, measure every stage, and predict the steps from the measurements.
+
+    Returns the run's numbers and its checks.
+    """
     p, m = len(split.layers), config.micro_batches
     workload = Workload(preset(config.model), split, config.micro_batch_size * m, m)
     schedules = {name: make_schedule(name, p, m) for name in SCHEDULES}
@@ -175,7 +188,6 @@ def _execute(config: Config, split: StageSplit, devices) -> dict:
         "sharing": times.sharing,
         "ideal_s": timings.timing("ideal").median,
         "formula_gpipe_s": theory.imbalanced_step_time(costs.forward, costs.backward, m) + times.call,
-        "checks": [],
     }
     for name, schedule in schedules.items():
         result[name] = {
@@ -188,7 +200,7 @@ def _execute(config: Config, split: StageSplit, devices) -> dict:
     loss, _ = program.run(placed, runs["1f1b"])
     reference, _ = reference_loss_and_grads(workload, weights, inputs, targets) if split.uneven else (loss, None)
     label = ",".join(map(str, split.layers))
-    result["checks"] = [
+    checks = [
         check(
             f"split {label}: GPipe step simulated with the measured stage times against the flow-shop formula (s)",
             result["formula_gpipe_s"],
@@ -202,7 +214,7 @@ def _execute(config: Config, split: StageSplit, devices) -> dict:
             rtol=1e-5,
         ),
     ]
-    return result
+    return result, checks
 
 
 def _comparison_checks(runs: list[dict]) -> list:
@@ -309,13 +321,13 @@ def _table(runs: list[dict]) -> Table:
     )
 
 
-def _textbook_table(textbook: dict) -> Table:
+def _textbook_table(textbook: Textbook) -> Table:
     body = [
         [
             name,
-            f"{textbook['makespan'][name]:g}",
-            " / ".join(f"{i:g}" for i in textbook["idle"][name]),
-            f"{textbook['bubble'][name]:.3f}",
+            f"{textbook.makespan[name]:g}",
+            " / ".join(f"{i:g}" for i in textbook.idle[name]),
+            f"{textbook.bubble[name]:.3f}",
         ]
         for name in SCHEDULES
     ]
@@ -323,7 +335,7 @@ def _textbook_table(textbook: dict) -> Table:
         "The quick-reference's case: stage 0 takes 2 s, stage 1 takes 1 s (simulated)",
         ["schedule", "step (s)", "idle per stage (s)", "bubble"],
         body,
-        note=f"GPipe flow-shop formula: {textbook['formula']:g} s.",
+        note=f"GPipe flow-shop formula: {textbook.formula:g} s.",
     )
 
 
@@ -341,14 +353,14 @@ def _plot(runs: list[dict], config: Config):
     return timeline_figure(timelines, titles=titles, unit="ms")
 
 
-def _summary(runs: list[dict], textbook: dict, config: Config) -> str:
+def _summary(runs: list[dict], textbook: Textbook, config: Config) -> str:
     uneven, even = runs
     return (
         "The slowest stage sets the pace. In the quick-reference's case "
-        f"(2 s and 1 s, m = {config.micro_batches}) GPipe takes {textbook['makespan']['gpipe']:g} "
+        f"(2 s and 1 s, m = {config.micro_batches}) GPipe takes {textbook.makespan['gpipe']:g} "
         "s "
-        f"and the fast stage idles {textbook['idle']['gpipe'][1]:g} s: its "
-        f"bubble is {textbook['bubble']['gpipe']:.0%}, not the "
+        f"and the fast stage idles {textbook.idle['gpipe'][1]:g} s: its "
+        f"bubble is {textbook.bubble['gpipe']:.0%}, not the "
         f"{theory.pipeline_bubble_fraction(2, config.micro_batches):.0%} "
         f"of equal stages. Executed with blocks {','.join(map(str, uneven['split']))}, "
         "the "

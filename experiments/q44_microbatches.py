@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from lab import theory
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.model import preset
 from lab.parallel.pipeline import loop
@@ -45,7 +45,7 @@ FLAT = 0.10  # "returns flatten": within this fraction of the best measured step
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     stages: int = 4
     """P, pipeline stages (devices on the stage axis)"""
@@ -68,9 +68,6 @@ def run(config: Config) -> Result:
     gpipe_rows = {m: _gpipe_memory(config, m, devices) for m in track(config.gpipe_micro_batches, "GPipe buffers")}
     fit = _fit(rows, config.stages)
     return Result(
-        name="microbatches",
-        title="Micro-batches: why more of them shrink the bubble, and why not without limit",
-        question=QUESTION,
         summary=_summary(rows, gpipe_rows, fit, config),
         theory=THEORY,
         tables=[_table(rows, gpipe_rows, config), _bubble_table(config)],
@@ -346,7 +343,8 @@ def _m_for(stages: int, bubble: float) -> int:
 
 def _plot(rows: list[dict], gpipe_rows: dict, fit: dict, config: Config):
     p = config.stages
-    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 3.8))
+    figure = Figure(figsize=(14, 3.8))
+    left, middle, right = figure.subplots(1, 3)
     ms = np.array([r["m"] for r in rows])
     dense = np.arange(1, max(64, ms.max()) + 1)
     left.plot(
@@ -425,6 +423,7 @@ def _summary(rows, gpipe_rows, fit, config: Config) -> str:
 
 
 def _notes(rows: list[dict], fit: dict, config: Config) -> list[str]:
+    saved = theory.pipeline_bubble_fraction(config.stages, 10) - theory.pipeline_bubble_fraction(config.stages, 100)
     return [
         load_note(),
         (
@@ -439,7 +438,7 @@ def _notes(rows: list[dict], fit: dict, config: Config) -> list[str]:
             f"the m·c term: at c = {fit['overhead_s'] * 1e3:.2f} ms, going "
             "from 10 to 100 "
             f"micro-batches adds {90 * fit['overhead_s'] * 1e3:.0f} ms per stage of fixed cost to save "
-            f"{theory.pipeline_bubble_fraction(config.stages, 10) - theory.pipeline_bubble_fraction(config.stages, 100):.0%} "
+            f"{saved:.0%} "
             "of the step in bubble."
         ),
     ]

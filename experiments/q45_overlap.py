@@ -7,7 +7,7 @@ where it can be checked:
 
 1. the arithmetic, on the quick-reference's own example (100 ms of compute,
    40 ms of communication) and on the reverse case;
-2. a collective matmul written by hand (lab.overlap): ``all_gather(X) @ W`` as
+2. a collective matmul written by hand (lab.parallel.collective_matmul): ``all_gather(X) @ W`` as
    a ring of N-1 ``ppermute`` s, each block's product computed while the next
    block travels; the bidirectional ring; and ``reduce_scatter(X @ W)`` the
    same way. Same numbers as the plain program, and on this target, timed
@@ -22,15 +22,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
-from lab import hlo, overlap, theory
+from experiments import kit
+from lab import hlo, theory
 from lab.bench import time_interleaved
-from lab.devices import devices_for, topology_devices, topology_shape
-from lab.errors import LabError
-from lab.hardware import profile_for_device_kind
+from lab.devices import DEFAULT_TARGET, devices_for
+from lab.hlo import schedule
 from lab.mesh import MeshSpec
+from lab.parallel import collective_matmul
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.units import format_bytes
@@ -42,7 +43,7 @@ RING_VARIANTS = ("ring all-gather matmul", "bidirectional all-gather matmul", "r
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     shape: tuple[int, int, int] = (1024, 1024, 1024)
     """M, K, F of Y = X @ W on this target (the reduce-scatter variants swap K and F)"""
@@ -68,12 +69,9 @@ def run(config: Config) -> Result:
         theory.overlap_time(config.comm_ms / 1e3, config.compute_ms / 1e3),
     ]
     return Result(
-        name="overlap",
-        title="Why overlap matters: max(compute, communication), and collective matmul",
-        question=QUESTION,
         summary=_summary(examples[0], measured, tpu, len(devices)),
         theory=THEORY,
-        tables=[_example_table(examples), _measured_table(measured, len(devices)), *(_tpu_tables(tpu) if tpu else [])],
+        tables=[_example_table(examples), _measured_table(measured, len(devices)), *_tpu_tables(tpu)],
         checks=_checks(examples[0], measured, tpu, len(devices)),
         plots={"overlap": _plot(examples, measured, tpu)},
         notes=_notes(measured, tpu),
@@ -82,7 +80,8 @@ def run(config: Config) -> Result:
             "examples": [vars(e) for e in examples],
             "measured": {k: {n: str(v) for n, v in r.items()} for k, r in measured.items()},
             "tpu": {
-                k: {n: v for n, v in r.items() if n != "report"} for k, r in (tpu or {}).get("variants", {}).items()
+                k: {n: v for n, v in r.items() if n != "report"}
+                for k, r in (tpu["variants"] if isinstance(tpu, dict) else {}).items()
             },
         },
     )
@@ -113,20 +112,19 @@ ring backwards: a partial sum travels and each device adds the product its next 
 def _measure(mesh, shape, repeats: int) -> dict:
     """Every variant compiled, checked against its plain twin, read from the HLO, then timed round-robin."""
     rows, calls, outputs = {}, {}, {}
-    for name in track(overlap.VARIANTS, "collective matmul variants"):
-        program = overlap.build_matmul(name, mesh, "tensor", _shape_for(name, shape))
+    for name in track(collective_matmul.VARIANTS, "collective matmul variants"):
+        program = collective_matmul.build_matmul(name, mesh, "tensor", _shape_for(name, shape))
         inputs = program.example_inputs()
-        compiled = program.fn.lower(*program.abstract_inputs()).compile()
-        found, _ = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
+        compiled, inspection = kit.compile_and_inspect(program.fn, *program.abstract_inputs(), mesh=mesh)
         outputs[name] = np.asarray(compiled(*inputs))
         calls[name] = (compiled, inputs)
         rows[name] = {
-            "collectives": [c.kind for c in found],
-            "async": sum(c.is_async for c in found),
-            "timeline": overlap.timeline(compiled.as_text()),
+            "collectives": [c.kind for c in inspection.collectives],
+            "async": sum(c.is_async for c in inspection.collectives),
+            "timeline": schedule.timeline(inspection.optimized_hlo),
         }
     for name, row in rows.items():
-        reference = outputs[overlap.VARIANTS[name].plain]
+        reference = outputs[collective_matmul.VARIANTS[name].plain]
         row["max_abs_diff"] = float(np.max(np.abs(outputs[name] - reference)))
         row["close"] = bool(np.allclose(outputs[name], reference, rtol=1e-5, atol=1e-4))
     for name, timing in time_interleaved(calls, repeats=repeats).items():
@@ -143,27 +141,22 @@ def _shape_for(name: str, shape_MKF) -> tuple[int, int, int]:
 # ------------------------------------------------------------------ the TPU compiler's schedule
 
 
-def _tpu(topology: str, shape) -> dict | None:
-    if not topology:
-        return None
-    try:
-        chips = topology_devices(topology)
-    except LabError as err:
-        return {"skipped": str(err)}
-    chip = profile_for_device_kind(chips[0].device_kind)
-    dims = topology_shape(topology)
-    mesh = MeshSpec(tensor=len(chips)).build(chips)
+def _tpu(topology: str, shape) -> dict | kit.Skipped | None:
+    tpu = kit.tpu_chips(topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return tpu  # not asked for, or libtpu cannot build it here
+    mesh = tpu.mesh("tensor")
     variants = {
-        name: _tpu_variant(name, mesh, _shape_for(name, shape), chip, dims)
-        for name in track(overlap.VARIANTS, f"tpu:{topology} schedules")
+        name: _tpu_variant(name, mesh, _shape_for(name, shape), tpu.chip, tpu.dims)
+        for name in track(collective_matmul.VARIANTS, f"{tpu.target} schedules")
     }
-    return {"topology": topology, "chip": chip, "chips": len(chips), "variants": variants}
+    return {"topology": topology, "chip": tpu.chip, "chips": len(tpu), "variants": variants}
 
 
 def _tpu_variant(name: str, mesh, shape, chip, dims) -> dict:
-    program = overlap.build_matmul(name, mesh, "tensor", shape, jnp.bfloat16)
+    program = collective_matmul.build_matmul(name, mesh, "tensor", shape, jnp.bfloat16)
     inspection = hlo.inspect(program.fn, *program.abstract_inputs(), mesh=mesh)
-    report = overlap.overlap_report(inspection.optimized_hlo, chip, dims, inspection.mesh_shape, inspection.axis_names)
+    report = schedule.overlap_report(inspection.optimized_hlo, chip, dims, inspection.mesh_shape, inspection.axis_names)
     n = mesh.shape["tensor"]
     matmul_s = program.flops / n / chip.peak_bf16_flops
     permutes = [w for w in report.windows if w.collective.kind == "collective-permute"]
@@ -175,7 +168,7 @@ def _tpu_variant(name: str, mesh, shape, chip, dims) -> dict:
         modelled = matmul_s + report.communication_s
     return {
         "report": report,
-        "timeline": overlap.timeline(inspection.optimized_hlo),
+        "timeline": schedule.timeline(inspection.optimized_hlo),
         "matmul_s": matmul_s,
         "modelled_s": modelled,
         "compute_s": report.compute_s,
@@ -200,7 +193,8 @@ def _checks(example, measured, tpu, n: int) -> list:
         ),
     ]
     for name, row in measured.items():
-        checks.append(check(f"{name}: same result as {overlap.VARIANTS[name].plain} (rtol 1e-5)", True, row["close"]))
+        twin = collective_matmul.VARIANTS[name].plain
+        checks.append(check(f"{name}: same result as {twin} (rtol 1e-5)", True, row["close"]))
     for name in RING_VARIANTS:
         checks.append(
             check(
@@ -219,7 +213,7 @@ def _checks(example, measured, tpu, n: int) -> list:
             rtol=0.5,
         )
     )
-    if tpu and "variants" in tpu:
+    if isinstance(tpu, dict):
         for name, row in tpu["variants"].items():
             checks.append(
                 check(
@@ -269,7 +263,7 @@ def _example_table(examples) -> Table:
 def _measured_table(measured, n: int) -> Table:
     rows = []
     for name, row in measured.items():
-        plain = measured[overlap.VARIANTS[name].plain]["time"].median
+        plain = measured[collective_matmul.VARIANTS[name].plain]["time"].median
         rows.append(
             [
                 name,
@@ -298,8 +292,8 @@ def _measured_table(measured, n: int) -> Table:
 
 
 def _tpu_tables(tpu) -> list[Table]:
-    if "skipped" in tpu:
-        return [Table("TPU (compile-only)", ["skipped"], [[tpu["skipped"]]])]
+    if not isinstance(tpu, dict):
+        return [tpu.table()] if tpu else []
     rows = []
     for name, row in tpu["variants"].items():
         hidden = row["hidden_s"] / row["comm_s"] if row["comm_s"] else 1.0
@@ -357,7 +351,7 @@ def _summary(example, measured, tpu, n: int) -> str:
         f"(ring) and {bidi / plain:.2f}x (bidirectional) the plain all-gather-then-matmul's "
         "time."
     )
-    if tpu and "variants" in tpu:
+    if isinstance(tpu, dict):
         v = tpu["variants"]
         text += (
             f" Compiled for tpu:{tpu['topology']}, the TPU scheduler puts "
@@ -381,7 +375,7 @@ def _notes(measured, tpu) -> list[str]:
             "collectives and matmuls) but not its benefit."
         )
     ]
-    if tpu and "variants" in tpu:
+    if isinstance(tpu, dict):
         v = tpu["variants"]
         ring = v["ring all-gather matmul"]
         notes.append(
@@ -416,8 +410,9 @@ def _notes(measured, tpu) -> list[str]:
 
 
 def _plot(examples, measured, tpu):
-    panels = 3 if tpu and "variants" in tpu else 2
-    figure, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.2))
+    panels = 3 if isinstance(tpu, dict) else 2
+    figure = Figure(figsize=(5.2 * panels, 4.2))
+    axes = figure.subplots(1, panels)
     labels = [f"C={e.compute_s * 1e3:.0f}, T={e.comm_s * 1e3:.0f}" for e in examples]
     x = np.arange(len(examples))
     axes[0].bar(x - 0.2, [e.serial_s * 1e3 for e in examples], 0.4, label="C + T")

@@ -25,16 +25,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
-from lab import hlo, overlap, theory
+from experiments import kit
+from lab import hlo, theory
 from lab.bench import time_interleaved
-from lab.devices import devices_for, topology_devices, topology_shape
-from lab.errors import LabError
-from lab.hardware import profile_for_device_kind
+from lab.devices import DEFAULT_TARGET, devices_for
+from lab.hlo import schedule
 from lab.mesh import MeshSpec
 from lab.model import preset
-from lab.parallel import bucketing
+from lab.parallel import bucketing, collective_matmul
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.units import format_bytes, parse_size
@@ -46,7 +46,7 @@ CHAIN = 64  # one-element all-reduces in the chain that measures alpha_AR
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     model: str = "small"
     """lab.model preset whose gradients are bucketed"""
@@ -78,12 +78,9 @@ def run(config: Config) -> Result:
     tpu = _tpu(config)
     checks = _checks(buckets, narrow, tpu)
     return Result(
-        name="overlap_backfires",
-        title="When overlap backfires: tiny buckets, extra buffers, compute too short",
-        question=QUESTION,
         summary=_summary(buckets, narrow, tpu),
         theory=THEORY,
-        tables=[_bucket_table(buckets), _narrow_table(narrow), *(_tpu_tables(tpu) if tpu else [])],
+        tables=[_bucket_table(buckets), _narrow_table(narrow), *_tpu_tables(tpu)],
         checks=checks,
         plots={"backfires": _plot(buckets, tpu)},
         notes=_notes(buckets, narrow, tpu),
@@ -133,13 +130,12 @@ def _buckets(config: Config, mesh) -> dict:
     }
     programs, rows = {}, {}
     for name, plan in track(plans.items(), "bucketings"):
-        compiled = bucketing.reduce_program(plan, mesh, "data").lower(stacked).compile()
-        found, _ = hlo.parse_collectives(compiled.as_text(), mesh.devices.shape, mesh.axis_names)
+        compiled, inspection = kit.compile_and_inspect(bucketing.reduce_program(plan, mesh, "data"), stacked, mesh=mesh)
         programs[name] = (compiled, (stacked,))
         rows[name] = {
             "buckets": plan.count if plan else len(problem.leaves),
-            "all_reduces": len(found),
-            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "all_reduces": len(inspection.collectives),
+            "temp_bytes": inspection.memory["temp_size"],
         }
     programs.update(bucketing.launch_cost_programs(mesh, "data", CHAIN))
     timings = time_interleaved(programs, repeats=config.repeats)
@@ -164,7 +160,7 @@ def _narrow_matmul(devices, shape, repeats: int) -> dict:
     mesh = MeshSpec(tensor=len(devices)).build(devices)
     calls = {}
     for name in ("all-gather then matmul", "ring all-gather matmul"):
-        program = overlap.build_matmul(name, mesh, "tensor", shape)
+        program = collective_matmul.build_matmul(name, mesh, "tensor", shape)
         calls[name] = (program.fn.lower(*program.abstract_inputs()).compile(), program.example_inputs())
     return time_interleaved(calls, repeats=repeats)
 
@@ -172,29 +168,27 @@ def _narrow_matmul(devices, shape, repeats: int) -> dict:
 # ------------------------------------------------------------------ TPU (compile-only) and its model
 
 
-def _tpu(config: Config) -> dict | None:
-    if not config.tpu_topology:
-        return None
-    try:
-        chips = topology_devices(config.tpu_topology)
-    except LabError as err:
-        return {"skipped": str(err)}
-    chip = profile_for_device_kind(chips[0].device_kind)
-    dims = topology_shape(config.tpu_topology)
-    mesh = MeshSpec(tensor=len(chips)).build(chips)
-    widths = [_tpu_width(mesh, f, chip, dims) for f in track(config.tpu_widths, "TPU collective matmul widths")]
+def _tpu(config: Config) -> dict | kit.Skipped | None:
+    tpu = kit.tpu_chips(config.tpu_topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return tpu  # not asked for, or libtpu cannot build it here
+    mesh, chip = tpu.mesh("tensor"), tpu.chip
+    widths = [_tpu_width(mesh, f, chip, tpu.dims) for f in track(config.tpu_widths, "TPU collective matmul widths")]
     return {
         "topology": config.tpu_topology,
         "chip": chip.name,
-        "chips": len(chips),
+        "chips": len(tpu),
         "widths": widths,
-        "theory_curve": _theory_curve(widths[0], len(chips)),
-        **_tpu_buckets(config, chip, len(chips)),
+        "theory_curve": _theory_curve(widths[0], len(tpu)),
+        **_tpu_buckets(config, chip, len(tpu)),
     }
 
 
 def _theory_curve(measured_width: dict, n: int) -> dict:
-    """Ring / plain step in theory across F/N, from one width's per-block transfer and the plain all-gather's time (both independent of F)."""
+    """Ring / plain step in theory across F/N.
+
+    From one width's per-block transfer and the plain all-gather's time, both independent of F.
+    """
     per_device = [2.0**k for k in range(7, 15)]
     block_s_per_column = measured_width["block_compute_s"] / (measured_width["F"] // n)
     gather_s = measured_width["all-gather then matmul"]["comm_s"]
@@ -209,15 +203,15 @@ def _theory_curve(measured_width: dict, n: int) -> dict:
 def _tpu_width(mesh, width: int, chip, dims) -> dict:
     n, row = mesh.shape["tensor"], {"F": width}
     for name in ("all-gather then matmul", "ring all-gather matmul"):
-        program = overlap.build_matmul(name, mesh, "tensor", (8192, 4096, width), jnp.bfloat16)
+        program = collective_matmul.build_matmul(name, mesh, "tensor", (8192, 4096, width), jnp.bfloat16)
         inspection = hlo.inspect(program.fn, *program.abstract_inputs(), mesh=mesh)
-        report = overlap.overlap_report(
+        report = schedule.overlap_report(
             inspection.optimized_hlo, chip, dims, inspection.mesh_shape, inspection.axis_names
         )
         row[name] = {
             "step_s": report.step_s,
             "hidden": report.hidden_s / report.communication_s,
-            "timeline": overlap.timeline(inspection.optimized_hlo),
+            "timeline": schedule.timeline(inspection.optimized_hlo),
             "temp_bytes": inspection.memory.get("temp_size", 0),
             "comm_s": report.communication_s,
         }
@@ -290,7 +284,7 @@ def _checks(buckets, narrow, tpu) -> list:
             ring >= plain * 0.9,
         )
     )
-    if tpu and "widths" in tpu:
+    if isinstance(tpu, dict):
         for row in tpu["widths"]:
             ring_s, plain_s = row["ring all-gather matmul"]["step_s"], row["all-gather then matmul"]["step_s"]
             checks.append(
@@ -356,8 +350,8 @@ def _narrow_table(narrow) -> Table:
 
 
 def _tpu_tables(tpu) -> list[Table]:
-    if "skipped" in tpu:
-        return [Table("TPU (compile-only)", ["skipped"], [[tpu["skipped"]]])]
+    if not isinstance(tpu, dict):
+        return [tpu.table()] if tpu else []
     widths = []
     for row in tpu["widths"]:
         ring, plain = row["ring all-gather matmul"], row["all-gather then matmul"]
@@ -431,7 +425,7 @@ def _summary(buckets, narrow, tpu) -> str:
         f"{narrow['ring all-gather matmul'].median / narrow['all-gather then matmul'].median:.2f}x "
         "the plain program here."
     )
-    if tpu and "widths" in tpu:
+    if isinstance(tpu, dict):
         narrowest, widest = tpu["widths"][0], tpu["widths"][-1]
         text += (
             f" On tpu:{tpu['topology']} the ring is "
@@ -472,7 +466,7 @@ def _notes(buckets, narrow, tpu) -> list[str]:
             "The per-tensor psums that XLA combines into one tuple all-reduce need no packing at all."
         ),
     ]
-    if tpu and "widths" in tpu:
+    if isinstance(tpu, dict):
         narrowest = tpu["widths"][0]["ring all-gather matmul"]
         notes.append(
             "At the narrowest width the TPU scheduler did not even interleave: "
@@ -490,8 +484,9 @@ def _notes(buckets, narrow, tpu) -> list[str]:
 
 
 def _plot(buckets, tpu):
-    panels = 2 if tpu and "widths" in tpu else 1
-    figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.2), squeeze=False)
+    panels = 2 if isinstance(tpu, dict) else 1
+    figure = Figure(figsize=(6 * panels, 4.2))
+    axes = figure.subplots(1, panels, squeeze=False)
     rows = buckets["rows"]
     names = list(rows)
     left = axes[0][0]

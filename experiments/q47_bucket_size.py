@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
+from experiments import kit
 from lab import hlo, theory
 from lab.bench import time_interleaved
-from lab.devices import devices_for, quiet_native_stderr, topology_devices
-from lab.errors import LabError
-from lab.hardware import profile_for_device_kind
+from lab.devices import DEFAULT_TARGET, devices_for, quiet_native_stderr
 from lab.mesh import MeshSpec
 from lab.model import preset
 from lab.parallel import bucketing
@@ -47,7 +46,7 @@ COMBINER_OPTION = "xla_jf_crs_combiner_threshold_in_bytes"  # libtpu's all-reduc
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     model: str = "small"
     """lab.model preset whose gradients are bucketed"""
@@ -94,12 +93,9 @@ def run(config: Config) -> Result:
     tpu = _tpu(config, problem.config)
     checks = _checks(rows, fit, fused, combined, tpu, len(problem.leaves), backward)
     return Result(
-        name="bucket_size",
-        title="Gradient bucket size: launches against the exposed tail",
-        question=QUESTION,
         summary=_summary(rows, backward, fit, problem, tpu, fused),
         theory=THEORY,
-        tables=[_sweep_table(rows, backward, fit, fused), *(_tpu_tables(tpu) if tpu else [])],
+        tables=[_sweep_table(rows, backward, fit, fused), *_tpu_tables(tpu)],
         checks=checks,
         plots={"bucket_size": _plot(rows, backward, fit, tpu)},
         notes=_notes(rows, combined, fused, tpu, problem),
@@ -144,25 +140,28 @@ def _sizes(texts, itemsize: int) -> list[tuple[int, str]]:
         (bucketing.DEEPSPEED_BUCKET_ELEMENTS * itemsize, "DeepSpeed default (5e8 elements)"),
     ]
     swept = [(parse_size(t), "") for t in texts]
-    return sorted({size: label for size, label in swept + marked}.items())
+    return sorted(dict(swept + marked).items())
 
 
 def _sweep(problem, stacked, sizes) -> tuple[list[dict], dict]:
-    """Per bucket size: the plan, the all-reduces in HLO, exact sums; and the compiled programs (plans that hold everything share one)."""
+    """Per bucket size: the plan, the all-reduces in HLO, exact sums; and the compiled programs.
+
+    Plans that hold everything share one program.
+    """
     reference = [np.asarray(x) for x in bucketing.reduce_program(None, problem.mesh, problem.axis)(stacked)]
     programs, seen, rows = {}, {}, []
     for size, label in track(sizes, "bucket sizes"):
         plan = bucketing.plan_buckets(problem.leaves, size)
         key = "everything" if plan.holds_everything else format_bytes(size)
         if key not in programs:
-            compiled = bucketing.reduce_program(plan, problem.mesh, problem.axis).lower(stacked).compile()
-            found, _ = hlo.parse_collectives(compiled.as_text(), problem.mesh.devices.shape, problem.mesh.axis_names)
+            program = bucketing.reduce_program(plan, problem.mesh, problem.axis)
+            compiled, inspection = kit.compile_and_inspect(program, stacked, mesh=problem.mesh)
             exact = all(np.array_equal(np.asarray(a), b) for a, b in zip(compiled(stacked), reference))
             programs[key] = compiled
             seen[key] = {
-                "all_reduces": sum(c.kind == "all-reduce" for c in found),
+                "all_reduces": sum(c.kind == "all-reduce" for c in inspection.collectives),
                 "exact": exact,
-                "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+                "temp_bytes": inspection.memory["temp_size"],
             }
         rows.append(
             {
@@ -179,7 +178,7 @@ def _sweep(problem, stacked, sizes) -> tuple[list[dict], dict]:
 
 
 def _fit(rows) -> dict:
-    """Least squares of the reduction time against the bucket count, time = n * alpha_AR + rest, over the multi-bucket points.
+    """Least squares of the reduction time against the bucket count, time = n * alpha_AR + rest, multi-bucket points.
 
     The single bucket is left out of the fit and compared with it: it is the one that packs every gradient at once.
     """
@@ -197,17 +196,18 @@ def _model_reduce_s(fit: dict, buckets: int) -> float:
 
 
 def _fused_step(problem) -> dict:
-    """Backward and the per-tensor psums (which XLA combines) in one program: with no async collectives, the sum of the two."""
-    compiled = bucketing.step_program(problem, None).lower(problem.params, problem.tokens).compile()
-    found, _ = hlo.parse_collectives(compiled.as_text(), problem.mesh.devices.shape, problem.mesh.axis_names)
+    """Backward and the per-tensor psums (which XLA combines) in one program: without async collectives, their sum."""
+    program = bucketing.step_program(problem, None)
+    compiled, inspection = kit.compile_and_inspect(program, problem.params, problem.tokens, mesh=problem.mesh)
+    found = inspection.collectives
     return {"program": compiled, "async": sum(c.is_async for c in found), "all_reduces": len(found)}
 
 
 def _combined_count(problem, stacked, size: int) -> dict:
     """Buckets of `size` written as independent psums: what XLA's combiner makes of them."""
     plan = bucketing.plan_buckets(problem.leaves, size)
-    compiled = bucketing.reduce_program(plan, problem.mesh, problem.axis, keep_apart=False).lower(stacked).compile()
-    found, _ = hlo.parse_collectives(compiled.as_text(), problem.mesh.devices.shape, problem.mesh.axis_names)
+    program = bucketing.reduce_program(plan, problem.mesh, problem.axis, keep_apart=False)
+    found = hlo.inspect(program, stacked, mesh=problem.mesh).collectives
     return {
         "bytes": size,
         "buckets": plan.count,
@@ -219,26 +219,22 @@ def _combined_count(problem, stacked, size: int) -> dict:
 # ------------------------------------------------------------------ TPU (compile-only)
 
 
-def _tpu(config: Config, model_config) -> dict | None:
-    if not config.tpu_topology:
-        return None
-    try:
-        chips = topology_devices(config.tpu_topology)
-    except LabError as err:
-        return {"skipped": str(err)}
-    chip = profile_for_device_kind(chips[0].device_kind)
-    mesh = MeshSpec(data=len(chips)).build(chips)
-    problem = bucketing.gradient_problem(model_config, mesh, placed=False)
+def _tpu(config: Config, model_config) -> dict | kit.Skipped | None:
+    tpu = kit.tpu_chips(config.tpu_topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return tpu  # not asked for, or libtpu cannot build it here
+    chip = tpu.chip
+    problem = bucketing.gradient_problem(model_config, tpu.mesh("data"), placed=False)
     counts = [
         _tpu_count(problem, threshold) for threshold in track([None, *config.tpu_thresholds], "TPU combiner thresholds")
     ]
     return {
         "topology": config.tpu_topology,
-        "chips": len(chips),
+        "chips": len(tpu),
         "chip": chip.name,
         "counts": counts,
         "leaves": len(problem.leaves),
-        **_tpu_prediction(config, chip, len(chips)),
+        **_tpu_prediction(config, chip, len(tpu)),
     }
 
 
@@ -250,8 +246,7 @@ def _tpu_count(problem, threshold: str | None) -> dict:
             .lower(problem.params, problem.tokens)
             .compile(compiler_options=options)
         )
-    found, _ = hlo.parse_collectives(compiled.as_text(), problem.mesh.devices.shape, problem.mesh.axis_names)
-    reduces = [c for c in found if c.kind == "all-reduce"]
+    reduces = [c for c in hlo.inspect_compiled(compiled, problem.mesh).collectives if c.kind == "all-reduce"]
     return {
         "threshold": "compiler default" if threshold is None else format_bytes(options[COMBINER_OPTION]),
         "all_reduces": len(reduces),
@@ -336,7 +331,7 @@ def _checks(rows, fit, fused, combined, tpu, leaves: int, backward) -> list:
             rtol=0.5,
         )
     )
-    if tpu and "counts" in tpu:
+    if isinstance(tpu, dict):
         by = {c["threshold"]: c for c in tpu["counts"]}
         if "0 Bytes" in by:
             checks.append(
@@ -405,8 +400,8 @@ def _sweep_table(rows, backward, fit, fused) -> Table:
 
 
 def _tpu_tables(tpu) -> list[Table]:
-    if "skipped" in tpu:
-        return [Table("TPU (compile-only)", ["skipped"], [[tpu["skipped"]]])]
+    if not isinstance(tpu, dict):
+        return [tpu.table()] if tpu else []
     counts = Table(
         f"XLA's own bucketing: tpu:{tpu['topology']} combiner threshold against "
         f"all-reduces (same step, one psum per gradient tensor, {tpu['leaves']} "
@@ -434,7 +429,10 @@ def _regime(tpu) -> str:
     """Which half of the model decides the best bucket on the TPU."""
     comm = tpu["single_s"] - tpu["backward_s"]  # one bucket: all communication after the backward
     if comm > tpu["backward_s"]:
-        return f"Communication ({comm * 1e3:.1f} ms) exceeds the backward: the optimum is near b* = G·sqrt(α_AR/C) = {format_bytes(tpu['b_star'])}."
+        return (
+            f"Communication ({comm * 1e3:.1f} ms) exceeds the backward: the optimum is near "
+            f"b* = G·sqrt(α_AR/C) = {format_bytes(tpu['b_star'])}."
+        )
     return (
         f"The backward ({tpu['backward_s'] * 1e3:.1f} ms) outlasts the communication "
         f"({comm * 1e3:.1f} ms): b* = G·sqrt(α_AR/C) = {format_bytes(tpu['b_star'])} "
@@ -464,7 +462,7 @@ def _summary(rows, backward, fit, problem, tpu, fused) -> str:
         f"leaving the tensors to XLA's own combiner gave {(backward.median + fused['reduction'].median) * 1e3:.1f} ms. "
         "DDP's 25 MiB default is one bucket here: the gradients are smaller."
     )
-    if tpu and "best_bytes" in tpu:
+    if isinstance(tpu, dict):
         text += (
             f" On tpu:{tpu['topology']}, where a backward can hide buckets, "
             f"the model puts the best bucket for the {tpu['model']} preset "
@@ -513,7 +511,7 @@ def _notes(rows, combined, fused, tpu, problem) -> list[str]:
             "bucketing them in backward order cannot start any of their all-reduces earlier."
         ),
     ]
-    if tpu and "counts" in tpu:
+    if isinstance(tpu, dict):
         default = next(c for c in tpu["counts"] if c["threshold"] == "compiler default")
         notes.append(
             f"libtpu with its default threshold put all {tpu['leaves']} gradient "
@@ -526,8 +524,9 @@ def _notes(rows, combined, fused, tpu, problem) -> list[str]:
 
 
 def _plot(rows, backward, fit, tpu):
-    panels = 2 if tpu and "sizes" in tpu else 1
-    figure, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
+    panels = 2 if isinstance(tpu, dict) else 1
+    figure = Figure(figsize=(6.5 * panels, 4.2))
+    axes = figure.subplots(1, panels, squeeze=False)
     left = axes[0][0]
     sizes = [r["bytes"] for r in rows]
     left.plot(sizes, [(backward.median + r["time"].median) * 1e3 for r in rows], "o-", label="measured step")

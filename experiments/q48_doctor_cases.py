@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.doctor.diagnosis import Diagnosis, diagnose
 from lab.model import preset
 from lab.progress import track
@@ -30,16 +30,16 @@ QUESTION = "#48"
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
-    """where the executed cases run (cpu:N, gpu, tpu); the compile-only cases use tpu_target"""
+    target: str = DEFAULT_TARGET
+    """where the executed cases run (cpu:N, gpu, tpu); the compile-only cases use tpu_topology"""
     steps: int = 12
     """steps each executed case runs (the doctor's medians skip the first 2)"""
     global_batch: int = 64
     """sequences per step: divisible by the devices times the micro-batches"""
-    tpu_target: str = "tpu:v5e:2x2"
-    """compile-only TPU target of the memory case (the 1b model with ddp) and the small-model communication case"""
+    tpu_topology: str = "v5e:2x2"
+    """compile-only TPU topology of the memory case (the 1b model with ddp) and the small-model communication case"""
     input_ms: float = 60.0
-    """the slow loader's milliseconds per batch (the tiny model's step takes tens of ms on cpu:8, a few on an accelerator)"""
+    """the slow loader's milliseconds per batch (the tiny model's step: tens of ms on cpu:8, a few on an accelerator)"""
     micro_batches: int = 8
     """ZeRO-3 micro-batches of the communication case: each gathers the weights again"""
     diverging_learning_rate: float = 1.0
@@ -58,6 +58,7 @@ class Case:
 
 def cases(config: Config, devices: int) -> list[Case]:
     """The control and one broken configuration per layer (two for layout and for communication)."""
+    tpu = f"tpu:{config.tpu_topology}"
     control = RunConfig(
         target=config.target,
         mesh=f"fsdp={devices}",
@@ -77,8 +78,8 @@ def cases(config: Config, devices: int) -> list[Case]:
         Case(
             "too_big",
             "memory",
-            f"the 1b model with ddp (everything replicated) on a {config.tpu_target} slice, compile-only",
-            replace(control, target=config.tpu_target, model="1b", strategy="ddp", mesh="data=-1", global_batch=8),
+            f"the 1b model with ddp (everything replicated) on a {tpu} slice, compile-only",
+            replace(control, target=tpu, model="1b", strategy="ddp", mesh="data=-1", global_batch=8),
         ),
         Case(
             "slow_loader",
@@ -109,8 +110,8 @@ def cases(config: Config, devices: int) -> list[Case]:
         Case(
             "tiny_on_tpu",
             "communication",
-            f"the tiny model with zero3 over the 4 chips of {config.tpu_target}: too little compute per collective",
-            replace(control, target=config.tpu_target, mesh="fsdp=-1", global_batch=16),
+            f"the tiny model with zero3 over the 4 chips of {tpu}: too little compute per collective",
+            replace(control, target=tpu, mesh="fsdp=-1", global_batch=16),
         ),
         Case(
             "diverging",
@@ -125,9 +126,6 @@ def run(config: Config) -> Result:
     devices = devices_for(config.target)  # before any compile-only target: the emulated device count is fixed first
     diagnosed = [(case, diagnose(case.run)) for case in track(cases(config, len(devices)), "doctor cases")]
     return Result(
-        name="doctor_cases",
-        title="The doctor's cases: deliberately broken training configurations, each found and named by `lab doctor`",
-        question=QUESTION,
         summary=_summary(diagnosed),
         theory=THEORY,
         tables=[_overview(diagnosed)] + [_report(case, diagnosis) for case, diagnosis in diagnosed],
@@ -163,7 +161,7 @@ def _named(diagnosis: Diagnosis) -> str:
 
 
 def _checks(diagnosed) -> list:
-    """The doctor named each broken layer first and nothing in the control; and the control's volume against the ZeRO paper."""
+    """Each broken layer named first, nothing in the control; and the control's volume against the ZeRO paper."""
     rows = []
     for case, diagnosis in diagnosed:
         if case.broken_layer:
@@ -179,7 +177,7 @@ def _checks(diagnosed) -> list:
 
 
 def _volume_check(copies: float, model, on_cpu: bool):
-    """ZeRO-3's 3Ψ per step against the control's copies; on XLA:CPU refined by the accounting below when it predicts them."""
+    """ZeRO-3's 3Ψ per step against the control's copies; on XLA:CPU refined by the accounting below."""
     embeddings = 2 * model.vocab * model.embed / model.parameters  # f: the share of Ψ in the two embedding tables
     on_cpu_copies = 2 * (1 - embeddings) + embeddings + 2
     explained = None
@@ -294,13 +292,14 @@ def _notes(diagnosed) -> list[str]:
             "first symptom. Rebalancing the router would not help; the fix of the numerics finding would."
         )
     notes.append(
-        "XLA:CPU schedules no collective asynchronously, so the overlap analysis (lab.overlap) applies only to the "
-        "compile-only TPU cases; loop trip counts are missing from the TPU "
+        "XLA:CPU schedules no collective asynchronously, so the overlap analysis (lab.hlo.schedule) applies only "
+        "to the compile-only TPU cases; loop trip counts are missing from the TPU "
         "HLO's collectives, so counts there are lower bounds."
     )
     return notes
 
 
+# a markdown table keeps each row on one line
 THEORY = r"""
 The doctor checks five layers in a fixed order and ranks what it finds: problems first, in layer order; the first
 problem is where to start.
@@ -313,9 +312,9 @@ problem is where to start.
 | layout | parameters left unsharded, expert load skew, pipeline bubble | `lab.rules.sharding_report`; the busiest expert / mean; (P-1)/(M+P-1) | over the strategy's limit; skew ≥ 2 (warning ≥ 1.25, Switch's capacity factor); bubble ≥ 50 % (warning ≥ 20 %: Megatron's M ≥ 4P) |
 | communication | largest collectives per axis | bytes per step from the optimized HLO, time predicted by `lab.theory` on the links each axis uses, against the compute | predicted communication ≥ compute (warning ≥ half) |
 | communication | volume per step | bytes over the data axes in model copies (all-reduce counted twice) against the ZeRO paper: 2Ψ for DDP, ZeRO-1, ZeRO-2; 3Ψ for ZeRO-3 (Rajbhandari et al. 2020, Section 7) | ≥ 4x (warning ≥ 2x) |
-| communication | exposed communication | `lab.overlap`: communication not covered by compute in the schedule (TPU HLO only) | ≥ 50 % of the step (warning ≥ 25 %) |
+| communication | exposed communication | `lab.hlo.schedule`: communication not covered by compute in the schedule (TPU HLO only) | ≥ 50 % of the step (warning ≥ 25 %) |
 | numerics | NaN/Inf, gradient-norm spikes, divergence | per-step loss and global gradient norm | non-finite; final loss above the first (a spike ≥ 5x the running median is a warning) |
 
 A step compiled for a TPU topology needs no TPU: memory, layout and communication are read from what the compiler
 produced; input and numerics need steps to run, so they are not applicable there.
-"""
+"""  # noqa: E501

@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lab.devices import devices_for, parse_target
+from experiments import kit
+from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
@@ -30,7 +31,7 @@ BF16 = {"param_dtype": "bfloat16", "compute_dtype": "bfloat16"}
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to compile: cpu:N, gpu, tpu, or tpu:<gen>:<topology> (this page only reads compiled programs)"""
     model: str = "tiny"
     """model preset (lab.model.PRESETS)"""
@@ -39,8 +40,8 @@ class Config:
     persistence_threshold: int = 1024
     """the lab's stage3_param_persistence_threshold: parameters with fewer elements stay whole on every device"""
     deepspeed_default_threshold: int = 100_000
-    """DeepSpeed's default stage3_param_persistence_threshold (elements), tried against the sufficiently-sharded guard"""
-    tpu: str = "tpu:v5e:2x4"
+    """DeepSpeed's default stage3_param_persistence_threshold (elements), tried on the sufficiently-sharded guard"""
+    tpu_topology: str = "v5e:2x4"
     """also compile for this TPU topology (compile-only); empty to skip"""
 
 
@@ -87,28 +88,24 @@ class Program:
 
 def run(config: Config) -> Result:
     model = preset(config.model)
-    targets = [config.target] + ([config.tpu] if config.tpu and not parse_target(config.target).compile_only else [])
-    programs, devices_seen = [], {}
-    for target in targets:
-        try:
-            devices = devices_for(target)
-        except LabError:
-            continue
-        devices_seen[target] = devices
-        programs += [
-            _compile(model, config, name, target, devices) for name in track(VARIANTS, f"knobs compiled for {target}")
-        ]
+    devices_seen = {config.target: devices_for(config.target)}  # first: the emulated device count is fixed then
+    tpu = None if parse_target(config.target).compile_only else kit.tpu_chips(config.tpu_topology)
+    if isinstance(tpu, kit.TpuChips):
+        devices_seen[tpu.target] = tpu.devices
+    programs = [
+        _compile(model, config, name, target, devices)
+        for target, devices in devices_seen.items()
+        for name in track(VARIANTS, f"knobs compiled for {target}")
+    ]
     guard = _guard(model, config, devices_seen[config.target])
     by = {(p.target, p.variant): p for p in programs}
     persisted = _persisted_gather_bytes(model, config.persistence_threshold)
     checks = [c for target in devices_seen for c in _checks(by, target, model, persisted)]
+    skipped = [tpu.table()] if isinstance(tpu, kit.Skipped) else []
     return Result(
-        name="zero3_vs_fsdp2",
-        title="ZeRO-3 and FSDP2 knobs in JAX terms: which sharding, which collective, where",
-        question=QUESTION,
         summary=_summary(by, list(devices_seen), guard, config),
         theory=THEORY,
-        tables=[_mapping(by, list(devices_seen), guard, config), _measured(programs), _lines(programs)],
+        tables=[_mapping(by, list(devices_seen), guard, config), _measured(programs), _lines(programs), *skipped],
         checks=checks,
         notes=_notes(by, list(devices_seen)),
         provenance=provenance(
@@ -131,7 +128,10 @@ def _compile(model: ModelConfig, config: Config, variant: str, target: str, devi
     trainer = _trainer(model, config, variant, devices)
     step = trainer.inspect_step(config.global_batch, to_read=True)
     found = [c for c in step.collectives if c.size_bytes > 8 and c.axes]
-    runs = lambda c: c.repeats if c.repeats is not None else model.layers
+
+    def runs(c) -> int:
+        return c.repeats if c.repeats is not None else model.layers
+
     gathers = [c for c in found if c.kind == "all-gather"]
     backward = [c for c in gathers if "transpose(" in (c.op_name or "")]
     forward = [c for c in gathers if c not in backward]
@@ -207,10 +207,16 @@ def _checks(by: dict, target: str, model: ModelConfig, persisted: float) -> list
     z3, keep, persist, f32 = (by[target, v] for v in VARIANTS)
     widened = None
     if parse_target(target).platform == "cpu" and z3.gather_types == ("f32",):
-        widened = "XLA:CPU carries bf16 collectives as f32 (the HLO all-gathers f32 copies of the bf16 weights), so every S is twice the bf16 bytes"
+        widened = (
+            "XLA:CPU carries bf16 collectives as f32 (the HLO all-gathers f32 copies of the bf16 weights), "
+            "so every S is twice the bf16 bytes"
+        )
     narrowed = None
     if f32.gather_types == ("bf16",):
-        narrowed = f"the {target} compiler moved the cast to bf16 before the all-gather (the HLO gathers bf16): FSDP2's param_dtype=bf16, chosen by the compiler"
+        narrowed = (
+            f"the {target} compiler moved the cast to bf16 before the all-gather (the HLO gathers bf16): "
+            "FSDP2's param_dtype=bf16, chosen by the compiler"
+        )
 
     def bf16_bytes(quantity: str, theory: float, observed: float):
         doubled = widened if widened and abs(observed - 2 * theory) <= 0.01 * theory else None
@@ -419,7 +425,10 @@ def _summary(by: dict, targets: list[str], guard: str, config: Config) -> str:
     )
     if len(targets) > 1:
         t = by[targets[-1], "zero3"]
-        text += f" Prefetch and overlap are XLA's: {t.async_gathers} of the all-gathers compiled for {targets[-1]} are asynchronous, {z3.async_gathers} on {main}."
+        text += (
+            f" Prefetch and overlap are XLA's: {t.async_gathers} of the all-gathers compiled for {targets[-1]} "
+            f"are asynchronous, {z3.async_gathers} on {main}."
+        )
     return text
 
 

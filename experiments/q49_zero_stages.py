@@ -17,12 +17,12 @@ import re
 from dataclasses import dataclass, replace
 
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
+from experiments import kit
 from lab import theory
 from lab.bench import Timing
-from lab.devices import devices_for, parse_target
-from lab.errors import LabError
+from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
 from lab.progress import track
@@ -40,15 +40,15 @@ HLO_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run: cpu:N, gpu, tpu, or tpu:<gen>:<topology> (compile-only: memory and bytes, no times)"""
     model: str = "tiny"
     """model preset (lab.model.PRESETS) for memory and bytes"""
     global_batch: int = 16
     """sequences per step, split over all devices"""
     precision: str = "bfloat16"
-    """working weights and gradients; bfloat16 is the ZeRO paper's mixed precision (the optimizer keeps fp32 master weights)"""
-    tpu: str = "tpu:v5e:2x4"
+    """working weights and gradients; bfloat16 is the ZeRO paper's mixed precision (with fp32 master weights)"""
+    tpu_topology: str = "v5e:2x4"
     """also compile every strategy for this TPU topology (compile-only, bytes only); empty to skip"""
     timing_model: str = "small"
     """preset for the goal ratio: the ZeRO-3 step on all devices over the step on one device"""
@@ -109,7 +109,8 @@ def run(config: Config) -> Result:
             )
             for m in track(measured, "step time per strategy")
         ]
-    tpu = _on_tpu(config, model) if config.tpu and timed else []
+    chips = kit.tpu_chips(config.tpu_topology) if timed else None
+    tpu = _on_tpu(config, model, chips) if isinstance(chips, kit.TpuChips) else []
     ratio = _goal_ratio(config, devices) if timed else None
     everything = measured + tpu
     expected = {(m.target, m.strategy): _expected(m.strategy, model, m.devices, config.precision) for m in everything}
@@ -117,12 +118,9 @@ def run(config: Config) -> Result:
         everything, expected
     )
     return Result(
-        name="zero_stages",
-        title="ZeRO stages on a real transformer: memory, bytes and step time against the ZeRO paper",
-        question=QUESTION,
         summary=_summary(measured, tpu, expected, ratio, model),
         theory=THEORY,
-        tables=_tables(everything, expected, ratio),
+        tables=[*_tables(everything, expected, ratio), *([chips.table()] if isinstance(chips, kit.Skipped) else [])],
         checks=checks,
         plots={"zero_stages": _plot(everything, expected)},
         notes=_notes(measured, tpu, expected, model),
@@ -173,7 +171,7 @@ def _measure(trainer: Trainer, global_batch: int, target: str, *, gradients: boo
 
 
 def _tally(found, layers: int, itemsize: int | None = None):
-    """Per (kind, axes): runs and S per step; S per kind; ring bytes sent. With `itemsize`, S as if carried in that width."""
+    """Per (kind, axes): runs and S per step; S per kind; ring bytes sent. With `itemsize`, S carried in that width."""
     totals: dict[tuple, list] = {}
     moved: dict[str, float] = {}
     sent, assumed = 0.0, 0
@@ -194,13 +192,15 @@ def _tally(found, layers: int, itemsize: int | None = None):
 
 
 def _step_bytes(memory: dict[str, int]) -> int:
-    """Everything the step holds at once: XLA:CPU reports buffers (its peak covers arguments only), the TPU compiler a peak."""
+    """All the step holds at once: XLA:CPU reports buffers (its peak: arguments only), the TPU compiler a peak."""
     buffers = memory["argument_size"] + memory["temp_size"] + memory["output_size"] - memory["alias_size"]
     return max(buffers, memory.get("peak_memory", 0))
 
 
 def _padded_arguments(optimized_hlo: str) -> tuple[int, int]:
-    """Bytes of the entry computation's parameters as declared, and with their layouts' tiles filled (TPU: ``{1,0:T(8,128)}``).
+    """Bytes of the entry computation's parameters as declared, and with their layouts' tiles filled.
+
+    TPU layouts tile small dimensions, e.g. ``{1,0:T(8,128)}``.
 
     A layout lists dimensions minor first; a tile T(x,y) covers the two most minor dimensions, padding them
     up to multiples of x and y. On layouts without tiles this is simply the parameters' bytes.
@@ -249,15 +249,11 @@ def _goal_ratio(config: Config, devices) -> dict:
     }
 
 
-def _on_tpu(config: Config, model: ModelConfig) -> list[Measured]:
-    try:
-        chips = devices_for(config.tpu)
-    except LabError:
-        return []
-    trainers = [_trainer(model, s, chips, config.precision) for s in STRATEGIES]
+def _on_tpu(config: Config, model: ModelConfig, chips: kit.TpuChips) -> list[Measured]:
+    trainers = [_trainer(model, s, chips.devices, config.precision) for s in STRATEGIES]
     return [
-        _measure(t, config.global_batch, config.tpu, gradients=False)
-        for t in track(trainers, f"compile every strategy for {config.tpu}")
+        _measure(t, config.global_batch, chips.target, gradients=False)
+        for t in track(trainers, f"compile every strategy for {chips.target}")
     ]
 
 
@@ -308,7 +304,7 @@ def _explanation(expected: Expected, m: Measured) -> str | None:
 
 
 def _padding(m: Measured) -> str | None:
-    """The known refinement of memory: layout tiles pad small dimensions, and the padded parameters add up to XLA's figure."""
+    """The known refinement of memory: layout tiles pad small dimensions; padded, the parameters add up to XLA's."""
     tiled = m.padded_arguments > 1.01 * m.declared_arguments
     if not tiled or abs(m.padded_arguments - m.arguments) > 0.01 * m.arguments:
         return None
@@ -492,7 +488,8 @@ def _plot(everything: list[Measured], expected: dict):
     strategies, x = list(STRATEGIES), range(len(STRATEGIES))
     by = {(m.target, m.strategy): m for m in everything}
     timed = [by[targets[0], s] for s in strategies if by[targets[0], s].step is not None]
-    figure, axes = plt.subplots(1, 3 if timed else 2, figsize=(16 if timed else 11, 4.2))
+    figure = Figure(figsize=(16 if timed else 11, 4.2))
+    axes = figure.subplots(1, 3 if timed else 2)
     width = 0.25
     main = targets[0]
     axes[0].bar(

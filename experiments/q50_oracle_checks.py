@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab import hlo, theory
-from lab.devices import topology_devices, topology_shape
+from lab.devices import DEFAULT_TARGET, topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import profile
 from lab.mesh import MeshSpec
@@ -212,7 +212,7 @@ EXAMPLES = (
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """the host the run starts on; each example compiles for its own TPU topology (compile-only), whatever the target"""
     examples: tuple[str, ...] = ()
     """names of the examples to check (empty: all of them)"""
@@ -229,9 +229,6 @@ def run(config: Config) -> Result:
     checks = [c for e in examples for c in _time_checks(e, predictions[e.name], config.rtol)]
     checks += [c for e in examples if e.name in compiled for c in _program_checks(e, compiled[e.name])]
     return Result(
-        name="oracle_checks",
-        title="The scaling book's worked collective times, checked",
-        question=QUESTION,
         summary=_summary(examples, predictions, compiled),
         theory=THEORY,
         tables=[_time_table(examples, predictions), *([_program_table(examples, compiled)] if compiled else [])],
@@ -287,7 +284,10 @@ def _time_checks(example: BookExample, cost: theory.CollectiveCost, rtol: float)
     if not example.large_n_limit:
         return [check(label, _us(example.book_seconds), _us(cost.seconds), rtol=rtol)]
     share = (cost.devices - 1) / cost.devices
-    why = f"the book's V / W is the large-N limit; a ring of N={cost.devices} moves (N-1)/N = {share:.3g} of V, so the exact time is {share:.3g} x the book's"
+    why = (
+        f"the book's V / W is the large-N limit; a ring of N={cost.devices} moves (N-1)/N = {share:.3g} of V, "
+        f"so the exact time is {share:.3g} x the book's"
+    )
     return [
         check(label, _us(example.book_seconds), _us(cost.seconds), rtol=rtol, explained=why),
         check(

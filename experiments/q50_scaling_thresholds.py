@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
+import matplotlib
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from matplotlib.figure import Figure
 
 from lab import hlo, theory
 from lab.bench import crossover
@@ -64,7 +65,7 @@ class Config:
     """model preset whose ZeRO-3 training step is compiled and analysed for `benchmark_topology` (empty to skip)"""
     benchmark_topology: str = "v5p:8x8x16"
     pod_topologies: tuple[str, ...] = ("v5p:8x8x4",)
-    """larger slices for the FSDP step at a fixed B/N (compile time grows with chips: v5p:8x8x16, 1024 chips, takes about 10 s more)"""
+    """larger slices for the FSDP step at a fixed B/N (compile time grows with chips: v5p:8x8x16 takes ~10 s more)"""
 
 
 def run(config: Config) -> Result:
@@ -90,9 +91,6 @@ def run(config: Config) -> Result:
     )
     checks = _checks(sweep, thresholds, tensor, chip, config)
     return Result(
-        name="scaling_thresholds",
-        title="Compute-bound or not: batch per chip thresholds on a TPU pod",
-        question=QUESTION,
         summary=_summary(thresholds, topology, chip),
         theory=THEORY,
         tables=[
@@ -460,8 +458,9 @@ def _collectives_table(sweep) -> Table:
 
 
 def _plot(sweep, thresholds, topology):
-    figure, axes = plt.subplots(figsize=(7.5, 4.5))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    figure = Figure(figsize=(7.5, 4.5))
+    axes = figure.subplots()
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     for color, (name, rows) in zip(colors, sweep.items()):
         axes.plot(
             [r["batch_per_chip"] for r in rows],

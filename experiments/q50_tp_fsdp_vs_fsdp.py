@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from experiments.q50_scaling_thresholds import _step
 from lab import theory
@@ -67,9 +67,6 @@ def run(config: Config) -> Result:
         )
     rows = [row for name, chips in track(machines, "topologies") for row in _compare(name, chips, config)]
     return Result(
-        name="tp_fsdp_vs_fsdp",
-        title="FSDP x TP against a very large FSDP at equal chip counts",
-        question=QUESTION,
         summary=_summary(rows, config),
         theory=THEORY,
         tables=[_optimum_table(rows, config), _step_table(rows), _axis_table(rows)],
@@ -173,7 +170,10 @@ def _checks(rows, config: Config) -> list:
     return checks
 
 
-_WHY_DCN = "the FSDP axis crosses DCN here: its threshold uses W_dcn, far below W_ici, so FSDP is communication-bound at any batch in the sweep"
+_WHY_DCN = (
+    "the FSDP axis crosses DCN here: its threshold uses W_dcn, far below W_ici, so FSDP is communication-bound "
+    "at any batch in the sweep"
+)
 _WHY_SMALL = "at 64 chips B/N is large enough that pure FSDP is already compute-bound; TP only adds activation traffic"
 
 
@@ -246,7 +246,8 @@ def _axis_table(rows) -> Table:
 
 
 def _plot(rows, config: Config):
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig = Figure(figsize=(6.5, 4))
+    ax = fig.subplots()
     for label, style in (("FSDP", "o-"), ("FSDP x TP", "s-")):
         picked = [
             r

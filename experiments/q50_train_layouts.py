@@ -32,11 +32,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from lab import hlo
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.mesh import MeshSpec
 from lab.model import preset
 from lab.progress import track
@@ -53,7 +53,7 @@ PARITY_RTOL = 1e-4  # fp32 losses of a tiny model: only the order of the sums di
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to train (cpu:N, gpu, tpu)"""
     dense_layouts: tuple[str, ...] = (
         "data=8",
@@ -135,7 +135,7 @@ def _micro_batches(config: Config, mesh: str) -> int:
 
 
 def _tp_all_reduces(collectives) -> tuple[int, int, int]:
-    """(instructions, arrays, bytes) per step of the activation all-reduces over tensor (the grad norm's scalars left out)."""
+    """(instructions, arrays, bytes) per step of the activation all-reduces over tensor (not the grad norm's)."""
     found = [
         c
         for c in collectives
@@ -254,7 +254,8 @@ def _tokens(m: Measured) -> np.ndarray:
 
 
 def _plot(measured: list[Measured]):
-    figure, axes = plt.subplots(figsize=(8, 4))
+    figure = Figure(figsize=(8, 4))
+    axes = figure.subplots()
     labels, medians, low, high = [], [], [], []
     for m in measured:
         tokens = _tokens(m) / np.median(_tokens(m.control))
@@ -319,9 +320,6 @@ def _result(config: Config, measured: list[Measured]) -> Result:
         "price communication and per-device overhead, not the speed-up of real chips."
     )
     return Result(
-        name="train_layouts",
-        title=__doc__.strip().splitlines()[0].rstrip("."),
-        question=QUESTION,
         summary=summary,
         theory=(
             "The parity test (torchtitan): one control, many layouts. Every "

@@ -21,13 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
-import matplotlib.pyplot as plt
 import optax
+from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
+from experiments import kit
 from lab import hlo
 from lab.bench import time_fn
-from lab.devices import devices_for, topology_devices
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig
 from lab.parallel.tensor import STYLES, TensorParallel, reference_loss, train_step
@@ -43,7 +44,7 @@ MODES = {"TP": False, "TP+SP": True}
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """emulated CPU devices to run on (tensor-parallel degrees up to their count)"""
     tensor: int = 4
     """t for the collectives table (with data = devices / t)"""
@@ -72,7 +73,7 @@ def run(config: Config) -> Result:
         for mode, sp in MODES.items()
         for style in STYLES
     }
-    tpu = _tpu_collectives(config.tpu_topology) if config.tpu_topology else None
+    tpu = _tpu_collectives(config.tpu_topology)
     memory = [
         _activation_memory(devices, t, sp, config.memory_batch)
         for t in track(config.tensor_sweep, "activation memory")
@@ -81,15 +82,13 @@ def run(config: Config) -> Result:
     timing = _timing(devices, config)
     checks = _collective_checks(collectives, tpu) + _memory_checks(memory) + [_timing_check(timing, config)]
     return Result(
-        name="tensor_sequence_parallel",
-        title="Tensor and sequence parallelism: collectives per layer and activation memory",
-        question=QUESTION,
         summary=_summary(collectives, memory, timing, config),
         theory=THEORY,
         tables=[
             _collectives_table(collectives, tpu, config),
             _memory_table(memory, config),
             _timing_table(timing, config),
+            *([tpu.table()] if isinstance(tpu, kit.Skipped) else []),
         ],
         checks=checks,
         plots={"activation_memory": _plot(memory, config)},
@@ -106,6 +105,7 @@ def run(config: Config) -> Result:
     )
 
 
+# a markdown table keeps each row on one line
 THEORY = r"""
 **Collectives per layer** (Shoeybi et al. 2019, Megatron-LM §3; Korthikanti et al. 2022 §4.2.2), with
 S = b·s·h·bytes the block's activation:
@@ -125,7 +125,7 @@ s sequence, b batch, h hidden, a heads, t tensor ways):
 * TP+SP: sbh(34 + 5as/h)/t
 
 This model has no dropout: 34 → 32, 10 → 8 and 5as/h → 2as/h (`lab.theory.activation_bytes_per_layer(dropout=False)`).
-"""
+"""  # noqa: E501
 
 _SLOW_ON_CPU = (
     "8 emulated devices share this machine's cores, so a t-way split gains no compute and pays for every "
@@ -137,7 +137,7 @@ _SLOW_ON_CPU = (
 
 
 def _collectives_per_layer(devices, tensor: int, sequence_parallel: bool, style: str) -> dict:
-    """Collectives over ``tensor`` inside the layer loop of the compiled forward+backward, batch = one sequence per device."""
+    """Collectives over ``tensor`` in the layer loop of the compiled forward+backward, one sequence per device."""
     mesh = MeshSpec.parse(f"data={len(devices) // tensor},tensor={tensor}").build(devices)
     tp = TensorParallel(MODEL, mesh, sequence_parallel, style)
     inspection = hlo.inspect(
@@ -159,13 +159,15 @@ def _per_layer(collectives) -> dict:
     return {"counts": counts, "sizes": {k: sorted(v) for k, v in sizes.items()}}
 
 
-def _tpu_collectives(topology: str) -> dict:
+def _tpu_collectives(topology: str) -> dict | kit.Skipped | None:
     """The annotated TP+SP program compiled by the TPU compiler (compile-only): its per-layer collectives."""
-    chips = topology_devices(topology)
-    mesh = MeshSpec.parse(f"tensor={len(chips)}").build(chips)
+    tpu = kit.tpu_chips(topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return tpu  # not asked for, or libtpu cannot build it here
+    mesh = tpu.mesh("tensor")
     tp = TensorParallel(MODEL, mesh, True, "annotations")
     inspection = hlo.inspect(jax.value_and_grad(tp.loss), tp.abstract_params(), tp.abstract_batch(1), mesh=mesh)
-    return _per_layer(inspection.collectives) | {"topology": topology, "chips": len(chips), "local_batch": 1}
+    return _per_layer(inspection.collectives) | {"topology": topology, "chips": len(tpu), "local_batch": 1}
 
 
 def _theory_per_layer(sequence_parallel: bool) -> dict:
@@ -179,7 +181,7 @@ def _activation_bytes(batch: int) -> int:
 def _collective_checks(collectives, tpu) -> list:
     checks = []
     rows = [(mode, style, seen) for (mode, style), seen in collectives.items()]
-    if tpu:
+    if isinstance(tpu, dict):
         rows.append(("TP+SP", f"annotations on TPU {tpu['topology']}", tpu))
     for mode, style, seen in rows:
         annotated = style.startswith("annotations")
@@ -318,7 +320,7 @@ def _timing_check(timing, config: Config):
 def _collectives_table(collectives, tpu, config: Config) -> Table:
     rows = []
     named = [(mode, style, seen) for (mode, style), seen in collectives.items()]
-    if tpu:
+    if isinstance(tpu, dict):
         named.append(("TP+SP", f"annotations, TPU {tpu['topology']} (compile-only, b=1)", tpu))
     for mode, style, seen in named:
         rows.append(
@@ -379,7 +381,8 @@ def _timing_table(timing, config: Config) -> Table:
 
 
 def _plot(memory, config: Config):
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     for mode, color in (("TP", "tab:blue"), ("TP+SP", "tab:orange")):
         rows = [r for r in memory if r["mode"] == mode]
         ts = [r["tensor"] for r in rows]
@@ -453,7 +456,7 @@ def _notes(collectives, tpu, memory, config: Config) -> list[str]:
             "implicit casts to varying that check_vma inserts for replicated weights; they move nothing."
         ),
     ]
-    if tpu:
+    if isinstance(tpu, dict):
         notes.append(
             f"The TPU compiler (compile-only {tpu['topology']}, {tpu['chips']} "
             "chips) compiles the annotated TP+SP layer to "

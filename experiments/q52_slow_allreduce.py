@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
-from lab import hlo, overlap, theory
+from experiments import kit
+from lab import hlo, theory
 from lab.bench import time_interleaved
-from lab.devices import devices_for, quiet_native_stderr, topology_devices, topology_shape
-from lab.errors import LabError
-from lab.hardware import profile, profile_for_device_kind
+from lab.devices import DEFAULT_TARGET, devices_for, quiet_native_stderr
+from lab.hardware import profile
+from lab.hlo import schedule
 from lab.mesh import MeshSpec
 from lab.model import preset
 from lab.parallel import bucketing
@@ -55,7 +56,7 @@ ASYNC_ALL_REDUCE = {
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     model: str = "small"
     """lab.model preset whose gradients are reduced"""
@@ -79,12 +80,9 @@ def run(config: Config) -> Result:
     tpu = _tpu(config, problem.config)
     scenarios = _scenarios(measured)
     return Result(
-        name="slow_allreduce",
-        title="A slow all-reduce is not always a slow network",
-        question=QUESTION,
         summary=_summary(measured, scenarios, tpu),
         theory=THEORY,
-        tables=[_scenario_table(scenarios, measured), *(_tpu_tables(tpu) if tpu else [])],
+        tables=[_scenario_table(scenarios, measured), *_tpu_tables(tpu)],
         checks=_checks(measured, scenarios, tpu),
         plots={"slow_allreduce": _plot(scenarios, tpu)},
         notes=_notes(measured, tpu),
@@ -98,6 +96,7 @@ def run(config: Config) -> Result:
     )
 
 
+# a markdown table keeps each row on one line
 THEORY = r"""
 One ring all-reduce of S bytes on N devices costs α_AR + S·2(N-1)/N/β (Patarasuk & Yuan 2009; nccl-tests
 PERFORMANCE.md for busbw = algbw·2(N-1)/N). What a benchmark measures is that number. In a step, the same bytes can
@@ -111,15 +110,15 @@ cost more for reasons outside the collective library (Li et al. 2020, "PyTorch D
 
 On XLA:CPU every collective is synchronous, so the step is always backward + all-reduce; the last row needs a
 compiler with asynchronous collectives, here the TPU compiler (compile-only), read through the overlap windows of
-lab.overlap.
-"""
+lab.hlo.schedule.
+"""  # noqa: E501
 
 
 # ------------------------------------------------------------------ this target
 
 
 def _measure(problem, small_bucket: int, repeats: int) -> dict:
-    """The same gradient all-reduce (per-tensor psums, which XLA combines into one) alone, in the step, in buckets, with company."""
+    """The same gradient all-reduce (per-tensor psums, combined by XLA) alone, in the step, in buckets, with company."""
     mesh, axis = problem.mesh, problem.axis
     gradients = bucketing.local_gradient_program(problem).lower(problem.params, problem.tokens).compile()
     stacked = gradients(problem.params, problem.tokens)
@@ -137,7 +136,7 @@ def _measure(problem, small_bucket: int, repeats: int) -> dict:
         **bucketing.launch_cost_programs(mesh, axis, CHAIN),
     }
     seen = {
-        name: hlo.parse_collectives(calls[name][0].as_text(), mesh.devices.shape, mesh.axis_names)[0]
+        name: hlo.inspect_compiled(calls[name][0], mesh).collectives
         for name in ("isolation", "step", "same-axis traffic")
     }
     timings = time_interleaved(dict(track(calls.items(), "slow all-reduce programs")), repeats=repeats)
@@ -161,7 +160,8 @@ def _measure(problem, small_bucket: int, repeats: int) -> dict:
 def _scenarios(measured) -> list[dict]:
     t = measured["timings"]
     iso, alpha, n, total = t["isolation"].median, measured["alpha_AR_s"], measured["devices"], measured["bytes"]
-    # a bucket is packed and unpacked: two copies of the gradients on each of the N emulated devices, through one memory bus
+    # a bucket is packed and unpacked: two copies of the gradients on each of the N emulated devices,
+    # through one memory bus
     packing = 2 * n * total / measured["copy_Bps"]
     return [
         {
@@ -198,24 +198,19 @@ def _scenarios(measured) -> list[dict]:
 # ------------------------------------------------------------------ TPU: exposed position in the schedule
 
 
-def _tpu(config: Config, model_config) -> dict | None:
-    if not config.tpu_topology:
-        return None
-    try:
-        chips = topology_devices(config.tpu_topology)
-    except LabError as err:
-        return {"skipped": str(err)}
-    chip = profile_for_device_kind(chips[0].device_kind)
-    dims = topology_shape(config.tpu_topology)
-    mesh = MeshSpec(data=len(chips)).build(chips)
+def _tpu(config: Config, model_config) -> dict | kit.Skipped | None:
+    tpu = kit.tpu_chips(config.tpu_topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return tpu  # not asked for, or libtpu cannot build it here
+    chip, dims = tpu.chip, tpu.dims
     problem = bucketing.gradient_problem(
-        model_config, mesh, sequences_per_device=config.tpu_sequences_per_chip, placed=False
+        model_config, tpu.mesh("data"), sequences_per_device=config.tpu_sequences_per_chip, placed=False
     )
     compiles = {"default compile": {}, "async collective fusion, one all-reduce per tensor": ASYNC_ALL_REDUCE}
     reports = {
         name: _tpu_schedule(problem, options, chip, dims) for name, options in track(compiles.items(), "TPU schedules")
     }
-    return {"topology": config.tpu_topology, "chip": chip.name, "chips": len(chips), "schedules": reports}
+    return {"topology": config.tpu_topology, "chip": chip.name, "chips": len(tpu), "schedules": reports}
 
 
 def _tpu_schedule(problem, options: dict, chip, dims) -> dict:
@@ -226,7 +221,7 @@ def _tpu_schedule(problem, options: dict, chip, dims) -> dict:
             .compile(compiler_options=options)
         )
     text = compiled.as_text()
-    report = overlap.overlap_report(text, chip, dims, problem.mesh.devices.shape, problem.mesh.axis_names)
+    report = schedule.overlap_report(text, chip, dims, problem.mesh.devices.shape, problem.mesh.axis_names)
     windows = [
         {
             "collective": f"{w.collective.kind} {format_bytes(w.collective.size_bytes)} "
@@ -240,7 +235,7 @@ def _tpu_schedule(problem, options: dict, chip, dims) -> dict:
         for w in report.windows
     ]
     return {
-        "timeline": overlap.timeline(text),
+        "timeline": schedule.timeline(text),
         "compute_s": report.compute_s,
         "comm_s": report.communication_s,
         "exposed_s": report.exposed_s,
@@ -277,7 +272,7 @@ def _checks(measured, scenarios, tpu) -> list:
             "collective",
         )
     )
-    if tpu and "schedules" in tpu:
+    if isinstance(tpu, dict):
         default = tpu["schedules"]["default compile"]
         checks.append(
             check(
@@ -315,8 +310,8 @@ def _scenario_table(scenarios, measured) -> Table:
 
 
 def _tpu_tables(tpu) -> list[Table]:
-    if "skipped" in tpu:
-        return [Table("TPU (compile-only)", ["skipped"], [[tpu["skipped"]]])]
+    if not isinstance(tpu, dict):
+        return [tpu.table()] if tpu else []
     summary = [
         [
             name,
@@ -368,7 +363,7 @@ def _summary(measured, scenarios, tpu) -> str:
         "made the same bytes slower "
         f"without any change to the collective itself: {parts}."
     )
-    if tpu and "schedules" in tpu:
+    if isinstance(tpu, dict):
         default = tpu["schedules"]["default compile"]
         fused = tpu["schedules"]["async collective fusion, one all-reduce per tensor"]
         text += (
@@ -400,7 +395,7 @@ def _notes(measured, tpu) -> list[str]:
         "On XLA:CPU the step's all-reduce runs after the backward, never "
         "during it: the benchmark's time is what the step pays.",
     ]
-    if tpu and "schedules" in tpu:
+    if isinstance(tpu, dict):
         fused = tpu["schedules"]["async collective fusion, one all-reduce per tensor"]
         hidden = [w for w in fused["windows"] if w["async"]]
         notes.append(
@@ -417,8 +412,9 @@ def _notes(measured, tpu) -> list[str]:
 
 
 def _plot(scenarios, tpu):
-    panels = 2 if tpu and "schedules" in tpu else 1
-    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.8), squeeze=False)
+    panels = 2 if isinstance(tpu, dict) else 1
+    figure = Figure(figsize=(5.5 * panels, 3.8))
+    axes = figure.subplots(1, panels, squeeze=False)
     left = axes[0][0]
     y = np.arange(len(scenarios))
     left.barh(y - 0.2, [s["allreduce_s"] * 1e3 for s in scenarios], 0.4, label="measured")

@@ -28,15 +28,16 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
-from lab.devices import devices_for
+from lab.devices import DEFAULT_TARGET, devices_for
 from lab.hardware import profile
 from lab.progress import track
 from lab.report import Result, Table, provenance
 from lab.training import run as training_run
-from lab.training.run import WARMUP_STEPS, RunConfig, RunLog, plot_step_times
+from lab.training.page import plot_step_times
+from lab.training.run import WARMUP_STEPS, RunConfig, RunLog
 from lab.units import format_bytes
 from lab.verdict import at_most, check
 
@@ -46,7 +47,7 @@ CASES = ("steady", "sync checkpoints", "async checkpoints", "slow loader", "slow
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to train (cpu:N, gpu, tpu)"""
     mesh: str = "data=2,fsdp=4"
     """the mesh every case trains on"""
@@ -63,7 +64,7 @@ class Config:
     loader_jitter: float = 2.0
     """the mean of its exponential tail, as a fraction of the steady median step"""
     prefetch: int = 8
-    """workers loading ahead in the fixed case (supply k / (L + J) batches per step time: 3.2x the demand at the defaults)"""
+    """workers loading ahead in the fixed case (k / (L + J) batches per step time: 3.2x the demand at the defaults)"""
 
 
 def run(config: Config = Config()) -> Result:
@@ -208,7 +209,8 @@ def _async_checks(config: Config, steady: RunLog, sync: RunLog, asyn: RunLog) ->
 
 
 def _plot(logs: dict[str, RunLog], config: Config):
-    figure, panels = plt.subplots(len(CASES), 1, figsize=(8, 2.0 * len(CASES)), sharex=True)
+    figure = Figure(figsize=(8, 2.0 * len(CASES)))
+    panels = figure.subplots(len(CASES), 1, sharex=True)
     for axes, (case, log) in zip(panels, logs.items()):
         plot_step_times(axes, log, case)
         axes.axhline(log.series().median * 1e3, color="grey", linewidth=0.8, linestyle="--")
@@ -302,9 +304,6 @@ def _result(config: Config, logs: dict[str, RunLog], base: RunConfig) -> Result:
         ),
     ]
     return Result(
-        name="throughput_jitter",
-        title=__doc__.strip().splitlines()[0].rstrip("."),
-        question=QUESTION,
         summary=summary,
         theory=(
             "A synchronous save every K steps adds its time T_save to one "

@@ -15,10 +15,10 @@ import itertools
 import math
 from dataclasses import dataclass
 
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 from lab.bench import Timing
-from lab.devices import devices_for, parse_target
+from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
 from lab.progress import track
@@ -32,7 +32,7 @@ QUESTION = "#54"
 
 @dataclass(frozen=True)
 class Config:
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """where to run: cpu:N, gpu, tpu, or tpu:<gen>:<topology> (compile-only: memory, no times)"""
     model: str = "tiny"
     """model preset (lab.model.PRESETS)"""
@@ -45,7 +45,7 @@ class Config:
     micro_batches: tuple[int, ...] = (1, 2, 4)
     """micro-batch counts (gradient accumulation) to combine with each policy"""
     offload: bool = True
-    """also offload the weight-matmul outputs to host memory (remat policy "offload"), where the devices have a pinned_host memory"""
+    """also offload the weight-matmul outputs to host memory (remat policy "offload") where devices have pinned_host"""
     repeats: int = 3
     """timed steps per configuration, after one warm-up step"""
 
@@ -77,10 +77,6 @@ def run(config: Config) -> Result:
     points = [_point(model, config, mesh, remat, m, start) for remat, m in track(grid, "remat x micro-batches")]
     checks = _checks(points, model, config, len(devices))
     return Result(
-        name="fits_vs_trains",
-        title="It fits versus it trains: rematerialization, micro-batching "
-        "and host offload as memory against step time",
-        question=QUESTION,
         summary=_summary(points, config),
         theory=THEORY,
         tables=[_table(points)],
@@ -234,7 +230,8 @@ def _table(points: list[Point]) -> Table:
 
 
 def _plot(points: list[Point], config: Config):
-    figure, ax = plt.subplots(figsize=(7.5, 4.8))
+    figure = Figure(figsize=(7.5, 4.8))
+    ax = figure.subplots()
     markers = {"none": "o", "dots": "s", "full": "^", "offload": "D"}
     for p in points:
         ax.scatter(

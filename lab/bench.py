@@ -70,7 +70,7 @@ def time_interleaved(
     which timing each variant in one block does not.
     """
     samples: dict[str, list[float]] = {name: [] for name in calls}
-    for name, (fn, args) in calls.items():
+    for fn, args in calls.values():
         time_fn(fn, *args, warmup=warmup, repeats=1)
     for _ in range(repeats):
         for name, (fn, args) in calls.items():

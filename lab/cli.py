@@ -11,20 +11,41 @@ never a traceback.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
+import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
+import jax
+import numpy as np
 import tyro
 from rich.console import Console
+from rich.table import Table
 
-from lab.devices import DEFAULT_TARGET
+from lab import hlo, progress
+from lab import report as pages
+from lab.bench import measure_collective
+from lab.collectives import build_program
+from lab.devices import DEFAULT_TARGET, devices_for, parse_target
+from lab.doctor.diagnosis import diagnose
 from lab.errors import LabError
+from lab.hardware import profile_for_device_kind
+from lab.mesh import AXES, MeshSpec, axes_of_groups, describe, slice_local_shape
+from lab.registry import experiments, get
+from lab.report import Result
+from lab.topology import describe_axes, placement, predict
+from lab.training import page as training_page
+from lab.training import run as training_run
 
 # `lab train`'s options, which `lab doctor` shares; importing jax starts no backend
 from lab.training.run import RunConfig
+from lab.units import format_bytes, parse_size, size_sweep
+from lab.verdict import Check, tally
 
 _out = Console() if sys.stdout.isatty() else Console(width=160)  # piped output: do not squeeze tables
 _err = Console(stderr=True)
@@ -106,9 +127,10 @@ class Doctor:
 
 def _run_command():
     """``lab run <experiment> [options]``: one subcommand per experiment Config."""
-    from experiments import registry
 
-    choices = tuple(Annotated[e.config, tyro.conf.subcommand(e.name, description=e.title)] for e in registry().values())
+    choices = tuple(
+        Annotated[e.config, tyro.conf.subcommand(e.name, description=e.title)] for e in experiments().values()
+    )
     return Union[choices] if len(choices) > 1 else choices[0]  # noqa: UP007 - a Union over a computed tuple
 
 
@@ -140,8 +162,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parse(argv: list[str]):
     """tyro's parser, with its boxed error message folded into one line."""
-    import contextlib
-    import io
 
     captured = io.StringIO()
     try:
@@ -185,14 +205,6 @@ def _dispatch(command) -> int:
 
 def inspect(command: Inspect) -> int:
     """Print the collectives table (kind, form, axes, bytes), memory and cost."""
-    import numpy as np
-
-    from lab import hlo
-    from lab.collectives import build_program
-    from lab.devices import devices_for
-    from lab.mesh import MeshSpec, describe, slice_local_shape
-    from lab.topology import describe_axes
-    from lab.units import parse_size
 
     if command.hlo is not None:
         return _inspect_dump(command)
@@ -227,11 +239,6 @@ def inspect(command: Inspect) -> int:
 
 def _inspect_dump(command: Inspect) -> int:
     """The collectives table for an HLO text dump from any run."""
-    import re
-    from dataclasses import replace
-
-    from lab import hlo
-    from lab.mesh import AXES, MeshSpec, axes_of_groups
 
     try:
         text = command.hlo.read_text()
@@ -263,8 +270,6 @@ def _inspect_dump(command: Inspect) -> int:
 
 def _predicted_time(collective, mesh) -> str:
     """Theory's time for one collective on the TPU target's links ('-' where it has no axes)."""
-    from lab.hardware import profile_for_device_kind
-    from lab.topology import placement, predict
 
     if not collective.axes:
         return "-"
@@ -275,10 +280,6 @@ def _predicted_time(collective, mesh) -> str:
 
 
 def _print_inspection(collectives, skipped, predicted: list[str] | None = None) -> None:
-    from rich.table import Table
-
-    from lab import hlo
-    from lab.units import format_bytes
 
     columns = ["kind", "as written", "dtype", "S per device", "N", "axes", "op name"] + (
         ["predicted"] if predicted else []
@@ -309,13 +310,6 @@ def _print_inspection(collectives, skipped, predicted: list[str] | None = None) 
 
 def bench(command: Bench) -> int:
     """Sweep sizes for each collective and print an nccl-tests-style table."""
-    from rich.table import Table
-
-    from lab import progress
-    from lab.bench import measure_collective
-    from lab.devices import devices_for
-    from lab.mesh import MeshSpec
-    from lab.units import format_bytes, size_sweep
 
     sizes = size_sweep(command.begin, command.end, command.factor)
     mesh = MeshSpec.parse(command.mesh).build(devices_for(command.target))
@@ -351,11 +345,6 @@ def bench(command: Bench) -> int:
 
 def train(command) -> int:
     """``lab train``: the loop of `lab.training.run`, its progress bar, then the page (process 0 writes it)."""
-    import jax
-
-    from lab import progress
-    from lab import report as pages
-    from lab.training import run as training_run
 
     with progress.session():
         log = training_run.run(command)
@@ -363,17 +352,12 @@ def train(command) -> int:
         line = f"{len(log.steps)} steps: loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f}, median step {log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s"
         _out.print(line, highlight=False)
         if command.page:
-            _out.print(f"page: {pages.write(training_run.result(log), command.results)}", highlight=False)
+            _out.print(f"page: {pages.write(training_page.result(log), command.results)}", highlight=False)
     return 0
 
 
 def doctor(command: Doctor) -> int:
     """``lab doctor``: the ranked findings as a table, then where to start; findings are not errors (exit 0)."""
-    from rich.table import Table
-
-    from lab import progress
-    from lab.doctor.diagnosis import diagnose
-    from lab.units import parse_size
 
     capacity = parse_size(command.capacity) if command.capacity is not None else None
     with progress.session():
@@ -411,12 +395,9 @@ def doctor(command: Doctor) -> int:
 
 
 def list_experiments() -> int:
-    from rich.table import Table
-
-    from experiments import registry
 
     table = Table("name", "question", "title")
-    for experiment in registry().values():
+    for experiment in experiments().values():
         table.add_row(experiment.name, experiment.question, experiment.title)
     _out.print(table)
     return 0
@@ -424,11 +405,8 @@ def list_experiments() -> int:
 
 def run_one(config) -> int:
     """Run one experiment (its Config chose it) and write its page."""
-    from experiments import registry
-    from lab import progress
-    from lab import report as pages
 
-    experiment = next(e for e in registry().values() if isinstance(config, e.config))
+    experiment = next(e for e in experiments().values() if isinstance(config, e.config))
     _check_target(experiment, getattr(config, "target", DEFAULT_TARGET))
     with progress.session():
         result = experiment.run(config)
@@ -439,13 +417,8 @@ def run_one(config) -> int:
 
 def report(command: Report) -> int:
     """Run all experiments (or `only`) and write pages and the index."""
-    from dataclasses import fields, replace
 
-    from experiments import get, registry
-    from lab import progress
-    from lab import report as pages
-
-    chosen = [get(n) for n in command.only] if command.only else list(registry().values())
+    chosen = [get(n) for n in command.only] if command.only else list(experiments().values())
     for experiment in chosen:
         _check_target(experiment, command.target)
     started, results = time.perf_counter(), []
@@ -470,16 +443,14 @@ def report(command: Report) -> int:
 
 def _takes_target(experiment, target: str) -> bool:
     """A compile-only experiment keeps its own TPU topology unless the report's target is one."""
-    from lab.devices import parse_target
 
-    return parse_target(target).compile_only or not getattr(experiment.module, "COMPILE_ONLY", False)
+    return parse_target(target).compile_only or not experiment.compile_only
 
 
 def _check_target(experiment, target: str) -> None:
     """Experiments that execute programs cannot run on a compile-only target."""
-    from lab.devices import parse_target
 
-    if parse_target(target).compile_only and not getattr(experiment.module, "COMPILE_ONLY", False):
+    if parse_target(target).compile_only and not experiment.compile_only:
         raise LabError(
             f"experiment {experiment.name} executes programs, so it cannot "
             f"run on the compile-only target {target}; use cpu:N, gpu or tpu "
@@ -490,10 +461,6 @@ def _check_target(experiment, target: str) -> None:
 
 def _merge_existing(results, folder: Path):
     """With --only, keep the other experiments' lines in the index from their result.json."""
-    import json
-
-    from lab.report import Result
-    from lab.verdict import Check
 
     fresh = {r.name for r in results}
     for path in sorted(folder.glob("*/result.json")):
@@ -503,10 +470,10 @@ def _merge_existing(results, folder: Path):
         checks = [Check(**c) for c in data.get("checks", [])]
         results.append(
             Result(
-                data["name"],
-                data["title"],
-                data["question"],
-                data["summary"],
+                name=data["name"],
+                title=data["title"],
+                question=data["question"],
+                summary=data["summary"],
                 checks=checks,
                 provenance=data.get("provenance", {}),
             )
@@ -515,9 +482,8 @@ def _merge_existing(results, folder: Path):
 
 
 def _print_result(result, page: Path) -> None:
-    from lab.verdict import summarize
 
-    verdict = summarize(result.checks) if result.checks else "no checks"
+    verdict = tally(result.checks) if result.checks else "no checks"
     differs = [c for c in result.checks if c.verdict == "differs"]
     _out.print(f"  {result.name}: {verdict} -> {page}", highlight=False)
     for c in differs:

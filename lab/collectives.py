@@ -39,6 +39,10 @@ shape ``(N, D, ...)``, dim 0 sharded over the axes and replicated over the
 other mesh axes; the output is the stack of the per-device results. Every
 device's result is therefore visible, and a numpy twin of the same global
 semantics (`CollectiveProgram.reference`) checks all of them.
+
+One concept, one module: the primitives, the algorithms rebuilt from sends,
+their numpy twins and the recipes that pair them are one table that
+`build_program` reads by name; split apart, each part would import the others.
 """
 
 from __future__ import annotations
@@ -54,6 +58,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
+
+# The collective kinds XLA emits, by their HLO opcodes: the one vocabulary of lab.hlo, lab.theory and the reports.
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 Axes = tuple[str, ...]
 
@@ -487,7 +494,8 @@ class CollectiveProgram:
         return self.recipe.reference(np.asarray(x), self.root)
 
     def data_bytes(self, x) -> int:
-        """Theory's D for the stack x (an array or ShapeDtypeStruct): bytes of the full vector a device holds (gathers: after)."""
+        """Theory's D for the stack x (an array or ShapeDtypeStruct): bytes of the full vector a device holds
+        (gathers: after)."""
         block = int(np.prod(x.shape[1:])) * np.dtype(x.dtype).itemsize
         return block * self.group_size if self.recipe.gathers else block
 

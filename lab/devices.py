@@ -20,11 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import re
+import socket
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import jax
+from jax.experimental import topologies
 
 from lab.errors import LabError
 
@@ -90,8 +96,6 @@ def devices_for(target: Target | str) -> tuple:
 
 
 def _emulated_cpu_devices(count: int) -> tuple:
-    import jax
-
     try:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
@@ -107,8 +111,6 @@ def _emulated_cpu_devices(count: int) -> tuple:
 
 
 def _real_devices(platform: str) -> tuple:
-    import jax
-
     try:
         devices = tuple(jax.devices(platform))
     except RuntimeError:
@@ -125,16 +127,8 @@ def _real_devices(platform: str) -> tuple:
 @functools.cache
 def topology_devices(topology: str, slices: int = 1) -> tuple:
     """Compile-only devices of a TPU topology ("v5e:4x4"), built by libtpu."""
-    import jax
-
-    try:
+    with contextlib.suppress(RuntimeError):
         jax.config.update("jax_platforms", "cpu")  # the host backend; the TPU is compile-only
-    except RuntimeError:
-        pass
-    try:
-        from jax.experimental import topologies
-    except ImportError as err:  # pragma: no cover - jax always ships it
-        raise LabError(f"this JAX has no compile-only topologies ({err}); upgrade jax") from None
     if not _libtpu_installed():
         raise LabError(
             f"target tpu:{topology} needs libtpu; install it with: pip install 'jax[tpu]' (or pip install -e '.[tpu]')"
@@ -162,8 +156,6 @@ def topology_shape(topology: str) -> tuple[int, ...]:
 
 
 def _libtpu_installed() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("libtpu") is not None
 
 
@@ -212,8 +204,6 @@ def distributed_devices(
     over gloo (TCP). `timeout_s` bounds the wait for the others to join; a process that stops sending
     heartbeats for `heartbeat_s` makes the coordination service stop every other process.
     """
-    import jax
-
     target = parse_target(target) if isinstance(target, str) else target
     if target.compile_only:
         raise LabError(
@@ -260,8 +250,6 @@ def distributed_devices(
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:
     """Wait until the coordinator's port accepts connections: past the deadline, JAX would abort the process from
     C++ (DEADLINE_EXCEEDED on RegisterTask) instead of raising, so the unreachable case is caught here first."""
-    import socket
-    import time
 
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():

@@ -145,10 +145,10 @@ _NCCL_LATENCY = "NVIDIA/nccl src/graph/tuning.cc hwLat, NVLink ring LL (2020-era
 
 H100 = ChipProfile(
     name="h100",
-    peak_bf16_flops=9.89e14,  # NVIDIA H100 SXM datasheet: 1,979 TFLOPS bf16 with 2:4 sparsity, dense is half; book: 9.9e14
+    peak_bf16_flops=9.89e14,  # H100 SXM datasheet: 1,979 TFLOPS bf16 with 2:4 sparsity, dense is half; book: 9.9e14
     hbm_bytes=80e9,  # datasheet: 80 GB
     hbm_bandwidth=3.35e12,  # datasheet: 3.35 TB/s
-    link_bandwidth=4.5e11,  # NVLink 4: 18 links x 25 GB/s per direction (datasheet: 900 GB/s both ways); book Networking
+    link_bandwidth=4.5e11,  # NVLink 4: 18 links x 25 GB/s each way (datasheet: 900 GB/s both ways); book Networking
     torus_dims=0,  # NVSwitch: all GPUs of a node one hop apart
     dcn_bandwidth=5e10,  # one 400 Gb/s ConnectX-7 InfiniBand NIC per GPU (book: DGX H100 SuperPod)
     hop_latency_s=0.47e-6,  # _NCCL_LATENCY
@@ -229,7 +229,7 @@ def measure_cpu_profile(copy_bytes: int = 256 * 2**20, matmul_size: int = 1024, 
         name=CPU_PROFILE_NAME,
         peak_bf16_flops=matmul_flops,  # measured: float32 numpy matmul, a rough stand-in (numpy has no bf16 matmul)
         hbm_bytes=_physical_memory_bytes(),
-        hbm_bandwidth=copy_bandwidth,  # measured: bytes copied per second (STREAM's "Copy" counts read + write, twice this)
+        hbm_bandwidth=copy_bandwidth,  # measured: bytes copied/s (STREAM's "Copy" counts read + write, twice this)
         link_bandwidth=copy_bandwidth,  # emulated devices exchange data by copying through this same memory bus
         torus_dims=0,
         dcn_bandwidth=None,

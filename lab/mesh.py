@@ -26,7 +26,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+import jax
 import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
 
 from lab.errors import LabError
 
@@ -120,8 +123,6 @@ class MeshSpec:
 
     def build(self, devices: Sequence | None = None, *, explicit: bool = True):
         """A `jax.sharding.Mesh` over `devices` (default: all of JAX's) with all five axes."""
-        import jax
-        from jax.sharding import AxisType, Mesh
 
         devices = list(jax.devices() if devices is None else devices)
         spec = self.resolve(len(devices))
@@ -137,7 +138,6 @@ def _arrange(shape: tuple[int, ...], devices: list) -> np.ndarray:
     """Place devices in the mesh: physical torus order on TPUs, given order elsewhere."""
     if getattr(devices[0], "platform", "") != "tpu":
         return np.asarray(devices, dtype=object).reshape(shape)
-    from jax.experimental import mesh_utils
 
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     if slices > 1:

@@ -43,6 +43,7 @@ from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from lab.errors import LabError
@@ -82,7 +83,7 @@ class ModelConfig:
 
     @property
     def parameters(self) -> int:
-        """Ψ = 2VD + L(4DHK + 2DF + 2D) + D, or with DE + 2EDF for the MLP in an MoE model (see the module docstring)."""
+        """Ψ = 2VD + L(4DHK + 2DF + 2D) + D, or, in an MoE model, DE + 2EDF for the MLP (see the module docstring)."""
         return 2 * self.vocab * self.embed + self.block_parameters + self.embed
 
     @property
@@ -125,8 +126,8 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
-class Layout(Protocol):
-    """What the model needs from a parallelism strategy (implemented by `lab.parallel.layout.Layout`).
+class Parallelism(Protocol):
+    """What the model needs from a parallelism strategy: the interface `lab.parallel.layout.Layout` implements.
 
     A layout may also have ``activation_sharding(axes) -> NamedSharding``, where activations with these logical axes go
     (see `activation_sharding`); one without it (one device, a shard_map body) leaves them where the matmuls put them.
@@ -144,14 +145,25 @@ class Layout(Protocol):
         ...
 
 
-def activation_sharding(layout: Layout, axes: tuple[str, ...]) -> jax.sharding.NamedSharding | None:
+@dataclass(frozen=True)
+class WholeWeights:
+    """The simplest `Parallelism`: every weight used as stored (one device, or replicated)."""
+
+    compute_dtype: jnp.dtype = jnp.float32
+    remat_policy: Callable | None = None
+
+    def use(self, param: nnx.Param) -> jax.Array:
+        return param[...].astype(self.compute_dtype)
+
+
+def activation_sharding(layout: Parallelism, axes: tuple[str, ...]) -> jax.sharding.NamedSharding | None:
     """Where `layout` puts an activation with these logical axes; None for a layout that does not say."""
     where = getattr(layout, "activation_sharding", None)
     return None if where is None else where(axes)
 
 
-def _move(x: jax.Array, layout: Layout, axes: tuple[str, ...]) -> jax.Array:
-    """`x` resharded to where `layout` puts an activation with logical `axes` (the collective is whatever that takes)."""
+def _move(x: jax.Array, layout: Parallelism, axes: tuple[str, ...]) -> jax.Array:
+    """`x` resharded to where `layout` puts an activation with logical `axes` (by whatever collective that takes)."""
     sharding = activation_sharding(layout, axes)
     return x if sharding is None else jax.reshard(x, sharding)
 
@@ -170,10 +182,10 @@ class RMSNorm(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.scale = _param(rngs, nnx.initializers.ones, (config.embed,), ("embed",))
 
-    def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         x = x_BSD.astype(jnp.float32)
         normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
-        # an einsum, not a broadcast multiply: JAX allows a reduced (replicated, gradient-unreduced) weight in a dot only
+        # einsum, not a broadcast multiply: JAX allows a reduced (replicated, gradient-unreduced) weight only in a dot
         return jnp.einsum("bsd,d->bsd", normed, layout.use(self.scale).astype(jnp.float32)).astype(x_BSD.dtype)
 
 
@@ -197,7 +209,7 @@ class Attention(nnx.Module):
         self.value = _param(rngs, _fan_in(0, (1, 2)), (d, h, k), ("embed", "heads", "head_dim"))
         self.out = _param(rngs, _fan_in((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"))
 
-    def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         q_BSHK = rotary(jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query)))
         k_BSHK = rotary(jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.key)))
         v_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.value))
@@ -219,7 +231,7 @@ class MLP(nnx.Module):
         self.w_in = _param(rngs, _fan_in(0, 1), (config.embed, config.mlp), ("embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(0, 1), (config.mlp, config.embed), ("mlp", "embed"))
 
-    def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         hidden_BSF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in)))  # column-parallel
         return jnp.einsum(
             "bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BSD)
@@ -254,7 +266,7 @@ class MoE(nnx.Module):
         self.w_out = _param(rngs, _fan_in(1, 2), (e, f, d), ("experts", "mlp", "embed"))
         self.config = config
 
-    def __call__(self, x_BSD: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats]:
+    def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats]:
         router, experts = self.config.router, self.config.experts
         logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, layout.use(self.router))
         # (XLA's CPU partitioner gathers the logits over the batch axes for top_k; the TPU compiler keeps them split)
@@ -287,10 +299,10 @@ class Block(nnx.Module):
             self.mlp = MLP(config, rngs)
         self.experts = config.experts
 
-    def __call__(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
+    def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         return self.forward(x_BSD, layout)[0]
 
-    def forward(self, x_BSD: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats | None]:
+    def forward(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
         """The block's output and, for an MoE block, its `MoEStats`."""
         with jax.named_scope("attention"):
             x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD, layout), layout)
@@ -329,28 +341,28 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(config, rngs)
         self.unembed = _param(rngs, _fan_in(0, 1), (config.embed, config.vocab), ("embed", "vocab"))
 
-    def __call__(self, tokens_BS: jax.Array, layout: Layout) -> jax.Array:
+    def __call__(self, tokens_BS: jax.Array, layout: Parallelism) -> jax.Array:
         return self.forward(tokens_BS, layout)[0]
 
-    def forward(self, tokens_BS: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats | None]:
+    def forward(self, tokens_BS: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
         """Logits and, for an MoE model, each layer's `MoEStats` stacked on a leading layers axis."""
         x_BSD, stats = run_blocks(self.blocks, self.embed(tokens_BS, layout), layout)
         return self.head(x_BSD, layout), stats
 
-    def embed(self, tokens_BS: jax.Array, layout: Layout) -> jax.Array:
+    def embed(self, tokens_BS: jax.Array, layout: Parallelism) -> jax.Array:
         """tokens [B, S] -> embeddings [B, S, D]."""
         # a one-hot matmul, not a gather: JAX 0.10 has no sharding rule for gathering from a reduced array,
         # and as a matmul the table's gradient comes out unreduced like every other weight's
         one_hot_BSV = jax.nn.one_hot(tokens_BS, self.config.vocab, dtype=layout.compute_dtype)
         return jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding))
 
-    def head(self, x_BSD: jax.Array, layout: Layout) -> jax.Array:
+    def head(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         """The last block's output -> logits [B, S, V] (fp32): final norm and unembedding."""
         x_BSD = self.final_norm(x_BSD, layout)
         return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)
 
 
-def run_blocks(blocks: Block, x_BSD: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats | None]:
+def run_blocks(blocks: Block, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
     """Apply stacked blocks (weights [n, ...]: all L layers, or one pipeline stage's L/P) in order, as one scan."""
 
     def block(x_BSD: jax.Array, one_block: Block) -> tuple[jax.Array, MoEStats | None]:
@@ -378,12 +390,14 @@ def init_params(config: ModelConfig, seed: int = 0) -> nnx.State:
 
 
 def create_params(config: ModelConfig, shardings: nnx.State, seed: int = 0) -> nnx.State:
-    """Initialize the parameters directly into `shardings` (a State of NamedShardings): no device holds more than its shard."""
+    """Initialize the parameters directly into `shardings` (a State of NamedShardings).
+
+    No device holds more than its shard.
+    """
     return jax.jit(lambda: init_params(config, seed), out_shardings=shardings)()
 
 
 def next_token_loss(logits_BSV: jax.Array, targets_BS: jax.Array) -> jax.Array:
     """Mean cross-entropy of predicting each next token."""
-    import optax
 
     return optax.softmax_cross_entropy_with_integer_labels(logits_BSV, targets_BS).mean()

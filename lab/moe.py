@@ -202,7 +202,10 @@ def switch_aux_loss(routing: Routing) -> jax.Array:
 
 
 def router_z_loss(routing: Routing) -> jax.Array:
-    """mean_t logsumexp(logits_t)² (ST-MoE eq. 5; times β outside): keeps the logits small, and the softmax in fp32 range."""
+    """mean_t logsumexp(logits_t)² (ST-MoE eq. 5; times β outside).
+
+    It keeps the logits small, and the softmax in fp32 range.
+    """
     return jnp.mean(jax.nn.logsumexp(routing.logits_TE, axis=-1) ** 2)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -24,7 +25,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lab.verdict import Check, summarize
+from lab.verdict import Check, tally
 
 
 @dataclass
@@ -43,14 +44,18 @@ class Table:
         return f"### {self.title}\n\n{head}{body}{note}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Result:
-    """Everything an experiment found, ready to be written as a page."""
+    """Everything an experiment found, ready to be written as a page.
 
-    name: str
-    title: str
-    question: str  # which quick-reference question(s) it answers, e.g. "#39"
+    An experiment leaves `name`, `title` and `question` empty: its registry
+    entry (`lab.registry.Experiment.run`) fills them, so they are said once.
+    """
+
     summary: str  # the answer, in a few sentences, from this run's numbers
+    name: str = ""
+    title: str = ""
+    question: str = ""  # which quick-reference question(s) it answers, e.g. "#39"
     theory: str = ""  # markdown, with the formulas and their sources
     tables: list[Table] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
@@ -72,7 +77,7 @@ def provenance(*, target: str, devices=(), mesh: str = "") -> dict[str, Any]:
     kinds = sorted({getattr(d, "device_kind", "?") for d in devices})
     return {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "command": shlex.join(["lab", *sys.argv[1:]]) if Path(sys.argv[0]).name == "lab" else shlex.join(sys.argv),
+        "command": command(),
         "git_commit": _git_commit(),
         "target": target,
         "devices": f"{len(devices)} x {', '.join(kinds)}" if devices else "",
@@ -83,15 +88,23 @@ def provenance(*, target: str, devices=(), mesh: str = "") -> dict[str, Any]:
     }
 
 
+def command(argv: list[str] | None = None) -> str:
+    """The command as the user typed it: ``lab report``, whether through the script or ``python -m lab``.
+
+    Never a path on this machine: a program other than the lab is named by its file name alone.
+    """
+    program, *args = argv if argv is not None else sys.argv
+    path = Path(program)
+    lab = path.name == "lab" or (path.name == "__main__.py" and path.parent.name == "lab")
+    return shlex.join(["lab" if lab else path.name, *args])
+
+
 def write(result: Result, results_dir: Path | str = "results") -> Path:
     """Write the page, result.json and plots; returns the page's path."""
-    import matplotlib.pyplot as plt
-
     folder = Path(results_dir) / result.name
     folder.mkdir(parents=True, exist_ok=True)
     for stem, figure in result.plots.items():
         figure.savefig(folder / f"{stem}.png", dpi=110, bbox_inches="tight")
-        plt.close(figure)
     for name, content in result.files.items():
         (folder / name).write_text(content if isinstance(content, str) else json.dumps(content))
     (folder / "result.json").write_text(json.dumps(_as_json(result), indent=1, default=str) + "\n")
@@ -102,9 +115,10 @@ def write(result: Result, results_dir: Path | str = "results") -> Path:
 
 def render(result: Result) -> str:
     """The markdown page."""
-    parts = [f"# {result.title}\n", f"**Question {result.question}.** {result.summary}\n"]
+    answer = f"**Question {result.question}.** {result.summary}" if result.question else result.summary
+    parts = [f"# {result.title}\n", answer + "\n"]
     if result.checks:
-        parts.append(f"**Verdict: {summarize(result.checks)}.**\n")
+        parts.append(f"**Verdict: {tally(result.checks)}.**\n")
     if result.theory:
         parts.append("## Theory\n\n" + result.theory.strip() + "\n")
     if result.checks:
@@ -138,7 +152,7 @@ def write_index(
         "|---|---|---|",
     ]
     for r in sorted(results, key=_question_order):
-        verdict = summarize(r.checks) if r.checks else "no checks"
+        verdict = tally(r.checks) if r.checks else "no checks"
         lines.append(f"| [{r.title}]({r.name}/README.md) | {r.question} | {verdict} |")
     if results:
         prov = results[0].provenance  # the run that wrote this index (with --only, its first fresh page)
@@ -224,6 +238,5 @@ def _version(package: str) -> str:
 
 
 def _cpu_count() -> int:
-    import os
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

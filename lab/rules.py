@@ -140,7 +140,9 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh_sizes: Mappin
 BATCH_OVER_DATA_AXES = Rules.of({"batch": DATA_AXES})  # activations of every data-parallel strategy
 # Megatron's split over `tensor`, GShard's over `expert` and GPipe's over `stage`. An expert index as the router sees
 # it (logical axis `routing`: every token is scored against every expert) stays whole on every device.
-MODEL_PARALLEL = Rules.of({"heads": "tensor", "mlp": "tensor", "experts": "expert", "layers": "stage"})
+MEGATRON = Rules.of({"heads": "tensor", "mlp": "tensor"})
+VOCAB_PARALLEL = Rules.of({"vocab": "tensor"})  # the embedding and the logits split over vocab (Megatron Section 3)
+MODEL_PARALLEL = MEGATRON | Rules.of({"experts": "expert", "layers": "stage"})
 TABLES = ("params", "grads", "optimizer", "compute")
 
 
@@ -174,14 +176,17 @@ class Strategy:
         return bool(self.grads.table)
 
     def param_rules(self, size: int) -> Rules:
-        """The storage table for a parameter of `size` elements (small ones may persist replicated over the data axes)."""
+        """The storage table for a `size`-element parameter (small ones may persist replicated over the data axes)."""
         return (Rules() if size < self.persist_below else self.params) | self.model_parallel
 
     def grad_rules(self, size: int) -> Rules:
         return (Rules() if size < self.persist_below and self.shards_params else self.grads) | self.model_parallel
 
     def rules(self, table: str, size: int) -> Rules:
-        """One of `TABLES` for a parameter of `size` elements: the strategy's data-parallel table and the model-parallel one."""
+        """One of `TABLES` for a `size`-element parameter.
+
+        The strategy's data-parallel table and the model-parallel one.
+        """
         if table not in TABLES:
             raise LabError(f"unknown rules table {table!r}; use one of {', '.join(TABLES)}")
         if table == "params":

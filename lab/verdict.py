@@ -87,7 +87,7 @@ def compare(expected: Expectation, observed: Mapping[str, float | int | str]) ->
     return rows
 
 
-def summarize(checks: list[Check]) -> str:
+def tally(checks: list[Check]) -> str:
     """``"5 agree, 1 refined, 0 differ"``."""
     counts = {v: sum(c.verdict == v for c in checks) for v in ("agrees", "refined", "differs")}
     return f"{counts['agrees']} agree, {counts['refined']} refined, {counts['differs']} differ"

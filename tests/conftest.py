@@ -16,7 +16,8 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
-import pytest
+# imported only after the environment and JAX's config above are set, on purpose: they must come before anything else
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """The timing harness and nccl-tests-style sizes (timings are never asserted)."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from lab.bench import time_fn
+from lab.bench import Timing, time_fn, time_interleaved
 from lab.errors import LabError
 from lab.units import format_bytes, parse_size, size_sweep
 
@@ -43,3 +45,11 @@ def test_crossover_interpolates_where_a_ratio_falls_through_one():
     assert crossover([1, 4], [2.0, 0.5]) == pytest.approx(2.0)  # log-midpoint
     assert crossover([1, 2, 4], [0.5, 0.4, 0.3]) is None
     assert crossover([1, 2, 4], [3.0, 1.0, 0.5]) == pytest.approx(2.0)
+
+
+def test_interleaved_timing_gives_every_program_its_rounds():
+    square = jax.jit(lambda x: x * x)
+    timings = time_interleaved({"a": (square, (np.ones(4),)), "b": (square, (np.ones(8),))}, repeats=3)
+    assert set(timings) == {"a", "b"} and all(
+        isinstance(t, Timing) and t.repeats == 3 and t.min <= t.median <= t.max for t in timings.values()
+    )

@@ -65,7 +65,13 @@ def test_inspect_prints_the_collectives_with_their_axes(capsys, devices, tmp_pat
 
 
 def test_inspect_dump_with_a_device_order(capsys, tmp_path):
-    text = "HloModule m, num_partitions=4\nENTRY %e (p: f32[8]) -> f32[8] {\n  %p = f32[8] parameter(0)\n  ROOT %ar = f32[8] all-reduce(%p), replica_groups={{0,2},{1,3}}, to_apply=%add\n}\n"
+    text = (
+        "HloModule m, num_partitions=4\n"
+        "ENTRY %e (p: f32[8]) -> f32[8] {\n"
+        "  %p = f32[8] parameter(0)\n"
+        "  ROOT %ar = f32[8] all-reduce(%p), replica_groups={{0,2},{1,3}}, to_apply=%add\n"
+        "}\n"
+    )
     path = tmp_path / "dump.txt"
     path.write_text(text)
     assert main(["inspect", "--hlo", str(path), "--mesh", "data=2,tensor=2"]) == 0

@@ -13,11 +13,11 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
-from conftest import run_python
 
 from lab.collectives import NAMES, RECIPES, build_program, require_power_of_two
 from lab.errors import LabError
 from lab.mesh import MeshSpec
+from tests.conftest import run_python
 
 BYTES = 32 * 4  # D = 32 float32 per device: splits into 2N pieces for every N up to 16
 
@@ -134,7 +134,7 @@ def test_example_input_sums_stay_exact_in_bfloat16(meshes):
 
 def test_halving_doubling_needs_a_power_of_two():
     require_power_of_two(8, "fsdp")
-    with pytest.raises(LabError, match="power-of-two.*'fsdp'.*6"):
+    with pytest.raises(LabError, match=r"power-of-two.*'fsdp'.*6"):
         require_power_of_two(6, "fsdp")
 
 

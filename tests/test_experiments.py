@@ -24,7 +24,7 @@ def test_every_experiment_is_complete():
 
 
 def test_unknown_experiment_lists_the_known_ones():
-    with pytest.raises(LabError, match="known: .*collectives"):
+    with pytest.raises(LabError, match=r"known: .*collectives"):
         get("no_such_thing")
 
 
@@ -35,6 +35,11 @@ def test_collectives_checks_kind_axis_bytes_and_every_element(devices):
     assert "elements wrong across the whole sweep (#wrong)" in quantities
     assert any("over tensor: axes found" in q for q in quantities)
     assert "busbw" in result.plots and "Question #39" in render(result)
+    # the registry names the page: one title on the page, in `lab list` and in the module docstring
+    experiment = get("collectives")
+    assert (result.name, result.question) == ("collectives", "#39")
+    assert result.title == experiment.title == experiment.module.__doc__.splitlines()[0].rstrip(".")
+    assert render(result).startswith(f"# {experiment.title}\n")
 
 
 def test_ring_allreduce_structure_matches_theory(devices):

@@ -1,4 +1,7 @@
-"""The doctor_cases experiment end to end on cpu:8 (and compile-only v5e): each broken layer named first, a clean control."""
+"""The doctor_cases experiment end to end on cpu:8 (and compile-only v5e).
+
+Each broken layer is named first, and the control is clean.
+"""
 
 import pytest
 

@@ -1,4 +1,7 @@
-"""train_layouts end to end on three layouts: parity with one device, and what XLA inserted per axis (no timing asserted)."""
+"""train_layouts end to end on three layouts: parity with one device, and what XLA inserted per axis.
+
+No timing is asserted.
+"""
 
 import pytest
 

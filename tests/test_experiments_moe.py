@@ -81,7 +81,7 @@ def test_hot_expert_drops_what_theory_says_at_every_share(devices):
 
 
 def test_hot_expert_needs_the_replicated_capacity_among_the_factors(devices):
-    with pytest.raises(LabError, match="replicated_at=3.0"):
+    with pytest.raises(LabError, match=r"replicated_at=3\.0"):
         get("hot_expert").run(HotExpertConfig(replicated_at=3.0))
 
 

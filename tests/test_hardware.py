@@ -93,7 +93,7 @@ def test_compile_only_tpu_devices_map_to_their_profile():
 
 
 def test_unknown_names_list_the_known_ones():
-    with pytest.raises(LabError, match="v5e.*h100.*cpu-local"):
+    with pytest.raises(LabError, match=r"v5e.*h100.*cpu-local"):
         profile("v7x")
     with pytest.raises(LabError, match="tpu v5 lite"):
         profile_for_device_kind("AMD MI300X")

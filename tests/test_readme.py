@@ -12,13 +12,25 @@ def _command_after(marker: str) -> str:
     return lines[start + 2]
 
 
-def test_ci_runs_the_readme_test_command_exactly():
-    ci_lines = [
+def _ci_lines() -> list[str]:
+    return [
         line
         for line in (ROOT / ".ci" / "run").read_text().splitlines()
         if line and not line.startswith(("#", "set ", "cd "))
     ]
-    assert ci_lines == [_command_after("test-command")]
+
+
+def test_ci_runs_the_style_checks_then_the_readme_test_command_exactly():
+    style, tests = _ci_lines()
+    assert tests == _command_after("test-command")
+    assert "ruff format --check ." in style and "ruff check ." in style
+
+
+def test_ci_pins_the_ruff_the_test_extra_installs():
+    """One ruff version for CI and developers: another version may format the same code differently."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    pin = next(part for part in _ci_lines()[0].split('"') if part.startswith("ruff=="))
+    assert f'"{pin}"' in pyproject
 
 
 def test_report_command_installs_the_tpu_extra_and_runs_the_report():

@@ -1,6 +1,6 @@
 """Checks and verdicts: agree within tolerance, refined when explained, differ otherwise."""
 
-from lab.verdict import Expectation, check, compare, summarize
+from lab.verdict import Expectation, check, compare, tally
 
 
 def test_numbers_within_tolerance_agree():
@@ -23,7 +23,7 @@ def test_compare_reports_missing_quantities_as_differs():
     rows = compare(expected, {"permutes": 14})
     assert [r.verdict for r in rows] == ["agrees", "differs"]
     assert rows[1].observed == "not found"
-    assert summarize(rows) == "1 agree, 0 refined, 1 differ"
+    assert tally(rows) == "1 agree, 0 refined, 1 differ"
 
 
 def test_at_most_agrees_up_to_the_limit_and_says_what_it_saw_beyond():

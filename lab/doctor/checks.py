@@ -6,6 +6,10 @@ the evidence from a compiled step and a short run. A finding names its layer
 (memory, input, layout, communication, numerics), its verdict in one line, the
 numbers behind it with their units, and the fix a careful engineer would try
 first. Thresholds are named constants below, each with the reason for its value.
+
+One concept, one module: every check of the doctor is a short pure function
+of its evidence, and its threshold is a named constant beside the others, so
+the whole rulebook reads, and is tuned, in one place.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lab.theory import pipeline_bubble_fraction
 from lab.training.run import WARMUP_STEPS  # the first steps pay allocation and cache warm-up; medians start after them
 from lab.units import format_bytes
 
@@ -47,7 +52,7 @@ COMM_BOUND_WARNING = 0.5
 # repeats (gathers per micro-batch); four times is a layout paying more for communication than for anything else.
 VOLUME_WARNING = 2.0
 VOLUME_PROBLEM = 4.0
-# Exposed communication as a fraction of the predicted step (lab.overlap): a quarter is worth overlapping better;
+# Exposed communication as a fraction of the predicted step (lab.hlo.schedule): a quarter is worth overlapping better;
 # half the step waiting for the network is the bottleneck.
 EXPOSED_WARNING = 0.25
 EXPOSED_PROBLEM = 0.5
@@ -219,7 +224,6 @@ def check_idle_axes(sizes: Mapping[str, int], idle: Sequence[str]) -> Finding:
 
 def check_pipeline_bubble(stage: int, micro_batches: int, layers: int) -> Finding:
     """The GPipe bubble of the stage axis, (P-1)/(M+P-1): the share of every stage's time spent idle."""
-    from lab.theory import pipeline_bubble_fraction
 
     if stage == 1:
         return Finding("layout", "pipeline bubble", "not applicable", "the mesh has no stage axis")
@@ -379,7 +383,8 @@ def check_comm_volume(
 ) -> Finding:
     """Bytes the data-axis collectives move per step, in model copies, against the strategy's textbook volume.
 
-    `exact` False: some collectives sit in loops of unknown trip count (counted once), so the volume is a lower bound."""
+    `exact` False: some collectives sit in loops of unknown trip count (counted once), so the volume is a lower bound.
+    """
     copies = moved_bytes / model_bytes
     ratio = copies / expected_copies
     severity = _severity(ratio, VOLUME_WARNING, VOLUME_PROBLEM)
@@ -431,7 +436,7 @@ def check_comm_volume(
 
 
 def check_exposed(report) -> Finding:
-    """Exposed communication from `lab.overlap.overlap_report` (None: the HLO has no async collectives)."""
+    """Exposed communication from `lab.hlo.schedule.overlap_report` (None: the HLO has no async collectives)."""
     if report is None:
         return Finding(
             "communication",

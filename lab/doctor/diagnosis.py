@@ -28,18 +28,22 @@ import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
 
-from lab.doctor import checks as checks
+from lab import hlo
+from lab.devices import devices_for, parse_target
+from lab.doctor import checks
 from lab.doctor.checks import LAYERS, SEVERITIES, Finding
-from lab.rules import spec_axes
-
-if TYPE_CHECKING:
-    from lab.hlo import Inspection
-    from lab.training.run import RunConfig, RunLog
-    from lab.training.step import Trainer, TrainState
+from lab.hardware import profile, profile_for_device_kind
+from lab.hlo import Inspection, schedule
+from lab.roofline import roofline
+from lab.rules import sharding_report, spec_axes
+from lab.topology import slice_shape
+from lab.training import run as training_run
+from lab.training.run import RunConfig, RunLog, trainer_for
+from lab.training.step import Trainer, TrainState
 
 _DP_KINDS = ("all-gather", "reduce-scatter", "all-reduce")  # the collectives the ZeRO accounting counts
 _ZERO_AXES = ("data", "fsdp")  # the axes ZeRO shards model states over
@@ -85,7 +89,6 @@ def diagnose(config: RunConfig, *, capacity_bytes: float | None = None, devices=
 
     `capacity_bytes` overrides the memory per device to check against; `devices` defaults to the target's.
     """
-    from lab.devices import devices_for
 
     devices = devices_for(config.target) if devices is None else devices
     compiled = _compile(config, devices)
@@ -113,8 +116,10 @@ def _observed(layer: str, names: tuple[str, ...], not_run: str, observe) -> tupl
 
 
 def _compile(config: RunConfig, devices) -> _Compiled:
-    """The trainer `lab train` uses (the same cached one) and its step compiled; a compiler out of memory is evidence, not an error."""
-    from lab.training.run import trainer_for
+    """The trainer `lab train` uses (the same cached one) and its step compiled.
+
+    A compiler out of memory is evidence, not an error.
+    """
 
     trainer = trainer_for(config, devices)
     trainer.layout.check_batch(config.global_batch, config.micro_batches)
@@ -129,7 +134,6 @@ def _compile(config: RunConfig, devices) -> _Compiled:
 
 
 def _why_not_run(config: RunConfig, memory: Finding) -> str:
-    from lab.devices import parse_target
 
     if parse_target(config.target).compile_only:
         return f"{config.target} is compile-only: nothing executes, so input and numerics cannot be observed"
@@ -140,7 +144,6 @@ def _why_not_run(config: RunConfig, memory: Finding) -> str:
 
 def _run(config: RunConfig, devices) -> RunLog:
     """A short `lab train` run, without its page, its log written to a folder that is then removed."""
-    from lab.training import run as training_run
 
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as folder:
         return training_run.run(replace(config, page=False, results=Path(folder), log=None, name="doctor"), devices)
@@ -196,7 +199,6 @@ def _refused_bytes(message: str) -> float | None:
 
 def _capacity(devices, override: float | None) -> tuple[float, str]:
     """Bytes one device may use: the override, the runtime's limit, the chip profile, or host memory shared out."""
-    from lab.hardware import profile, profile_for_device_kind
 
     device = devices[0]
     if override is not None:
@@ -217,7 +219,6 @@ def _capacity(devices, override: float | None) -> tuple[float, str]:
 
 
 def _layout(compiled: _Compiled, log: RunLog | None) -> tuple[Finding, ...]:
-    from lab.rules import sharding_report
 
     layout = compiled.trainer.layout
     params = compiled.state.params
@@ -262,7 +263,6 @@ def _communication(compiled: _Compiled, log: RunLog | None, devices) -> tuple[Fi
 
 
 def _chip(devices):
-    from lab.hardware import profile, profile_for_device_kind
 
     return profile("cpu") if devices[0].platform == "cpu" else profile_for_device_kind(devices[0].device_kind)
 
@@ -273,14 +273,12 @@ def _on_torus(devices) -> bool:
 
 def _traffic(compiled: _Compiled, chip) -> list[checks.Traffic]:
     """Bytes per step and predicted seconds per (kind, axes): on TPU over the links each axis uses, else a switch."""
-    from lab import hlo, overlap
-    from lab.roofline import roofline
 
     inspection, mesh = compiled.inspection, compiled.trainer.mesh
     if _on_torus(mesh.devices.flat):
         seconds = [p.seconds for p in roofline(inspection, mesh, chip).collectives]
     else:
-        seconds = [overlap.predict_seconds(c, chip) * (c.repeats or 1) for c in inspection.collectives]
+        seconds = [schedule.predict_seconds(c, chip) * (c.repeats or 1) for c in inspection.collectives]
     predicted: dict[tuple, float] = defaultdict(float)
     for c, s in zip(inspection.collectives, seconds):
         predicted[c.kind, c.axes] += s
@@ -292,7 +290,6 @@ def _traffic(compiled: _Compiled, chip) -> list[checks.Traffic]:
 
 def _compute_time(compiled: _Compiled, log: RunLog | None, chip) -> tuple[float, str]:
     """The step's compute: measured on a run (its median less the data wait), else the roofline on the chip."""
-    import numpy as np
 
     if log is not None:
         return float(
@@ -327,9 +324,7 @@ def _volume(compiled: _Compiled) -> Finding:
 
 
 def _overlap(compiled: _Compiled, chip, devices):
-    """lab.overlap's report where the HLO has async collectives (on a TPU torus, or a switch); None where it has none."""
-    from lab import overlap
-    from lab.topology import slice_shape
+    """lab.hlo.schedule's overlap report where the HLO has async collectives (TPU torus or switch); else None."""
 
     inspection = compiled.inspection
     if not any(c.is_async for c in inspection.collectives):
@@ -337,7 +332,7 @@ def _overlap(compiled: _Compiled, chip, devices):
     torus = (
         slice_shape(devices)[: chip.torus_dims] if _on_torus(devices) else ()
     )  # coords have three entries; a v5e torus two
-    return overlap.overlap_report(inspection.optimized_hlo, chip, torus, inspection.mesh_shape, inspection.axis_names)
+    return schedule.overlap_report(inspection.optimized_hlo, chip, torus, inspection.mesh_shape, inspection.axis_names)
 
 
 # --- numerics -----------------------------------------------------------------------------------

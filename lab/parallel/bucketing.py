@@ -41,9 +41,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
+from lab.model import abstract_model, create_params, next_token_loss
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)
 DEEPSPEED_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed ZeRO reduce_bucket_size default (elements, not bytes)
@@ -201,9 +205,6 @@ class GradientProblem:
 
 def local_gradients(config, axis: str, params, tokens_BT) -> list[jax.Array]:
     """Inside shard_map: this device's gradient leaves of the transformer `config`, not yet summed over `axis`."""
-    from flax import nnx
-
-    from lab.model import abstract_model, next_token_loss
 
     graphdef, _ = abstract_model(config)
     # varying weights: autodiff then leaves each device's gradient local instead of summing it for us
@@ -225,10 +226,6 @@ def gradient_problem(
     ``placed=False`` gives ShapeDtypeStructs only: enough to compile for a
     TPU topology that has no devices to run on.
     """
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from lab.model import abstract_model, create_params
 
     if axis not in mesh.axis_names:
         raise LabError(f"axis {axis!r} is not a mesh axis; use one of {', '.join(mesh.axis_names)}")
@@ -252,7 +249,6 @@ def local_gradient_program(problem: GradientProblem):
 
 @functools.cache
 def _local_gradient_program(config, mesh, axis: str):
-    from jax.sharding import PartitionSpec as P
 
     def body(params, tokens_BT):
         return [g[None] for g in local_gradients(config, axis, params, tokens_BT)]
@@ -263,7 +259,6 @@ def _local_gradient_program(config, mesh, axis: str):
 @functools.cache
 def reduce_program(plan: BucketPlan | None, mesh, axis: str, *, keep_apart: bool = True):
     """jit(stacked local gradients) -> their sums over `axis`, one all-reduce per bucket of `plan`."""
-    from jax.sharding import PartitionSpec as P
 
     def body(stacked):
         return bucketed_psum([g[0] for g in stacked], axis, plan, keep_apart=keep_apart)
@@ -278,7 +273,6 @@ def step_program(problem: GradientProblem, plan: BucketPlan | None, *, keep_apar
 
 @functools.cache
 def _step_program(config, mesh, axis: str, plan: BucketPlan | None, keep_apart: bool):
-    from jax.sharding import PartitionSpec as P
 
     def body(params, tokens_BT):
         return bucketed_psum(local_gradients(config, axis, params, tokens_BT), axis, plan, keep_apart=keep_apart)
@@ -292,8 +286,6 @@ def launch_cost_programs(mesh, axis: str, count: int = 64) -> dict[str, tuple]:
     The difference in time over count - 1 is the fixed cost of one all-reduce
     on this target (alpha_AR), free of any bandwidth term.
     """
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     element = [jax.ShapeDtypeStruct((count,), jnp.float32)]
     stacked = [jax.device_put(jnp.ones((mesh.shape[axis], count), jnp.float32), NamedSharding(mesh, P(axis)))]

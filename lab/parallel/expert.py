@@ -86,7 +86,7 @@ class MoEOutput:
     counts: LoadCounts  # summed over groups
 
 
-def init_params(config: MoEConfig, key: jax.Array) -> ExpertParams:
+def init_experts(config: MoEConfig, key: jax.Array) -> ExpertParams:
     """Fan-in scaled normal weights (the router small, so that routing starts near uniform)."""
     e, d, f = config.router.experts, config.d_model, config.d_ff
     router_key, in_key, out_key = jax.random.split(key, 3)
@@ -174,7 +174,10 @@ class ShardedMoE:
         return jax.device_put(params, param_shardings), jax.device_put(x_TD, token_sharding)
 
     def abstract(self, tokens: int, dtype=jnp.float32) -> tuple:
-        """All of `fn`'s arguments as ShapeDtypeStructs, for compiling without data (`lab.hlo.inspect(layer.fn, *abstract)`)."""
+        """All of `fn`'s arguments as ShapeDtypeStructs, for compiling without data.
+
+        For example `lab.hlo.inspect(layer.fn, *abstract)`.
+        """
         self.check_tokens(tokens)
         c, (param_shardings, token_sharding) = self.config, self.shardings()
         replicated = NamedSharding(self.mesh, P())
@@ -194,7 +197,8 @@ class ShardedMoE:
     def __call__(
         self, params: ExpertParams, x_TD: jax.Array, balance: Balance = NO_BALANCING, bias_E: jax.Array | None = None
     ) -> MoEOutput:
-        # strongly typed f32 scalars, as in `abstract`: one compiled program serves both (and every value of the coefficients)
+        # strongly typed f32 scalars, as in `abstract`: one compiled program serves both
+        # (and every value of the coefficients)
         replicated = NamedSharding(self.mesh, P())
         balance = jax.device_put(jax.tree.map(lambda v: jnp.asarray(v, jnp.float32), balance), replicated)
         bias_E = jax.device_put(
@@ -230,7 +234,10 @@ def expert_parallel(mesh: Mesh, config: MoEConfig) -> ShardedMoE:
 
 
 def _whole_experts(params: ExpertParams, fsdp: int) -> tuple[jax.Array, jax.Array]:
-    """FSDP: gather this device's experts whole just before use (skipped on a size-1 axis, which XLA would keep as a no-op all-gather)."""
+    """FSDP: gather this device's experts whole just before use.
+
+    Skipped on a size-1 axis, which XLA would keep as a no-op all-gather.
+    """
     if fsdp == 1:
         return params.w_in_EDF, params.w_out_EFD
     return jax.lax.all_gather(params.w_in_EDF, "fsdp", axis=2, tiled=True), jax.lax.all_gather(
@@ -279,7 +286,10 @@ def gshard(mesh: Mesh, config: MoEConfig, *, annotate_masks: bool = True) -> Sha
 
 
 def _dense_dispatch(routing: Routing, experts: int) -> jax.Array:
-    """GShard's dispatch mask: 1 where token s of group g sits in slot c of expert e (a dropped slot one-hots to zeros)."""
+    """GShard's dispatch mask: 1 where token s of group g sits in slot c of expert e.
+
+    A dropped slot one-hots to zeros.
+    """
     slots_GSKC = jax.nn.one_hot(routing.slot_TK, routing.capacity)
     return jnp.einsum("gske,gskc->gsec", jax.nn.one_hot(routing.expert_TK, experts), slots_GSKC)
 

@@ -103,7 +103,7 @@ class Layout:
     def __post_init__(self) -> None:
         if self.remat not in _REMAT:
             raise LabError(f"unknown remat policy {self.remat!r}; use one of {', '.join(_REMAT)}")
-        object.__setattr__(self, "sizes", dict(zip(self.mesh.axis_names, self.mesh.devices.shape)))
+        object.__setattr__(self, "sizes", dict(self.mesh.shape))
 
     # --- where arrays live -------------------------------------------------------------
 
@@ -114,12 +114,12 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        """Pipeline stages: the ``stage`` axis splits the stacked blocks' layers (GPipe, `lab.parallel.pipeline.spmd`)."""
+        """Pipeline stages: axis ``stage`` splits the stacked blocks' layers (GPipe, `lab.parallel.pipeline.spmd`)."""
         return self.sizes.get("stage", 1)
 
     @property
     def idle_axes(self) -> tuple[str, ...]:
-        """Mesh axes of size > 1 that nothing splits (neither the batch, nor a weight): their devices repeat the same work."""
+        """Mesh axes of size > 1 that split neither the batch nor a weight: their devices repeat the same work."""
         return tuple(a for a, n in self.sizes.items() if n > 1 and a not in self.strategy.used_axes)
 
     def activation_sharding(self, axes: tuple[str, ...]) -> NamedSharding:

@@ -47,15 +47,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
-from lab.model import ModelConfig, abstract_model, init_params, logical_axes, next_token_loss, rotary
-from lab.rules import Rules
+from lab.model import ModelConfig, WholeWeights, abstract_model, init_params, logical_axes, next_token_loss, rotary
+from lab.rules import MEGATRON, VOCAB_PARALLEL
 
 AXIS = "tensor"
 STYLES = ("shard_map", "annotations")
-TP_RULES = Rules.of({"heads": AXIS, "mlp": AXIS, "vocab": AXIS})  # the Megatron split, on the model's logical axes
+TP_RULES = MEGATRON | VOCAB_PARALLEL  # the Megatron split with a vocab-parallel embedding, from lab.rules
 
 
-def check_divisible(config: ModelConfig, tensor: int, sequence_parallel: bool) -> None:
+def check_tensor_split(config: ModelConfig, tensor: int, sequence_parallel: bool) -> None:
     """Heads, MLP width and vocabulary (and the sequence, with SP) must split evenly over ``tensor``."""
     dims = {"heads": config.heads, "mlp (hidden)": config.mlp, "vocab": config.vocab}
     if sequence_parallel:
@@ -81,18 +81,18 @@ class TensorParallel:
     def __post_init__(self) -> None:
         if self.style not in STYLES:
             raise LabError(f"unknown tensor-parallel style {self.style!r}; use one of {', '.join(STYLES)}")
-        sizes = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))
+        sizes = dict(self.mesh.shape)
         busy = [a for a, n in sizes.items() if n > 1 and a not in ("data", AXIS)]
         if busy:
             raise LabError(
                 "tensor parallelism here uses only the data and tensor mesh "
                 f"axes, but {busy[0]}={sizes[busy[0]]}; set it to 1"
             )
-        check_divisible(self.model, sizes[AXIS], self.sequence_parallel)
+        check_tensor_split(self.model, sizes[AXIS], self.sequence_parallel)
 
     @property
     def ways(self) -> int:
-        return dict(zip(self.mesh.axis_names, self.mesh.devices.shape))[AXIS]
+        return self.mesh.shape[AXIS]
 
     # --- where arrays live ------------------------------------------------------------
 
@@ -124,7 +124,7 @@ class TensorParallel:
         )
 
     def check_batch(self, global_batch: int) -> None:
-        data = dict(zip(self.mesh.axis_names, self.mesh.devices.shape))["data"]
+        data = self.mesh.shape["data"]
         if global_batch % data:
             raise LabError(
                 f"global batch {global_batch} is not divisible by mesh axis data={data}; use a multiple of {data}"
@@ -155,7 +155,10 @@ class TensorParallel:
         return mapped(params, inputs_BS, targets_BS)
 
     def block_function(self) -> Callable:
-        """(one block's params, x [B, S, D]) -> block output: the unit whose backward residuals the memory theory counts."""
+        """(one block's params, x [B, S, D]) -> block output.
+
+        The unit whose backward residuals the memory theory counts.
+        """
         x_spec = self.x_sharding().spec
         specs = jax.tree.map(lambda s: P(*s[1:]), self.param_specs()["blocks"], is_leaf=lambda x: isinstance(x, P))
         if self.style == "annotations":
@@ -293,7 +296,10 @@ class _Annotated:
         return jax.reshard(x_BSD, self._spec(False))  # SP: the all-gather; TP: already whole, a no-op
 
     def row_parallel(self, equation: str, lhs: jax.Array, rhs: jax.Array) -> jax.Array:
-        """A matmul contracting a ``tensor``-split dimension: the out_sharding says all-reduce (TP) or reduce-scatter (SP)."""
+        """A matmul contracting a ``tensor``-split dimension.
+
+        The out_sharding says all-reduce (TP) or reduce-scatter (SP).
+        """
         return jnp.einsum(equation, lhs, rhs, out_sharding=self._spec(self.sequence_parallel))
 
     def block(self, block: dict, x_BSD: jax.Array) -> jax.Array:
@@ -329,17 +335,6 @@ def train_step(loss: Callable, optimizer: optax.GradientTransformation) -> Calla
 
 
 # --- the reference twin: the model itself on whole weights -------------------------------
-
-
-@dataclass(frozen=True)
-class WholeWeights:
-    """The simplest `lab.model.Layout`: every weight used as stored (one device, or replicated)."""
-
-    compute_dtype: jnp.dtype = jnp.float32
-    remat_policy: Callable | None = None
-
-    def use(self, param: nnx.Param) -> jax.Array:
-        return param[...].astype(self.compute_dtype)
 
 
 def reference_loss(model: ModelConfig, params: dict, tokens_BT: jax.Array) -> jax.Array:

@@ -27,6 +27,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
+import jax
+
+from lab.errors import LabError
+from lab.hlo import op_names
+
 LAYER_SCOPES = ("attention", "mlp", "moe")
 STEP_SCOPES = (
     "reduce_gradients",
@@ -43,7 +48,6 @@ def trace(folder: Path | None) -> Iterator[Path | None]:
     if folder is None:
         yield None
         return
-    import jax
 
     folder = Path(folder)
     before = set(folder.glob("plugins/profile/*"))
@@ -52,8 +56,6 @@ def trace(folder: Path | None) -> Iterator[Path | None]:
     # the profiler names each session's folder by its start time; report the one this trace added
     added = sorted(set(folder.glob("plugins/profile/*")) - before)
     if not added:
-        from lab.errors import LabError
-
         raise LabError(f"the profiler wrote no trace under {str(folder)!r}; check that the folder is writable")
 
 
@@ -61,8 +63,6 @@ def latest_session(folder: Path) -> Path:
     """The newest ``plugins/profile/<time>/`` folder under a trace folder."""
     sessions = sorted(Path(folder).glob("plugins/profile/*"))
     if not sessions:
-        from lab.errors import LabError
-
         raise LabError(f"no jax.profiler trace under {str(folder)!r}; run with --profile {folder} first")
     return sessions[-1]
 
@@ -86,7 +86,6 @@ def op_scopes(hlo_text: str) -> dict[str, str]:
     Collectives get their own rows (``communication: all-gather``): XLA moves and combines them, so the
     scope in their metadata (often the backward matmul a gradient reduce-scatter was split off) says less
     than their kind does."""
-    from lab.hlo import op_names
 
     return {
         name: _part(opcode, op_name)
@@ -106,7 +105,6 @@ def scope_times(session: Path, hlo_text: str, module: str | None = None) -> dict
     `module` keeps only ops of that HLO module (e.g. ``jit__step``); None keeps every module's ops
     whose names the HLO knows.
     """
-    import jax
 
     scopes, seconds = op_scopes(hlo_text), defaultdict(float)
     for path in Path(session).glob("*.xplane.pb"):

@@ -36,29 +36,42 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.profiler import StepTraceAnnotation, TraceAnnotation
 
+from lab import progress
+from lab.devices import DEFAULT_TARGET, describe_devices, devices_for, distributed_devices
 from lab.errors import LabError
+from lab.hardware import profile, profile_for_device_kind
+from lab.mesh import MeshSpec, describe
+from lab.model import preset
+from lab.training import data as input_pipeline
+from lab.training import profiling
+from lab.training.checkpoint import CheckpointPolicy, Checkpoints
+from lab.training.series import analyze
+from lab.training.step import TrainConfig, Trainer
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Train the lab's transformer on synthetic data on any mesh; write a JSONL log and a results page."""
 
-    target: str = "cpu:8"
+    target: str = DEFAULT_TARGET
     """cpu:N, gpu or tpu (with several processes: the devices of this process, e.g. cpu:4)"""
     mesh: str = "data=2,fsdp=2,tensor=2"
-    """axis sizes over data, stage, fsdp, expert, tensor: data/fsdp/expert split the batch, fsdp the weights (ZeRO), tensor
-    the heads and MLP (Megatron), expert the experts of an MoE model, stage the layers (a GPipe pipeline)"""
+    """axis sizes over data, stage, fsdp, expert, tensor: data/fsdp/expert split the batch, fsdp the weights
+    (ZeRO), tensor the heads and MLP (Megatron), expert the experts of an MoE model, stage the layers (GPipe)"""
     model: str = "tiny"
     """model preset from lab.model.PRESETS (tiny, tiny-moe, small, 125m, ...)"""
     strategy: str = "zero3"
-    """data-parallel strategy from lab.rules.STRATEGIES (ddp, zero1, zero2, zero3, zero3-keep); tensor and expert splits come with every one"""
+    """data-parallel strategy from lab.rules.STRATEGIES (ddp, zero1, zero2, zero3, zero3-keep); the tensor and
+    expert splits come with every one"""
     steps: int = 20
     """train until this step (a resumed run continues from its checkpoint's step)"""
     global_batch: int = 16
     """sequences per step, split over the data axes"""
     micro_batches: int = 1
-    """micro-batches per step: gradient accumulation, or with stage > 1 the pipeline's micro-batches (bubble (P-1)/(M+P-1))"""
+    """micro-batches per step: gradient accumulation, or with stage > 1 the pipeline's micro-batches
+    (bubble (P-1)/(M+P-1))"""
     learning_rate: float = 3e-3
     """AdamW's learning rate"""
     seed: int = 0
@@ -147,7 +160,6 @@ class RunLog:
 
     def series(self):
         """The step-time series analysis (`lab.training.series`) of the steps after warm-up."""
-        from lab.training.series import analyze
 
         timed = self.timed_steps
         return analyze([s.seconds for s in timed], first_step=timed[0].step)
@@ -177,10 +189,6 @@ def flops_per_token(model) -> float:
 
 def run(config: RunConfig, devices=None) -> RunLog:
     """Train as `config` says on `devices` (default: the target's, after jax.distributed when asked)."""
-    from lab import progress
-    from lab.mesh import describe
-    from lab.training import data as input_pipeline
-    from lab.training import profiling
 
     _check(config)
     devices = _devices(config) if devices is None else devices
@@ -229,9 +237,7 @@ def run(config: RunConfig, devices=None) -> RunLog:
 
 
 def trainer_for(config: RunConfig, devices):
-    """The Trainer a run of `config` on `devices` uses (cached: a second call, or a second run, reuses its compiled step)."""
-    from lab.mesh import MeshSpec
-    from lab.training.step import TrainConfig
+    """The Trainer a run of `config` on `devices` uses (cached: a second call or run reuses its compiled step)."""
 
     mesh = MeshSpec.parse(config.mesh).build(devices)
     return _trainer(
@@ -243,8 +249,7 @@ def trainer_for(config: RunConfig, devices):
 
 @functools.lru_cache(maxsize=4)
 def _trainer(model, train_config, mesh):
-    """One Trainer per (model, training config, mesh): runs repeated in one process (resume, a sweep) reuse its compiled step."""
-    from lab.training.step import Trainer
+    """One Trainer per (model, training config, mesh): repeated runs in one process reuse its compiled step."""
 
     return Trainer(model, train_config, mesh)
 
@@ -268,13 +273,11 @@ def _check(config: RunConfig) -> None:
 
 
 def _model(config: RunConfig):
-    from lab.model import preset
 
     return preset(config.model)
 
 
 def _devices(config: RunConfig) -> tuple:
-    from lab.devices import devices_for, distributed_devices
 
     if config.distributed or config.coordinator is not None or config.num_processes is not None:
         return distributed_devices(config.target, config.coordinator, config.num_processes, config.process_id)
@@ -282,7 +285,6 @@ def _devices(config: RunConfig) -> tuple:
 
 
 def _checkpoints(config: RunConfig):
-    from lab.training.checkpoint import CheckpointPolicy, Checkpoints
 
     if config.checkpoint_dir is None:
         return None
@@ -321,7 +323,6 @@ class _Loop:
     def iterate(self, step: int, state, data: Iterator[np.ndarray]):
         """One iteration as the wall clock sees it: wait for the batch, run the step, maybe save. The trace
         annotations name the same three parts in a profile (StepTraceAnnotation marks the step for XProf)."""
-        from jax.profiler import StepTraceAnnotation, TraceAnnotation
 
         tick = time.perf_counter()
         with StepTraceAnnotation("train", step_num=step):
@@ -349,7 +350,6 @@ class _Loop:
 
 def _peak_flops(devices) -> float:
     """Peak FLOP/s of the chips: one profile per accelerator; emulated CPU devices share the one measured machine."""
-    from lab.hardware import profile, profile_for_device_kind
 
     if devices[0].platform == "cpu":
         return profile("cpu").peak_bf16_flops
@@ -357,7 +357,6 @@ def _peak_flops(devices) -> float:
 
 
 def _describe(devices) -> str:
-    from lab.devices import describe_devices
 
     return describe_devices(devices)
 
@@ -376,184 +375,3 @@ def _log_writer(config: RunConfig):
             out.write(json.dumps(asdict(metrics)) + "\n")
 
     return write
-
-
-def _notes(log: RunLog) -> list[str]:
-    """What a reader of the page should not miss: a resumed start, axes that only repeat work."""
-    from lab.mesh import MeshSpec
-
-    sizes = MeshSpec.parse(log.config.mesh).sizes
-    notes = [f"started at step {log.start_step} (resumed from a checkpoint)"] if log.start_step else []
-    if log.idle_axes:
-        idle = ", ".join(f"{axis}={sizes[axis]}" for axis in log.idle_axes)
-        notes.append(
-            f"{idle}: neither the batch nor any weight of {log.config.model} with {log.config.strategy} is split over "
-            "these axes, so their devices hold the same shards and repeat the same work"
-        )
-    if any(s.mfu > 1 for s in log.steps):
-        notes.append(
-            "MFU above 1: on cpu the peak is lab.hardware's measured numpy matmul rate, which undershoots what XLA's "
-            "multi-threaded kernels reach on a shared machine; read MFU there "
-            "as a ratio between layouts, not as utilisation"
-        )
-    return notes
-
-
-def plot_step_times(axes, log: RunLog, label: str | None = None) -> None:
-    """Step time over steps: the whole iteration, the saves marked, and the wait for data where it matters
-    (a median share of the step above 10 %)."""
-    steps = [s.step for s in log.steps]
-    (line,) = axes.plot(
-        steps, [s.seconds * 1e3 for s in log.steps], marker=".", markersize=3, linewidth=1, label=label or "step"
-    )
-    if np.median([s.data_s / s.seconds for s in log.steps]) > 0.1:
-        axes.plot(
-            steps,
-            [s.data_s * 1e3 for s in log.steps],
-            linestyle=":",
-            color=line.get_color(),
-            linewidth=1,
-            label=f"{label + ': ' if label else ''}waiting for data",
-        )
-    saves = [s for s in log.steps if s.checkpoint]
-    if saves:
-        axes.scatter(
-            [s.step for s in saves],
-            [s.seconds * 1e3 for s in saves],
-            marker="v",
-            color=line.get_color(),
-            zorder=3,
-            label=f"{label + ': ' if label else ''}checkpoint saved",
-        )
-    axes.set(xlabel="step", ylabel="step time (ms)")
-
-
-def result(log: RunLog):
-    """The run's page: loss and step time over steps, the series analysis, the metrics, the profile."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from lab.report import Result, provenance
-
-    loss_figure, axes = plt.subplots(figsize=(6, 3))
-    axes.plot([s.step for s in log.steps], log.losses, marker=".")
-    axes.set(xlabel="step", ylabel="loss", title=f"loss, mesh {log.config.mesh}")
-    time_figure, axes = plt.subplots(figsize=(6, 3))
-    plot_step_times(axes, log)
-    axes.set(title=f"step time, mesh {log.config.mesh}")
-    axes.legend(fontsize=7)
-    series = log.series()
-    summary = (
-        f"{len(log.steps)} steps of the {log.config.model} model with {log.config.strategy} "
-        f"on the mesh {log.config.mesh} "
-        f"({log.devices}, {log.processes} process(es)): loss {log.losses[0]:.3f} -> {log.losses[-1]:.3f}; median step "
-        f"{log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s; "
-        f"compiling the step took {log.compile_s:.1f} s. "
-        f"Step times: {series.describe()}."
-    )
-    return Result(
-        name=log.config.name,
-        title=f"Training run: {log.config.model} on {log.config.mesh}",
-        question="issue 9",
-        summary=summary,
-        theory="MFU = (6Ψ + 12·L·H·K·S) × tokens/s ÷ peak FLOP/s (Chowdhery "
-        "et al. 2022, PaLM, Appendix B); on emulated CPU devices the "
-        "peak is the one measured machine's. "
-        "Step times are read with `lab.training.series`: median and spread, "
-        "slow steps, and a period found from the series itself.",
-        tables=_tables(log),
-        plots={"loss": loss_figure, "step_time": time_figure},
-        notes=_notes(log),
-        provenance=provenance(target=log.config.target, devices=(), mesh=log.config.mesh) | {"devices": log.devices},
-        data={
-            "config": {k: str(v) for k, v in asdict(log.config).items()},
-            "steps": [asdict(s) for s in log.steps],
-            "compile_s": log.compile_s,
-            "profile_device_s": log.profile,
-        },
-    )
-
-
-MAX_STEP_ROWS = 40  # beyond this the per-step table is unreadable: the plot and metrics.jsonl hold every step
-
-
-def _tables(log: RunLog) -> list:
-    from lab.report import Table
-
-    tables = []
-    extra = sorted({name for s in log.steps for name in s.extra})  # what the model adds (MoE: load skew, drops)
-    if len(log.steps) <= MAX_STEP_ROWS:
-        rows = [
-            [
-                s.step,
-                s.loss,
-                s.grad_norm,
-                s.seconds * 1e3,
-                s.data_s * 1e3,
-                s.save_s * 1e3,
-                s.tokens_per_s,
-                s.mfu,
-                "yes" if s.checkpoint else "",
-                *(s.extra.get(name, "") for name in extra),
-            ]
-            for s in log.steps
-        ]
-        tables.append(
-            Table(
-                "per step",
-                [
-                    "step",
-                    "loss",
-                    "grad norm",
-                    "step (ms)",
-                    "data (ms)",
-                    "save (ms)",
-                    "tokens/s",
-                    "MFU",
-                    "checkpoint",
-                    *extra,
-                ],
-                rows,
-            )
-        )
-    else:
-        timed = log.timed_steps
-        seconds = np.array([[s.seconds, s.data_s, s.save_s] for s in timed]) * 1e3
-        rows = [
-            [name, *np.percentile(seconds[:, i], [50, 10, 90]).tolist(), seconds[:, i].max()]
-            for i, name in enumerate(("step", "waiting for data", "blocking save"))
-        ]
-        tables.append(
-            Table(
-                f"step time over steps {timed[0].step}-{timed[-1].step} (ms)",
-                ["part", "median", "p10", "p90", "max"],
-                rows,
-            )
-        )
-        if extra:
-            values = np.array([[s.extra.get(name, np.nan) for name in extra] for s in timed])
-            rows = [
-                [name, *np.nanpercentile(values[:, i], [50, 10, 90]).tolist(), np.nanmax(values[:, i])]
-                for i, name in enumerate(extra)
-            ]
-            tables.append(
-                Table(
-                    f"what the model reports, over steps {timed[0].step}-{timed[-1].step}",
-                    ["metric", "median", "p10", "p90", "max"],
-                    rows,
-                )
-            )
-    if log.profile:
-        total = sum(log.profile.values())
-        rows = [[part, seconds * 1e3, seconds / total] for part, seconds in log.profile.items()]
-        tables.append(
-            Table(
-                f"device time by part of the step (from the trace in {log.config.profile}; "
-                "summed over devices and steps)",
-                ["part", "device ms", "share"],
-                rows,
-            )
-        )
-    return tables

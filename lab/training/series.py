@@ -24,8 +24,9 @@ lattice is mostly slow (at least 80 % of its points after the first dip).
 Random jitter is either more than 5 % of the steps slow, off any lattice, or
 a robust spread σ_MAD / median above 0.2: a wide distribution (a loader's
 exponential tail) widens the MAD with it, so it has few "outliers" but a
-large spread, while one hiccup in a quiet series is neither. Spread is reported as the coefficient of variation std/mean (the number to
-compare before and after a fix) next to its robust twin MAD/median.
+large spread, while one hiccup in a quiet series is neither. Spread is
+reported as the coefficient of variation std/mean (the number to compare
+before and after a fix) next to its robust twin MAD/median.
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ class SeriesSummary:
         return "steady"
 
     def describe(self) -> str:
-        spread = f"median {self.median * 1e3:.1f} ms (p10 {self.p10 * 1e3:.1f}, p90 {self.p90 * 1e3:.1f}), std/mean {self.cv:.2f}"
+        spread = (
+            f"median {self.median * 1e3:.1f} ms (p10 {self.p10 * 1e3:.1f}, p90 {self.p90 * 1e3:.1f}), "
+            f"std/mean {self.cv:.2f}"
+        )
         slow = f"{len(self.slow_steps)} slow step(s), {self.excess_fraction:.0%} of the time above the median"
         if self.pattern == "periodic":
             return f"periodic: a dip every {self.period} steps from step {self.phase}; {slow}; {spread}"

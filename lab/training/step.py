@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from lab import hlo
+from lab.bench import time_fn
 from lab.errors import LabError
 from lab.model import ModelConfig, MoEStats, abstract_model, init_params, next_token_loss, run_blocks
 from lab.moe import load_metrics
@@ -187,7 +188,10 @@ class Trainer:
         )
 
     def compiled_gradients(self, global_batch: int) -> jax.stages.Compiled:
-        """The forward and backward alone, compiled to be read: its outputs are the reduced gradients in their layout, and the loss."""
+        """The forward and backward alone, compiled to be read.
+
+        Its outputs are the reduced gradients in their layout, and the loss.
+        """
         return self._compile(
             "gradients",
             global_batch,
@@ -215,7 +219,6 @@ class Trainer:
 
         `start` (any mesh, or numpy) saves compiling the initializer when several trainers time the same model.
         """
-        from lab.bench import time_fn
 
         executable, batch = self.compiled_step(global_batch), self.batch(global_batch)
         state = [self.init() if start is None else self.place(start)]
@@ -236,7 +239,10 @@ class Trainer:
     def _pipelined_loss(
         self, params: nnx.State, tokens_BT: jax.Array
     ) -> tuple[jax.Array, tuple[jax.Array, MoEStats | None]]:
-        """`_loss` over all micro-batches at once, the blocks pipelined over ``stage``; embedding and head replicated over it."""
+        """`_loss` over all micro-batches at once, the blocks pipelined over ``stage``.
+
+        The embedding and the head are replicated over ``stage``.
+        """
         model = nnx.merge(self.graphdef, params)
         micro_MbT = _split_micro_batches(tokens_BT, self.config.micro_batches)
         x_MbSD = jax.vmap(lambda micro_bT: model.embed(micro_bT[:, :-1], self.layout))(micro_MbT)
@@ -256,7 +262,10 @@ class Trainer:
         return language_loss + stats.balance_loss.sum(), (language_loss, stats)
 
     def _gradients(self, params: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, jax.Array, MoEStats | None]:
-        """Reduced gradients, the language-model loss and the MoE stats (balancing loss averaged, counts summed over micro-batches)."""
+        """Reduced gradients, the language-model loss and the MoE stats.
+
+        Over the micro-batches, the balancing loss is averaged and the counts are summed.
+        """
         count = self.config.micro_batches
         self.layout.check_batch(tokens_BT.shape[0], count)
         if self.layout.stages > 1:
@@ -294,7 +303,7 @@ class Trainer:
         with jax.named_scope("optimizer"):
             master = state.master if self.separate_master else jax.reshard(state.params, self.optimizer_shardings)
             grads = jax.reshard(jax.tree.map(lambda g: g.astype(jnp.float32), grads), self.optimizer_shardings)
-            grad_norm = optax.global_norm(grads)
+            grad_norm = optax.tree.norm(grads)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, master)
             master = optax.apply_updates(master, updates)
         with jax.named_scope("write_back"):
@@ -304,7 +313,10 @@ class Trainer:
 
 
 def _scaled(loss_and_aux: tuple[jax.Array, tuple], count: int) -> tuple[jax.Array, tuple]:
-    """Divide the training loss, the language-model loss and the balancing loss by the micro-batch count (counts stay sums)."""
+    """Divide the training loss, the language-model loss and the balancing loss by the micro-batch count.
+
+    The counts stay sums.
+    """
     loss, (language_loss, stats) = loss_and_aux
     stats = None if stats is None else stats._replace(balance_loss=stats.balance_loss / count)
     return loss / count, (language_loss / count, stats)

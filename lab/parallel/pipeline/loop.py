@@ -139,7 +139,7 @@ class PipelineProgram:
 
     @property
     def stages(self) -> int:
-        return dict(zip(self.mesh.axis_names, self.mesh.devices.shape))["stage"]
+        return self.mesh.shape["stage"]
 
     @functools.cached_property
     def compiled(self):
@@ -222,7 +222,7 @@ def pipeline_mesh(devices, stages: int) -> jax.sharding.Mesh:
 
 def build(workload: Workload, mesh: jax.sharding.Mesh, tables: list[Tables], chunks: int = 1) -> PipelineProgram:
     """A program that can run each of `tables`: buffers as deep as the deepest, a loop as long as the longest."""
-    stages = dict(zip(mesh.axis_names, mesh.devices.shape))["stage"]
+    stages = mesh.shape["stage"]
     if len(workload.split.layers) != stages * chunks:
         raise LabError(
             f"the split names {len(workload.split.layers)} stages but the "
@@ -241,7 +241,7 @@ def build(workload: Workload, mesh: jax.sharding.Mesh, tables: list[Tables], chu
 @functools.lru_cache(maxsize=16)
 def _program(workload: Workload, mesh: jax.sharding.Mesh, chunks: int, depth: int, max_ticks: int) -> PipelineProgram:
     """One program per shape, so that asking again for the same one reuses its compiled step."""
-    stages = dict(zip(mesh.axis_names, mesh.devices.shape))["stage"]
+    stages = mesh.shape["stage"]
     loop = functools.partial(_device_loop, stages=stages, chunks=chunks, depth=depth, workload=workload)
     weights = {"blocks": P("stage"), "active": P("stage")}
     step = jax.jit(
@@ -413,7 +413,10 @@ def _device_loop(
     depth,
     workload,
 ):
-    """One device's step: its chunks' weights [1, v, widest, ...], every micro-batch's data, the tables; -> (loss, grads)."""
+    """One device's step -> (loss, grads).
+
+    It takes its chunks' weights [1, v, widest, ...], every micro-batch's data and the tables.
+    """
     weights = jax.tree.map(lambda w: w[0], weights)  # [v, widest, ...]
     assert inputs_MBSD.shape == (workload.micro_batches, *workload.activation_shape)
     # every device holds every micro-batch, but each uses them differently: type them as varying over `stage`

@@ -35,13 +35,12 @@ def ascii_grid(schedule: Schedule, *, idle: str = ".") -> str:
 
 def timeline_figure(timelines: list[Timeline], *, titles: list[str] | None = None, unit: str = "ticks"):
     """One panel per timeline: a bar per action, stages top to bottom, time to scale."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # not pyplot: no display, no global figure to close; imported on use, it is slow
+    from matplotlib.figure import Figure
 
     height = sum(t.schedule.stages for t in timelines) * 0.32 + 0.9 * len(timelines)
-    figure, axes = plt.subplots(len(timelines), 1, figsize=(11, max(height, 2.5)), squeeze=False)
+    figure = Figure(figsize=(11, max(height, 2.5)))
+    axes = figure.subplots(len(timelines), 1, squeeze=False)
     end = max(t.makespan for t in timelines)
     for index, (axis, timeline) in enumerate(zip(axes[:, 0], timelines)):
         _draw(axis, timeline, end)

@@ -317,7 +317,7 @@ def slowest_action(costs: Costs, chunks: int = 1) -> Callable[[list[tuple[int, A
 
 
 def dependency_violations(schedule: Schedule, starts: dict[tuple[int, Action], float], costs: Costs) -> list[str]:
-    """Actions in a hand-drawn timeline that start before an input they need exists (empty: the timeline is possible)."""
+    """Actions in a hand-drawn timeline starting before an input they need exists (empty: the timeline is possible)."""
     problems = []
     for (stage, action), start in sorted(starts.items(), key=lambda item: (item[1], item[0][0])):
         for needed in dependencies(schedule, stage, action):

@@ -52,7 +52,10 @@ STAGE = "stage"
 
 
 def split_stages(stacked: Any, stages: int) -> Any:
-    """Leaves [L, ...] split over ``stage`` -> [P, L/P, ...] with ``stage`` on the new leading dimension (no data moves)."""
+    """Leaves [L, ...] split over ``stage`` -> [P, L/P, ...] with ``stage`` on the new leading dimension.
+
+    No data moves.
+    """
 
     def split(w_L: jax.Array) -> jax.Array:
         sharding = jax.typeof(w_L).sharding
@@ -67,7 +70,10 @@ def split_stages(stacked: Any, stages: int) -> Any:
 
 
 def shift(state_P: jax.Array, stages: int) -> jax.Array:
-    """Stage p's slice moves to stage p + 1 (the last stage's wraps to stage 0, which overwrites it): a collective-permute."""
+    """Stage p's slice moves to stage p + 1: a collective-permute.
+
+    The last stage's wraps to stage 0, which overwrites it.
+    """
     down_the_pipe = [(p, (p + 1) % stages) for p in range(stages)]
 
     def send(local_1bSD: jax.Array) -> jax.Array:
@@ -87,11 +93,12 @@ def _stage_index(mesh, stages: int, trailing: int) -> jax.Array:
 
 
 def pipeline(stage_fn: Callable, weights_P: Any, x_MbSD: jax.Array) -> tuple[jax.Array, Any]:
-    """GPipe forward of `stage_fn(weights of one stage [L/P, ...], x [b, S, D]) -> (y [b, S, D], aux)` over M micro-batches.
+    """GPipe forward of `stage_fn` over M micro-batches.
 
-    `weights_P`: leaves [P, L/P, ...] split over ``stage`` (`split_stages`); `x_MbSD`: the embedded micro-batches,
-    replicated over ``stage``. Returns the last stage's outputs [M, b, S, D], replicated over ``stage``, and `aux`
-    (e.g. MoE stats, leaves [L/P, ...] per stage) summed over the micro-batches each stage really ran, [P, L/P, ...].
+    `stage_fn(weights of one stage [L/P, ...], x [b, S, D]) -> (y [b, S, D], aux)`; `weights_P`: leaves [P, L/P, ...]
+    split over ``stage`` (`split_stages`); `x_MbSD`: the embedded micro-batches, replicated over ``stage``. Returns
+    the last stage's outputs [M, b, S, D], replicated over ``stage``, and `aux` (e.g. MoE stats, leaves [L/P, ...]
+    per stage) summed over the micro-batches each stage really ran, [P, L/P, ...].
     """
     stages, micro_batches = jax.tree.leaves(weights_P)[0].shape[0], x_MbSD.shape[0]
     x_sharding = jax.typeof(x_MbSD).sharding
@@ -154,9 +161,9 @@ def _vmap_accepts_reduced_weights() -> Iterator[None]:
 
     jax 0.10.2's vmap finds the mesh axis of the mapped dimension with ``spec[i]`` (``jax._src.api._mapped_axis_spec``),
     and ``PartitionSpec.__getitem__`` raises a ValueError for a spec with reduced axes, which it does not catch. The
-    mapped dimension's entry does not depend on what the array is reduced over, so it is read from the spec's partitions.
+    mapped dimension's entry does not depend on what the array is reduced over, so it is read from ``spec.partitions``.
     """
-    from jax._src import api
+    from jax._src import api  # private, and only while the workaround is live: not at module level
 
     reads_spec = getattr(api, "_mapped_axis_spec", None)
     if reads_spec is None:  # a jax that reads the mapped dimension some other way: nothing to work around

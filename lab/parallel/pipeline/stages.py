@@ -229,7 +229,10 @@ def stage_forward(graphdef: nnx.GraphDef, skip_padding: bool):
     def forward(weights: dict, x_BSD: jax.Array) -> jax.Array:
         def one_block(x_BSD, layer):
             weights_l, active = layer
-            apply = lambda x: nnx.merge(graphdef, nnx.State(weights_l))(x, layout)
+
+            def apply(x):
+                return nnx.merge(graphdef, nnx.State(weights_l))(x, layout)
+
             return (jax.lax.cond(active > 0, apply, lambda x: x, x_BSD) if skip_padding else apply(x_BSD)), None
 
         blocks = weights["blocks"]

@@ -119,7 +119,10 @@ class RoundRobin:
 def load_note() -> str:
     """One line on how busy the host was: other processes' work shows in every timing taken on it."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"The host's load average was {os.getloadavg()[0]:.1f} on {cores} cores when the timings finished; other processes' work shows in every one."
+    return (
+        f"The host's load average was {os.getloadavg()[0]:.1f} on {cores} cores when the timings finished; "
+        "other processes' work shows in every one."
+    )
 
 
 def time_round_robin(calls: dict[str, Callable], repeats: int, warmup: int = 1) -> RoundRobin:
@@ -151,7 +154,10 @@ def ideal_tables(stages: int, micro_batches: int, chunks: int = 1) -> Tables:
 
 
 def calibration_tables(stages: int, micro_batches: int, chunks: int = 1) -> dict[str, Tables]:
-    """The grids `stage_times` reads, lowered: each stage alone per kind, every stage per kind, none, and no ticks at all."""
+    """The grids `stage_times` reads, lowered.
+
+    Each stage alone per kind, every stage per kind, none, and no ticks at all.
+    """
     everyone = tuple(range(stages))
     grids = {
         f"{kind} on stage {s}": calibration_grid(stages, micro_batches, chunks, (s,), kind)
@@ -184,7 +190,10 @@ def stage_times(timings: RoundRobin, tables: dict[str, Tables], stages: int) -> 
 
 
 def measure_stage_times(program: PipelineProgram, placed: tuple, repeats: int, ticks: int = 8) -> StageTimes:
-    """Per-stage forward and backward tick times of `program`, and the cost of an idle tick, from grids of `ticks` actions."""
+    """Per-stage forward and backward tick times of `program`, and the cost of an idle tick.
+
+    Timed on grids of `ticks` actions.
+    """
     tables = calibration_tables(program.stages, min(ticks, program.workload.micro_batches), program.chunks)
     timings = time_round_robin({name: program.runner(placed, t) for name, t in tables.items()}, repeats)
     return stage_times(timings, tables, program.stages)

@@ -1,4 +1,4 @@
-"""Training on meshes that compose the axes: tensor parallelism, an MoE model with expert parallelism, and GPipe over stage.
+"""Training on meshes that compose axes: tensor parallelism, an MoE model with expert parallelism, and GPipe over stage.
 
 One control, many layouts (torchtitan's parity test): each mesh trains from the
 1-device run's initial weights on the same global batch and must follow its
@@ -180,7 +180,7 @@ def test_axes_that_do_not_divide_the_model_are_one_clear_error(devices):
         trainer(preset("tiny-moe"), "expert=4,fsdp=2").batch(12)
 
 
-# --- GPipe over stage (lab.parallel.pipeline.spmd) ---------------------------------------------------------------------
+# --- GPipe over stage (lab.parallel.pipeline.spmd) --------------------------------------------------------------------
 
 DEEP = replace(preset("tiny"), layers=4)  # four stages need four layers
 

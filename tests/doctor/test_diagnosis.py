@@ -122,8 +122,8 @@ def test_numerics_edges():
     assert checks.check_nonfinite([3.0, 2.0], [1.0, math.inf]).severity == "problem"
     assert checks.check_nonfinite([3.0, 2.0], [1.0, 1.0]).severity == "ok"
     calm = [1.0] * checks.SPIKE_WINDOW
-    assert checks.check_spikes(calm + [checks.SPIKE_FACTOR]).severity == "warning"
-    assert checks.check_spikes(calm + [checks.SPIKE_FACTOR * 0.99]).severity == "ok"
+    assert checks.check_spikes([*calm, checks.SPIKE_FACTOR]).severity == "warning"
+    assert checks.check_spikes([*calm, checks.SPIKE_FACTOR * 0.99]).severity == "ok"
     assert checks.check_spikes(calm).severity == "not applicable"
     assert checks.check_divergence([5.0, 4.0, 6.0, 7.0]).severity == "problem"
     assert checks.check_divergence([5.0, 2.0, 2.5, 2.5]).severity == "warning"  # 2.5 > 1.2 x the best

@@ -101,7 +101,7 @@ def test_bad_input_is_one_clear_error(devices):
             TrainConfig(strategy="zero3"),
             MeshSpec.parse("fsdp=8").build(devices),
         )
-    with pytest.raises(LabError, match="leaves .* of parameter bytes unsharded"):
+    with pytest.raises(LabError, match=r"leaves .* of parameter bytes unsharded"):
         Trainer(
             preset("tiny"), TrainConfig(strategy="zero3", persist_below=10**9), MeshSpec.parse("fsdp=8").build(devices)
         )

@@ -1,4 +1,7 @@
-"""The MoE layer: hand-written EP, GShard-style and single-device versions agree; the HLO has the all-to-alls theory says."""
+"""The MoE layer: hand-written EP, GShard-style and single-device versions agree.
+
+The HLO has the all-to-alls that theory says.
+"""
 
 import functools
 
@@ -12,7 +15,7 @@ from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.moe import Balance, RouterConfig, load_metrics
 from lab.parallel import expert
-from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_params, moe_local
+from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_experts, moe_local
 from lab.theory import moe_traffic
 
 TOKENS, D, F = 256, 16, 32  # 8 groups of 32 tokens
@@ -24,7 +27,7 @@ def _config(**router) -> MoEConfig:
 
 
 def _inputs(config: MoEConfig):
-    params = init_params(config, jax.random.key(0))
+    params = init_experts(config, jax.random.key(0))
     params = params.replace(router_DE=params.router_DE * 50)  # a decisive router, so that capacity really drops tokens
     return params, jax.random.normal(jax.random.key(1), (TOKENS, D))
 

@@ -61,7 +61,8 @@ def test_position_policy_keeps_the_earliest_tokens_probability_policy_the_most_c
 
 
 def test_position_policy_serves_every_first_choice_before_any_second_choice():
-    # top-2 over 2 experts, capacity ceil(3·2/2·0.67) = 3 slots each: token 2's first choice (expert 1) beats token 0's second
+    # top-2 over 2 experts, capacity ceil(3·2/2·0.67) = 3 slots each:
+    # token 2's first choice (expert 1) beats token 0's second
     logits_TE = _logits([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7]])
     routing = route(logits_TE, RouterConfig(experts=2, top_k=2, capacity_factor=0.67, drop_policy="position"))
     assert routing.capacity == 3

@@ -10,7 +10,8 @@ import pytest
 from lab.cli import main
 from lab.errors import LabError
 from lab.model import preset
-from lab.training.run import RunConfig, flops_per_token, result, run, synthetic_batch
+from lab.training.page import result
+from lab.training.run import RunConfig, flops_per_token, run, synthetic_batch
 
 STEPS = 4
 PARITY_RTOL = 1e-5  # fp32: the layouts sum the same numbers in another order

@@ -1,4 +1,4 @@
-"""lab.parallel.bucketing: bucket plans, bucketed all-reduces against per-tensor psums, and the transformer's gradients."""
+"""lab.parallel.bucketing: bucket plans, bucketed all-reduces against per-tensor psums, the transformer's gradients."""
 
 import itertools
 import math

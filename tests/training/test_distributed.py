@@ -16,7 +16,7 @@ from lab.devices import distributed_devices
 from lab.errors import LabError
 from lab.training.run import RunConfig, run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN = RunConfig(target="cpu:4", mesh="data=2,fsdp=2,tensor=2", steps=4, global_batch=8, page=False)
 
 

@@ -1,0 +1,107 @@
+"""The plumbing every experiment shares, written once.
+
+An experiment is a module with ``QUESTION``, a frozen ``Config`` and
+``run(config) -> Result``; its registry entry (`lab.registry`) fills the
+page's name, title (the module docstring's first line) and question. What the
+experiments would otherwise each repeat lives here.
+
+**The compile-only TPU companion.** Many pages also show what the TPU compiler
+makes of the same program, for a topology such as ``v5e:2x4``
+(``Config.tpu_topology``, empty to skip), compiled through libtpu on this
+machine without a TPU. `tpu_chips` gives its chips as `TpuChips` (with the
+chip profile, torus shape and a one-axis mesh at hand), ``None`` when no
+topology was asked for, or `Skipped` when libtpu cannot build it here; a page
+shows a `Skipped` as one row and goes on, rather than failing::
+
+    tpu = kit.tpu_chips(config.tpu_topology)
+    if not isinstance(tpu, kit.TpuChips):
+        return tpu  # not asked for, or not possible here
+    mesh = tpu.mesh("fsdp")
+
+**Compile once, read through `lab.hlo`.** Every collective a page reports is
+read by `lab.hlo.inspect` (compile and read) or `lab.hlo.inspect_compiled`
+(read an executable already compiled): the one reader that maps replica groups
+to mesh axes, multi-slice meshes included. `compile_and_inspect` is the
+second for programs a page also runs or times: one compile serves both.
+
+**Sub-results are typed.** A part of an experiment returns a frozen
+dataclass whose last field is its ``checks``; `numbers` is that dataclass for
+``result.json``, less the checks, which the page lists once.
+
+**Figures without pyplot.** Plots are built as ``matplotlib.figure.Figure``
+and ``figure.subplots(...)``: nothing is registered in pyplot's global list,
+so nothing has to be closed and a long ``lab report`` keeps no figures alive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lab import hlo
+from lab.devices import topology_devices, topology_shape
+from lab.errors import LabError
+from lab.hardware import ChipProfile, profile_for_device_kind
+from lab.mesh import MeshSpec
+from lab.report import Table
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A part of an experiment that could not run here, and why."""
+
+    what: str  # "tpu:v5e:2x4 (compile-only)"
+    reason: str  # one line, e.g. the LabError saying that libtpu is not installed
+
+    def table(self) -> Table:
+        """The page's one row in place of the part's tables."""
+        return Table(self.what, ["skipped"], [[self.reason]])
+
+
+@dataclass(frozen=True)
+class TpuChips:
+    """The compile-only chips of one TPU topology, as libtpu builds them."""
+
+    topology: str  # "v5e:2x4": generation and torus, without the "tpu:" of a target
+    devices: tuple
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    @property
+    def target(self) -> str:
+        return f"tpu:{self.topology}"
+
+    @property
+    def chip(self) -> ChipProfile:
+        return profile_for_device_kind(self.devices[0].device_kind)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """Chips along each torus dimension, (2, 4) for v5e:2x4."""
+        return topology_shape(self.topology)
+
+    def mesh(self, axis: str):
+        """Every chip on one mesh axis (the other four of size 1)."""
+        return MeshSpec(**{axis: len(self.devices)}).build(self.devices)
+
+
+def tpu_chips(topology: str) -> TpuChips | Skipped | None:
+    """The chips of `topology` ("v5e:2x4"); None when it is empty, Skipped when libtpu cannot build it here."""
+    if not topology:
+        return None
+    try:
+        return TpuChips(topology, topology_devices(topology))
+    except LabError as err:
+        return Skipped(f"tpu:{topology} (compile-only)", str(err))
+
+
+def compile_and_inspect(fn, *args: Any, mesh) -> tuple[Any, hlo.Inspection]:
+    """Compile the jitted `fn` for `args` once: the executable (to run or time) and what XLA put in it."""
+    compiled = fn.lower(*args).compile()
+    return compiled, hlo.inspect_compiled(compiled, mesh)
+
+
+def numbers(part) -> dict[str, Any]:
+    """A sub-result's fields for ``result.json``, less its checks (the page lists those once)."""
+    return {name: value for name, value in asdict(part).items() if name != "checks"}

@@ -1,0 +1,38 @@
+"""What XLA actually did: a compiled program's HLO, read back into collectives, mesh axes and a schedule.
+
+``jax.jit(f).lower(*args).compile().as_text()`` is the optimized HLO the
+compiler will run. This package reads it, in one direction::
+
+    text         one HLO instruction reader: computations, instruction lines, shapes and bytes
+      |
+    groups       replica groups in XLA's three notations (explicit, iota, mesh) -> device groups -> mesh axes
+      |
+    collectives  every collective as one `Collective` (async pairs, fusions, combined tuples), `summarize`
+      |
+    schedule     the window each collective's transfer has in the schedule, priced: what overlap hides
+    inspection   compile a program and collect it all: `inspect` -> `Inspection` (HLO, collectives, memory, cost)
+
+`lab.hlo.text` is the only module that knows what an HLO line looks like;
+the others are built on its `Instruction`. Nothing here imports `lab.bench`
+(which times what this package reads).
+
+The names below are the package's public API; the submodules hold the rest
+(``from lab.hlo.schedule import overlap_report``).
+"""
+
+from lab.hlo.collectives import Collective as Collective
+from lab.hlo.collectives import CollectiveTotal as CollectiveTotal
+from lab.hlo.collectives import Skipped as Skipped
+from lab.hlo.collectives import parse_collectives as parse_collectives
+from lab.hlo.collectives import summarize as summarize
+from lab.hlo.groups import expand_replica_groups as expand_replica_groups
+from lab.hlo.inspection import Inspection as Inspection
+from lab.hlo.inspection import format_cost as format_cost
+from lab.hlo.inspection import format_memory as format_memory
+from lab.hlo.inspection import inspect as inspect
+from lab.hlo.inspection import inspect_compiled as inspect_compiled
+from lab.hlo.inspection import summary_table as summary_table
+from lab.hlo.text import HEADER as HEADER
+from lab.hlo.text import INSTRUCTION as INSTRUCTION
+from lab.hlo.text import OP_NAME as OP_NAME
+from lab.hlo.text import op_names as op_names

@@ -1,0 +1,411 @@
+"""The collectives in a compiled program, read from its optimized HLO and mapped to mesh axes.
+
+``jax.jit(f).lower(*args).compile().as_text()`` is the optimized HLO the
+compiler will run. Every collective the SPMD partitioner inserted (or that a
+``shard_map`` asked for) is an instruction there, e.g.::
+
+    %ar = f32[64,128] all-reduce(%x), replica_groups={{0,1},{2,3}}, to_apply=%add
+
+Its replica groups (`lab.hlo.groups`) name the devices that talk, and so the
+mesh axes it runs over.
+
+The same collective takes several forms: synchronous; an async ``-start`` /
+``-done`` pair (counted once); ``async-start`` wrapping it; inside a fusion
+(the TPU compiler writes a reduce-scatter as an ``all-reduce-scatter`` fusion
+of all-reduce + dynamic-slice, and an overlapped collective as an "async
+collective fusion" chain: start, continuations, done); or *combined*: one
+tuple-shaped instruction carrying several arrays. `parse_collectives` makes
+each of them one `Collective`, and lists the lines it could not read
+(`Skipped`) instead of raising; `summarize` totals them per kind and axes,
+counting loop bodies by their trip counts.
+
+Sizes follow the nccl-tests convention for S, the size one quotes for a
+collective (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+all-gather: the gathered result; reduce-scatter: the full input; all-reduce,
+all-to-all, collective-permute: the operand. Bytes are per device.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from lab.collectives import KINDS
+from lab.errors import LabError
+from lab.hlo.groups import Groups, collective_axes, expand_replica_groups, groups_of_pairs, replica_groups_text
+from lab.hlo.text import (
+    ASYNC_SUFFIX,
+    CALLEE,
+    OP_NAME,
+    Instruction,
+    Shape,
+    arrays,
+    base_opcode,
+    computations,
+    module_devices,
+    nbytes,
+    parse_instruction,
+)
+from lab.mesh import AXES
+
+# --------------------------------------------------------------------------- types
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective found in optimized HLO (a start/done pair is one)."""
+
+    kind: str  # one of KINDS
+    name: str  # HLO instruction name (the -start for async pairs, the fusion for all-reduce-scatter)
+    computation: str  # the HLO computation it lives in
+    form: str  # how XLA wrote it: opcode(s), fusion, async wrapper, as text
+    is_async: bool
+    fused: bool
+    combined: bool  # several arrays in one tuple-shaped instruction (e.g. XLA's combiner)
+    dtypes: tuple[str, ...]
+    operand_shapes: tuple[Shape, ...]
+    result_shapes: tuple[Shape, ...]
+    operand_bytes: int  # per device
+    result_bytes: int  # per device
+    group_size: int | None  # N; None when the device count is unknown
+    replica_groups: Groups
+    source_target_pairs: tuple[tuple[int, int], ...] = ()
+    axes: tuple[str, ...] | None = None  # mesh axes the groups span; None: unknown or no set of axes
+    op_name: str | None = None  # JAX op name from metadata
+    repeats: int | None = 1  # runs per program call: product of loop trip counts; None if unknown
+
+    @property
+    def size_bytes(self) -> int:
+        """S in the nccl-tests convention: gathered result, full reduce-scatter input, else the operand."""
+        return self.result_bytes if self.kind == "all-gather" else self.operand_bytes
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A line the parser did not understand, and why."""
+
+    line_number: int
+    line: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CollectiveTotal:
+    """Collectives of one kind over one set of axes: how many, how many bytes (S, summed)."""
+
+    kind: str
+    axes: tuple[str, ...] | None
+    count: int
+    total_bytes: int
+    exact: bool  # False when a loop trip count was unknown (such collectives counted once)
+
+
+# --------------------------------------------------------------------------- scanning
+
+_KEYWORDS = re.compile(  # a cheap test before a line is parsed: does it mention a collective at all?
+    r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast|AsyncCollective"
+)
+_UNMODELLED = {
+    "ragged-all-to-all": "ragged-all-to-all: its sizes depend on offsets known only at run time",
+    "collective-broadcast": "collective-broadcast is not one of the modelled kinds",
+}
+
+
+@dataclass
+class _Scan:
+    """One pass over the text: computations, callers, collective-ish instructions."""
+
+    entry: str | None = None
+    num_devices: int | None = None
+    instructions: list[Instruction] = field(default_factory=list)
+    callers: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # callee -> (computation, line number, line)
+    markers: dict[str, str] = field(default_factory=dict)  # computation -> "start"/"done" of an async collective fusion
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+def _scan(hlo_text: str) -> _Scan:
+    scan = _Scan(num_devices=module_devices(hlo_text))
+    for computation in computations(hlo_text):
+        scan.entry = computation.name if computation.is_entry else scan.entry
+        for number, line in computation.instruction_lines():
+            _scan_line(scan, computation.name, number, line)
+    return scan
+
+
+def _scan_line(scan: _Scan, computation: str, number: int, line: str) -> None:
+    """Note who calls whom, and keep `line` if it is a collective."""
+    if "calls=" in line or "body=" in line or "to_apply=" in line:
+        for callee in CALLEE.findall(line):
+            scan.callers.setdefault(callee, (computation, number, line))
+    if not _KEYWORDS.search(line):
+        return
+    if "AsyncCollectiveStart" in line or "AsyncCollectiveDone" in line:
+        scan.markers[computation] = "start" if "AsyncCollectiveStart" in line else "done"
+    instruction = parse_instruction(line, computation, number)
+    if instruction is None:
+        scan.skipped.append(
+            Skipped(
+                number,
+                line.strip()[:240],
+                "mentions a collective but is not an HLO instruction this parser can read",
+            )
+        )
+    elif base_opcode(instruction.opcode) in KINDS or instruction.opcode in _UNMODELLED:
+        scan.instructions.append(instruction)
+
+
+# --------------------------------------------------------------------------- building collectives
+
+
+class _Unreadable(ValueError):
+    """A collective instruction this parser cannot interpret; becomes a Skipped entry."""
+
+
+@dataclass(frozen=True)
+class _Context:
+    """Where a computation is called from: the innermost fusion, an async wrapper, loop trip counts."""
+
+    fusion: Instruction | None = None
+    fusion_callee: str = ""
+    async_wrapper: Instruction | None = None
+    repeats: int | None = 1
+
+
+def parse_collectives(
+    hlo_text: str, mesh_shape: Sequence[int] | None = None, axis_names: Sequence[str] = AXES
+) -> tuple[tuple[Collective, ...], tuple[Skipped, ...]]:
+    """The collectives in an HLO module's text, and the lines it skipped (never raises on odd text).
+
+    With `mesh_shape` (and the mesh's `axis_names`), each collective's groups
+    are mapped to the mesh axes they span.
+    """
+    if mesh_shape is not None and len(mesh_shape) != len(axis_names):
+        raise LabError(
+            f"mesh_shape {tuple(mesh_shape)} has {len(mesh_shape)} axes but "
+            f"axis_names has {len(axis_names)}; pass axis_names=mesh.axis_names"
+        )
+    scan = _scan(hlo_text)
+    mesh = (tuple(mesh_shape), tuple(axis_names)) if mesh_shape is not None else None
+    num_devices = scan.num_devices or (math.prod(mesh_shape) if mesh_shape is not None else None)
+    contexts: dict[str, _Context] = {}
+    skipped = list(scan.skipped)
+    found: list[tuple[Collective, str | None]] = []
+    for instruction, result, form, is_async in _logical_collectives(scan, skipped):
+        try:
+            if instruction.opcode in _UNMODELLED:
+                raise _Unreadable(_UNMODELLED[instruction.opcode])
+            if instruction.computation not in contexts:
+                contexts[instruction.computation] = _context(instruction.computation, scan)
+            context = contexts[instruction.computation]
+            collective = _build(instruction, result, form, is_async, context, num_devices, mesh, scan.markers)
+            found.append((collective, instruction.attr(r'chain_id="(\d+)"') if context.fusion else None))
+        except (
+            ValueError,
+            TypeError,
+            IndexError,
+            KeyError,
+            ZeroDivisionError,
+        ) as err:  # text we misread must not crash the caller
+            skipped.append(
+                Skipped(instruction.line_number, instruction.line.strip()[:240], str(err) or type(err).__name__)
+            )
+    return _merge_async_fusion_chains(found, scan.markers), tuple(skipped)
+
+
+def _logical_collectives(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[Instruction, str, str, bool]]:
+    """(instruction holding the attributes, result shape, form, is_async) per collective; a -start/-done pair is one."""
+    starts: dict[str, Instruction] = {}
+    updates: dict[str, str] = {}  # -update name -> its -start's name
+    for instruction in scan.instructions:
+        phase = ASYNC_SUFFIX.search(instruction.opcode)
+        first = instruction.operands[0] if instruction.operands else ""
+        if not phase:
+            was_async = instruction.attr(r'async_collective_name="([^"]+)"')
+            form = (
+                f"{instruction.opcode} (was {was_async}, scheduled synchronously)" if was_async else instruction.opcode
+            )
+            yield instruction, instruction.shape, form, False
+        elif phase.group(1) == "start":
+            starts[instruction.name] = instruction
+        elif phase.group(1) == "update":
+            updates[instruction.name] = updates.get(first, first)
+        else:
+            start = starts.pop(updates.get(first, first), None)
+            if start is None:
+                skipped.append(
+                    Skipped(
+                        instruction.line_number,
+                        instruction.line.strip()[:240],
+                        f"{instruction.opcode} without a matching start",
+                    )
+                )
+                continue
+            yield start, instruction.shape, f"{start.opcode}/{instruction.opcode}", True
+    for start in starts.values():
+        skipped.append(Skipped(start.line_number, start.line.strip()[:240], f"{start.opcode} without a matching done"))
+
+
+def _context(computation: str, scan: _Scan) -> _Context:
+    """Walk the callers of `computation` up to ENTRY: innermost fusion, async wrapper, loop trip counts."""
+    context, seen = _Context(), set()
+    while computation != scan.entry and computation in scan.callers and computation not in seen:
+        seen.add(computation)
+        caller_computation, number, line = scan.callers[computation]
+        caller = parse_instruction(line, caller_computation, number)
+        if caller is None:
+            break
+        if caller.opcode == "fusion" and context.fusion is None:
+            context = replace(context, fusion=caller, fusion_callee=computation)
+        elif caller.opcode == "async-start" and context.async_wrapper is None:
+            context = replace(context, async_wrapper=caller)
+        elif caller.opcode == "while" and caller.attr(r"\bbody=%?([\w.\-]+)") == computation:
+            trips = caller.attr(r'"known_trip_count":\{"n":"(\d+)"\}')
+            context = replace(
+                context, repeats=None if trips is None or context.repeats is None else context.repeats * int(trips)
+            )
+        computation = caller_computation
+    return context
+
+
+def _build(
+    instruction: Instruction,
+    result_shape: str,
+    form: str,
+    is_async: bool,
+    context: _Context,
+    num_devices: int | None,
+    mesh,
+    markers: dict[str, str],
+) -> Collective:
+    kind = base_opcode(instruction.opcode)
+    results = arrays(result_shape)
+    if not results:
+        raise _Unreadable(f"no array shape in {result_shape[:80]!r}")
+    groups, pairs = _groups_and_pairs(kind, instruction, num_devices)
+    group_size = max(map(len, groups), default=None)
+    operands = _operand_arrays(kind, results, instruction, group_size)
+    name, computation, fused = instruction.name, instruction.computation, context.fusion is not None
+    split_all_to_all = kind == "all-to-all" and instruction.attr(r"dimensions=\{([\d,]*)\}") is None
+    if context.fusion is not None:
+        form = _fused_form(kind, context, markers.get(instruction.computation))
+        if kind == "all-reduce" and _is_reduce_scatter_fusion(context):
+            kind, operands, results = "reduce-scatter", results, arrays(context.fusion.shape)
+            name, computation = context.fusion.name, context.fusion.computation
+    elif context.async_wrapper is not None:
+        form = f"async-start %{context.async_wrapper.name} wrapping {form}"
+    return Collective(
+        kind=kind,
+        name=name,
+        computation=computation,
+        form=form,
+        is_async=is_async or context.async_wrapper is not None,
+        fused=fused,
+        combined=len(results) > 1 and not split_all_to_all,
+        dtypes=tuple(dict.fromkeys(dtype for dtype, _ in results)),
+        operand_shapes=tuple(dims for _, dims in operands),
+        result_shapes=tuple(dims for _, dims in results),
+        operand_bytes=nbytes(operands),
+        result_bytes=nbytes(results),
+        group_size=group_size,
+        replica_groups=groups,
+        source_target_pairs=pairs,
+        axes=collective_axes(kind, groups, pairs, mesh),
+        op_name=instruction.attr(OP_NAME) or (context.fusion.attr(OP_NAME) if context.fusion else None),
+        repeats=context.repeats,
+    )
+
+
+def _groups_and_pairs(
+    kind: str, instruction: Instruction, num_devices: int | None
+) -> tuple[Groups, tuple[tuple[int, int], ...]]:
+    """Replica groups (for a permute: the devices its pairs link) and a permute's source-target pairs."""
+    if kind == "collective-permute":
+        pairs = _source_target_pairs(instruction)
+        return groups_of_pairs(pairs), pairs
+    return expand_replica_groups(replica_groups_text(instruction.attrs) or "{}", num_devices), ()
+
+
+def _source_target_pairs(instruction: Instruction) -> tuple[tuple[int, int], ...]:
+    text = instruction.attr(r"source_target_pairs=(\{(?:\{\d+,\d+\},?)*\})")
+    if text is None:
+        raise _Unreadable("collective-permute without source_target_pairs")
+    return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", text))
+
+
+def _operand_arrays(
+    kind: str, results: list[tuple[str, Shape]], instruction: Instruction, group_size: int | None
+) -> list[tuple[str, Shape]]:
+    """Operand shapes from result shapes (operands are printed by name only in current HLO text)."""
+    if kind not in ("all-gather", "reduce-scatter"):
+        return results
+    dimension = instruction.attr(r"dimensions=\{(\d+)\}")
+    if dimension is None or not group_size:
+        raise _Unreadable(f"{kind} without dimensions={{..}} or without a known group size")
+    d = int(dimension)
+    scale = (lambda n: n // group_size) if kind == "all-gather" else (lambda n: n * group_size)
+    return [(dtype, (*dims[:d], scale(dims[d]), *dims[d + 1 :])) for dtype, dims in results]
+
+
+def _is_reduce_scatter_fusion(context: _Context) -> bool:
+    """The TPU compiler's reduce-scatter: a kCustom fusion calling %all-reduce-scatter (all-reduce + dynamic-slice)."""
+    return "reduce-scatter" in context.fusion_callee or "ReduceScatterFusion" in context.fusion.attrs
+
+
+def _fused_form(kind: str, context: _Context, marker: str | None) -> str:
+    fusion, callee = context.fusion, context.fusion_callee
+    fusion_kind = fusion.attr(r"kind=(k\w+)") or "?"
+    if kind == "all-reduce" and _is_reduce_scatter_fusion(context):
+        return f"fusion %{fusion.name} (kind={fusion_kind}, calls=%{callee}): all-reduce + dynamic-slice"
+    if marker is not None or callee.startswith("async_collective_fusion"):
+        return f"{kind} in async collective fusion %{fusion.name} (calls=%{callee})"
+    return f"{kind} inside fusion %{fusion.name} (kind={fusion_kind}, calls=%{callee})"
+
+
+def _merge_async_fusion_chains(
+    found: list[tuple[Collective, str | None]], markers: dict[str, str]
+) -> tuple[Collective, ...]:
+    """One collective per TPU async collective fusion chain (start, continuations, done share a chain_id)."""
+    chains: dict[str, list[Collective]] = defaultdict(list)
+    for collective, chain in found:
+        if chain is not None:
+            chains[chain].append(collective)
+    result = []
+    for collective, chain in found:
+        members = chains.get(chain, [])
+        if chain is None or (len(members) == 1 and markers.get(collective.computation) is None):
+            result.append(collective)
+        elif collective is _chain_head(members, markers):
+            parts = len(members)
+            result.append(
+                replace(
+                    collective,
+                    is_async=True,
+                    form=f"{collective.form}; chain {chain}: {parts} fusions (start, continuations, done)",
+                )
+            )
+    return tuple(result)
+
+
+def _chain_head(members: list[Collective], markers: dict[str, str]) -> Collective:
+    return next((c for c in members if markers.get(c.computation) == "start"), members[0])
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def summarize(collectives: Iterable[Collective]) -> tuple[CollectiveTotal, ...]:
+    """Count and total S per (kind, axes), counting loop bodies by their trip counts where known."""
+    totals: dict[tuple, list] = {}
+    for c in collectives:
+        row = totals.setdefault((c.kind, c.axes), [0, 0, True])
+        runs = c.repeats if c.repeats is not None else 1
+        row[0] += runs
+        row[1] += runs * c.size_bytes
+        row[2] &= c.repeats is not None
+    order = sorted(
+        totals, key=lambda key: (KINDS.index(key[0]) if key[0] in KINDS else len(KINDS), key[1] is None, key[1] or ())
+    )
+    return tuple(CollectiveTotal(kind, axes, *totals[(kind, axes)]) for kind, axes in order)

@@ -1,0 +1,48 @@
+"""When sharded training stays compute-bound: the scaling book's thresholds.
+
+Source: "How to Scale Your Model" (the scaling book), Part 5 "How to
+Parallelize a Transformer for Training" (jax-ml/scaling-book training.md).
+A sharding strategy is compute-bound while each chip's matmul FLOPs take
+longer than the bytes it must exchange for them. The ratio that decides it
+is alpha = C / W_ici, the chip's FLOPs per byte of bidirectional ICI
+bandwidth on one torus axis (2550 on TPU v5p); M_X, M_Y count the torus
+axes a mesh axis spans, each adding its links. Data parallelism needs
+enough tokens per chip; tensor parallelism is capped by the MLP width F;
+FSDP x TP combines both, and has an optimal split.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lab.hardware import ChipProfile
+
+
+def ici_arithmetic_intensity(chip: ChipProfile) -> float:
+    """alpha = C / W_ici, with W_ici = both directions of one axis's link (v5p: 4.59e14 / 1.8e11 = 2550)."""
+    return chip.peak_bf16_flops / (2 * chip.link_bandwidth)
+
+
+def data_parallel_min_batch_per_chip(chip: ChipProfile, axes_spanned: int = 1) -> float:
+    """DP and FSDP are compute-bound while tokens per chip B/N > alpha / M_X (v5p, 3 axes: 850)."""
+    return ici_arithmetic_intensity(chip) / axes_spanned
+
+
+def tensor_parallel_max_ways(chip: ChipProfile, mlp: int, axes_spanned: int = 1) -> float:
+    """Tensor parallelism over Y chips stays compute-bound while Y < M_Y * F / alpha."""
+    return axes_spanned * mlp / ici_arithmetic_intensity(chip)
+
+
+def fsdp_tp_min_batch_per_chip(chip: ChipProfile, mlp: int, fsdp_axes: int, tp_axes: int) -> float:
+    """FSDP x TP is compute-bound while B/N > 4 alpha^2 / (M_X M_Y F) (about 400 tokens for F = 32k on v5p).
+
+    Earlier versions of the book wrote alpha^2 / (M_X M_Y F); the current one
+    carries the factor 4 from counting both the forward and backward gathers.
+    """
+    alpha = ici_arithmetic_intensity(chip)
+    return 4 * alpha**2 / (fsdp_axes * tp_axes * mlp)
+
+
+def fsdp_tp_optimal_fsdp_ways(batch_tokens: float, mlp: int, chips: int, fsdp_axes: int = 1, tp_axes: int = 1) -> float:
+    """The FSDP degree that minimises communication: X_opt = sqrt((B / F) (M_X / M_Y) N)."""
+    return math.sqrt(batch_tokens / mlp * fsdp_axes / tp_axes * chips)
