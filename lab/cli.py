@@ -122,7 +122,8 @@ class Doctor:
 
     train: Annotated[RunConfig, tyro.conf.OmitArgPrefixes] = field(default_factory=RunConfig)
     capacity: str | None = None
-    """memory per device to check against, e.g. 16G (default: the runtime's limit, the chip's HBM, or host memory / devices)"""
+    """memory per device to check against, e.g. 16G (default: the runtime's limit, the chip's HBM, or host
+    memory / devices)"""
 
 
 def _run_command():
@@ -349,7 +350,10 @@ def train(command) -> int:
     with progress.session():
         log = training_run.run(command)
     if jax.process_index() == 0:
-        line = f"{len(log.steps)} steps: loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f}, median step {log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s"
+        line = (
+            f"{len(log.steps)} steps: loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f}, "
+            f"median step {log.median_step_s * 1e3:.1f} ms, {log.tokens_per_s:,.0f} tokens/s"
+        )
         _out.print(line, highlight=False)
         if command.page:
             _out.print(f"page: {pages.write(training_page.result(log), command.results)}", highlight=False)

@@ -8,7 +8,8 @@ matmul that consumes it into blocks on a ring (Wang et al. 2023, ASPLOS),
 and cut the gradient all-reduce into buckets that start while the backward
 pass is still running (Li et al. 2020, "PyTorch Distributed", VLDB). Each
 bucket is one all-reduce priced by `lab.theory.collectives.collective_cost`.
-The collective matmul itself, and what a compiled schedule hides, are in `lab.overlap`.
+The collective matmul itself is in `lab.parallel.collective_matmul`, and what a compiled schedule hides in
+`lab.hlo.schedule`.
 """
 
 from __future__ import annotations
