@@ -10,8 +10,8 @@ makes of the same program, for a topology such as ``v5e:2x4``
 (``Config.tpu_topology``, empty to skip), compiled through libtpu on this
 machine without a TPU. `tpu_chips` gives its chips as `TpuChips` (with the
 chip profile, torus shape and a one-axis mesh at hand), ``None`` when no
-topology was asked for, or `Skipped` when libtpu cannot build it here; a page
-shows a `Skipped` as one row and goes on, rather than failing::
+topology was asked for, or `Unavailable` when libtpu cannot build it here; a page
+shows a `Unavailable` as one row and goes on, rather than failing::
 
     tpu = kit.tpu_chips(config.tpu_topology)
     if not isinstance(tpu, kit.TpuChips):
@@ -24,9 +24,13 @@ read by `lab.hlo.inspect` (compile and read) or `lab.hlo.inspect_compiled`
 to mesh axes, multi-slice meshes included. `compile_and_inspect` is the
 second for programs a page also runs or times: one compile serves both.
 
-**Sub-results are typed.** A part of an experiment returns a frozen
-dataclass whose last field is its ``checks``; `numbers` is that dataclass for
-``result.json``, less the checks, which the page lists once.
+**Measure, then judge.** ``measure(config)`` returns the module's frozen
+``Observations``: facts only (what the compiler wrote, what a clock read),
+JSON-serialisable, with ``setup = Setup.of(target, devices, mesh)``. A
+collective the compiler wrote is stored as a `Seen`, the part of a
+`lab.hlo.Collective` a judge reads. ``judge(observations, config)`` computes
+every prediction, check and claim from them and nothing else, so a page can be
+re-judged from its result.json (`lab.registry.Experiment.rejudge`).
 
 **Figures without pyplot.** Plots are built as ``matplotlib.figure.Figure``
 and ``figure.subplots(...)``: nothing is registered in pyplot's global list,
@@ -39,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from lab import hlo
+from lab.hlo import Collective
 from lab.devices import topology_devices, topology_shape
 from lab.errors import LabError
 from lab.hardware import ChipProfile, profile_for_device_kind
@@ -47,7 +52,7 @@ from lab.report import Table
 
 
 @dataclass(frozen=True)
-class Skipped:
+class Unavailable:
     """A part of an experiment that could not run here, and why."""
 
     what: str  # "tpu:v5e:2x4 (compile-only)"
@@ -86,14 +91,14 @@ class TpuChips:
         return MeshSpec(**{axis: len(self.devices)}).build(self.devices)
 
 
-def tpu_chips(topology: str) -> TpuChips | Skipped | None:
-    """The chips of `topology` ("v5e:2x4"); None when it is empty, Skipped when libtpu cannot build it here."""
+def tpu_chips(topology: str) -> TpuChips | Unavailable | None:
+    """The chips of `topology` ("v5e:2x4"); None when it is empty, Unavailable when libtpu cannot build it here."""
     if not topology:
         return None
     try:
         return TpuChips(topology, topology_devices(topology))
     except LabError as err:
-        return Skipped(f"tpu:{topology} (compile-only)", str(err))
+        return Unavailable(f"tpu:{topology} (compile-only)", str(err))
 
 
 def compile_and_inspect(fn, *args: Any, mesh) -> tuple[Any, hlo.Inspection]:
@@ -105,3 +110,27 @@ def compile_and_inspect(fn, *args: Any, mesh) -> tuple[Any, hlo.Inspection]:
 def numbers(part) -> dict[str, Any]:
     """A sub-result's fields for ``result.json``, less its checks (the page lists those once)."""
     return {name: value for name, value in asdict(part).items() if name != "checks"}
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One collective as the compiler wrote it: the part of a `lab.hlo.Collective` a judge reads."""
+
+    kind: str
+    axes: tuple[str, ...] | None  # mesh axes its groups span; None when no set of axes matches
+    dtypes: tuple[str, ...]
+    size_bytes: int  # S per device, the nccl-tests convention
+    group_size: int | None
+    form: str  # how XLA wrote it (opcode, fusion, async pair)
+    combined: bool  # several arrays in one tuple-shaped instruction
+    is_async: bool
+    repeats: int | None  # runs per program call (loop trip counts); None when unknown
+
+    @classmethod
+    def of(cls, c: Collective) -> Seen:
+        return cls(c.kind, c.axes, c.dtypes, c.size_bytes, c.group_size, c.form, c.combined, c.is_async, c.repeats)
+
+
+def seen(collectives) -> tuple[Seen, ...]:
+    """The `Seen` record of each collective, in program order."""
+    return tuple(Seen.of(c) for c in collectives)

@@ -34,11 +34,13 @@ from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.progress import track
-from lab.report import Result, Table, provenance
+from lab.provenance import Setup
+from lab.report import Result, Table
 from lab.units import format_bytes, parse_size
-from lab.verdict import Check, check
+from lab.verdict import Check, Claim, check
 
 QUESTION = "#40"
+FUSED, SPLIT = "all-reduce", "reduce-scatter + all-gather"
 
 
 @dataclass(frozen=True)
@@ -53,49 +55,55 @@ class Config:
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """The fused and the split all-reduce at one size D: results, HLO, ring bytes and times."""
+class Program:
+    """One of the two programs as compiled (and, on this target, run)."""
 
-    size: int  # D per device
-    n: int
-    same: bool  # identical results on every device
-    kinds: dict[str, str]  # program -> the collectives it compiled to
-    sent: dict[str, float]  # program -> ring bytes sent per device, from the HLO
-    time: dict[str, Timing]
-    checks: tuple[Check, ...]
+    name: str  # FUSED or SPLIT
+    collectives: tuple[kit.Seen, ...]
+    time: Timing | None = None  # None when only compiled
 
 
-def run(config: Config) -> Result:
+@dataclass(frozen=True)
+class AtSize:
+    """Both programs at one D per device."""
+
+    size: int
+    identical: bool  # the two programs' results, compared element by element on every device
+    programs: tuple[Program, ...]
+
+    def program(self, name: str) -> Program:
+        return next(p for p in self.programs if p.name == name)
+
+
+@dataclass(frozen=True)
+class Observations:
+    setup: Setup
+    devices: int
+    sizes: tuple[AtSize, ...]
+    tpu: tuple[Program, ...] = ()  # compiled for the TPU topology at the largest D
+    tpu_chips: int = 0
+    tpu_unavailable: kit.Unavailable | None = None
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def measure(config: Config) -> Observations:
     devices = devices_for(config.target)
-    n = len(devices)
-    mesh = MeshSpec(fsdp=n).build(devices)
-    rows = [
-        _compare(mesh, parse_size(s), config.repeats)
-        for s in track(config.sizes, "all-reduce vs reduce-scatter + all-gather")
-    ]
-    tpu_tables, tpu_checks, tpu_notes = _on_tpu(config.tpu_topology, parse_size(config.sizes[-1]))
-    return Result(
-        summary=_summary(rows, n),
-        theory=THEORY,
-        tables=[_table(rows), *tpu_tables],
-        checks=[c for r in rows for c in r.checks] + tpu_checks,
-        notes=[CPU_NOTE, *tpu_notes],
-        provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={n}"),
-        data={"rows": [kit.numbers(r) for r in rows]},
+    mesh = MeshSpec(fsdp=len(devices)).build(devices)
+    sizes = tuple(
+        _measure_size(mesh, parse_size(s), config.repeats) for s in track(config.sizes, f"{FUSED} vs {SPLIT}")
     )
-
-
-THEORY = r"""
-With N devices each holding D bytes (Thakur, Rabenseifner & Gropp 2005; nccl-tests conventions):
-
-- reduce-scatter: each device ends with its 1/N piece of the sum, sending (N-1)/N · D;
-- all-gather of those pieces: every device ends with all N pieces, sending (N-1)/N · D;
-- together: the sum on every device, 2(N-1)/N · D — exactly what a ring all-reduce sends, because a ring
-  all-reduce *is* a reduce-scatter pass followed by an all-gather pass.
-
-So all-reduce(x) = all-gather(reduce-scatter(x)) holds in values and in bytes. What the split buys is the state in
-between: each device holds only the piece of the sum that it owns.
-"""
+    tpu = kit.tpu_chips(config.tpu_topology)
+    programs = _compile_on_tpu(tpu, parse_size(config.sizes[-1])) if isinstance(tpu, kit.TpuChips) else ()
+    return Observations(
+        setup=Setup.of(config.target, devices, f"fsdp={len(devices)}"),
+        devices=len(devices),
+        sizes=sizes,
+        tpu=programs,
+        tpu_chips=len(tpu) if isinstance(tpu, kit.TpuChips) else 0,
+        tpu_unavailable=tpu if isinstance(tpu, kit.Unavailable) else None,
+    )
 
 
 def _programs(mesh):
@@ -114,131 +122,196 @@ def _programs(mesh):
     return jax.jit(fused), jax.jit(split)
 
 
-def _compare(mesh, size: int, repeats: int) -> Comparison:
+def _measure_size(mesh, size: int, repeats: int) -> AtSize:
     n = mesh.devices.size
     if size % (4 * n):
         raise LabError(f"size {size} bytes: D must be a multiple of {4 * n} bytes (float32, split into {n} pieces)")
-    fused, split = _programs(mesh)
     abstract = jax.ShapeDtypeStruct((n, size // 4), np.float32, sharding=NamedSharding(mesh, P("fsdp")))
-    x = (np.arange(n * size // 4) % 1024).reshape(n, -1).astype(np.float32)
-    placed = jax.device_put(x, abstract.sharding)
-    seen, compiled = {}, {}
-    for name, program in (("all-reduce", fused), ("reduce-scatter + all-gather", split)):
+    placed = jax.device_put((np.arange(n * size // 4) % 1024).reshape(n, -1).astype(np.float32), abstract.sharding)
+    compiled, found = {}, {}
+    for name, program in zip((FUSED, SPLIT), _programs(mesh)):
         compiled[name], inspection = kit.compile_and_inspect(program, abstract, mesh=mesh)
-        seen[name] = inspection.collectives
-    same = bool(
-        np.array_equal(
-            np.asarray(compiled["all-reduce"](placed)), np.asarray(compiled["reduce-scatter + all-gather"](placed))
-        )
-    )
-    sent = {
-        name: sum(c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size) for c in found)
-        for name, found in seen.items()
-    }
+        found[name] = kit.seen(inspection.collectives)
+    identical = bool(np.array_equal(np.asarray(compiled[FUSED](placed)), np.asarray(compiled[SPLIT](placed))))
     timing = time_interleaved({name: (c, (placed,)) for name, c in compiled.items()}, repeats=repeats)
-    ring = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1).bytes_sent
-    label = f"D={format_bytes(size)}"
-    checks = (
-        check(f"{label}: results identical on every device", True, same),
-        check(f"{label}: all-reduce program compiles to", "all-reduce", _kinds(seen["all-reduce"])),
-        check(
-            f"{label}: split program compiles to",
-            "reduce-scatter, all-gather",
-            _kinds(seen["reduce-scatter + all-gather"]),
-        ),
-        check(
-            f"{label}: both run on the fsdp axis",
-            "fsdp",
-            ",".join(sorted({",".join(c.axes or ("?",)) for f in seen.values() for c in f})),
-        ),
-        check(f"{label}: ring bytes per device, all-reduce = 2(N-1)/N·D", ring, sent["all-reduce"], rtol=1e-9),
-        check(
-            f"{label}: ring bytes per device, reduce-scatter + all-gather",
-            ring,
-            sent["reduce-scatter + all-gather"],
-            rtol=1e-9,
-        ),
-    )
-    return Comparison(size, n, same, {k: _kinds(v) for k, v in seen.items()}, sent, timing, checks)
+    return AtSize(size, identical, tuple(Program(name, found[name], timing[name]) for name in (FUSED, SPLIT)))
 
 
-def _kinds(found) -> str:
-    return ", ".join(c.kind for c in found) or "none"
-
-
-def _on_tpu(topology: str, size: int) -> tuple[list[Table], list, list[str]]:
-    """What the TPU compiler writes for the two programs (no TPU needed): its table, checks and notes."""
-    tpu = kit.tpu_chips(topology)
-    if not isinstance(tpu, kit.TpuChips):
-        return [tpu.table()] if tpu else [], [], []
+def _compile_on_tpu(tpu: kit.TpuChips, size: int) -> tuple[Program, ...]:
+    """What the TPU compiler writes for the two programs (compile-only, no TPU needed)."""
     mesh, n = tpu.mesh("fsdp"), len(tpu)
     abstract = jax.ShapeDtypeStruct((n, size // 4), np.float32, sharding=NamedSharding(mesh, P("fsdp")))
-    rows, checks = [], []
-    ring = theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1).bytes_sent
-    for name, program in zip(("all-reduce", "reduce-scatter + all-gather"), _programs(mesh)):
-        found = hlo.inspect(program, abstract, mesh=mesh).collectives
-        sent = sum(c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size) for c in found)
-        rows.append([name, "; ".join(f"{c.kind} (`{c.form}`)" for c in found), format_bytes(sent)])
-        explained = None
-        if name != "all-reduce" and [c.kind for c in found] == ["all-reduce", "all-gather"]:
-            explained = (
-                "the TPU compiler turned the standalone reduce-scatter into "
-                "an all-reduce whose result each chip slices (dynamic-slice), "
-                "then all-gathers: "
-                f"{format_bytes(sent)} instead of {format_bytes(ring)} in ring terms"
-            )
-        checks.append(
-            check(f"tpu:{topology} {name}: ring bytes per device", ring, sent, rtol=1e-9, explained=explained)
-        )
-    table = Table(
-        f"Compiled for tpu:{topology} (compile-only)",
-        ["program", "collectives the TPU compiler wrote", "ring bytes sent per device"],
-        rows,
+    return tuple(
+        Program(name, kit.seen(hlo.inspect(program, abstract, mesh=mesh).collectives))
+        for name, program in zip((FUSED, SPLIT), _programs(mesh))
     )
-    notes = []
-    if "all-reduce" in rows[-1][1]:
-        notes.append(
-            "On TPU the reduce-scatter of a program that does nothing with "
-            "its piece became an all-reduce plus a slice, so the split costs "
-            "more bytes than the fused all-reduce there: the compiler's choice, "
-            "visible only in the HLO."
+
+
+# --------------------------------------------------------------------------- judge
+
+
+def judge(obs: Observations, config: Config) -> Result:
+    checks = [c for at in obs.sizes for c in _size_checks(at, obs.devices)]
+    if obs.tpu:
+        checks += _tpu_checks(obs, config.tpu_topology, config.sizes[-1])
+    return Result(
+        summary=_summary(obs),
+        theory=THEORY,
+        tables=[_table(obs), *_tpu_tables(obs, config.tpu_topology)],
+        checks=checks,
+        claims=_claims(obs, checks),
+        notes=[CPU_NOTE, *_tpu_notes(obs)],
+    )
+
+
+def _ring_bytes(size: int, n: int) -> float:
+    """The textbook: a ring all-reduce of D sends 2(N-1)/N·D per device (Thakur et al. 2005)."""
+    return theory.collective_cost("all-reduce", size, n, algorithm="ring", alpha=0, beta=1).bytes_sent
+
+
+def _sent(program: Program) -> float:
+    """Bytes each device sends, read from the compiled collectives: S times its bus factor ((N-1)/N, 2(N-1)/N)."""
+    return sum(c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size) for c in program.collectives)
+
+
+def _kinds(program: Program) -> str:
+    return ", ".join(c.kind for c in program.collectives) or "none"
+
+
+def _size_checks(at: AtSize, n: int) -> list[Check]:
+    label, fused, split = f"D={format_bytes(at.size)}", at.program(FUSED), at.program(SPLIT)
+    axes = ",".join(sorted({",".join(c.axes or ("?",)) for p in at.programs for c in p.collectives}))
+    ring = _ring_bytes(at.size, n)
+    return [
+        check(f"{label}: results identical on every device", "True", str(at.identical), kind="exact"),
+        check(f"{label}: the all-reduce program compiles to", "all-reduce", _kinds(fused), kind="exact"),
+        check(f"{label}: the split program compiles to", "reduce-scatter, all-gather", _kinds(split), kind="exact"),
+        check(f"{label}: both run on the fsdp axis", "fsdp", axes, kind="exact"),
+        check(f"{label}: bytes sent per device, all-reduce = 2(N-1)/N·D", ring, _sent(fused), kind="exact", rtol=1e-9),
+        check(
+            f"{label}: bytes sent per device, reduce-scatter + all-gather", ring, _sent(split), kind="exact", rtol=1e-9
+        ),
+    ]
+
+
+def _tpu_checks(obs: Observations, topology: str, size_text: str) -> list[Check]:
+    """Bytes per chip on the TPU topology; where the compiler changed the split program's kinds, the corrected
+    prediction prices the kinds it wrote with the textbook's sizes (an all-reduce of D, an all-gather of D)."""
+    n, size = obs.tpu_chips, parse_size(size_text)
+    checks = []
+    for program in obs.tpu:
+        kinds = [c.kind for c in program.collectives]
+        textbook = {FUSED: ["all-reduce"], SPLIT: ["reduce-scatter", "all-gather"]}[program.name]
+        refined = why = None
+        if kinds != textbook:
+            refined = sum(theory.bus_bandwidth_factor(kind, n) * size for kind in kinds)
+            why = f"the TPU compiler wrote {', '.join(kinds)} instead of {', '.join(textbook)}"
+        checks.append(
+            check(
+                f"tpu:{topology} {program.name}: bytes sent per chip",
+                _ring_bytes(size, n),
+                _sent(program),
+                kind="exact",
+                rtol=1e-9,
+                refined=refined,
+                why=why or "",
+            )
         )
-    return [table], checks, notes
+    return checks
 
 
-def _table(rows) -> Table:
+def _claims(obs: Observations, checks: list[Check]) -> list[Claim]:
+    last = obs.sizes[-1]
+    fused, split = _sent(last.program(FUSED)), _sent(last.program(SPLIT))
+    identical = all(at.identical for at in obs.sizes)
+    claims = [
+        Claim(
+            "all-reduce(x) = all-gather(reduce-scatter(x))",
+            "confirmed" if identical else "refuted",
+            f"results {'identical' if identical else 'different'} on all {obs.devices} devices at "
+            + ", ".join(format_bytes(at.size) for at in obs.sizes),
+        )
+    ]
+    on_tpu = {p.name: _sent(p) for p in obs.tpu}
+    same_here = fused == split
+    same_on_tpu = not on_tpu or on_tpu[FUSED] == on_tpu[SPLIT]
+    status = "confirmed" if same_here and same_on_tpu else "refined" if same_here else "refuted"
+    numbers = (
+        f"this target: {format_bytes(fused)} against {format_bytes(split)} per device at D = {format_bytes(last.size)}"
+    )
+    if on_tpu:
+        numbers += f"; TPU compiler: {format_bytes(on_tpu[FUSED])} against {format_bytes(on_tpu[SPLIT])} per chip"
+    claims.append(Claim("all-reduce and reduce-scatter + all-gather move the same ~2D", status, numbers))
+    return claims
+
+
+def _table(obs: Observations) -> Table:
     body = []
-    for r in rows:
-        for name in ("all-reduce", "reduce-scatter + all-gather"):
-            body.append([format_bytes(r.size), name, r.kinds[name], format_bytes(r.sent[name]), str(r.time[name])])
-        body.append(
-            [
-                format_bytes(r.size),
-                "split / fused time",
-                "",
-                "",
-                f"{r.time['reduce-scatter + all-gather'].median / r.time['all-reduce'].median:.2f}x",
-            ]
-        )
+    for at in obs.sizes:
+        for program in at.programs:
+            body.append(
+                [format_bytes(at.size), program.name, _kinds(program), format_bytes(_sent(program)), str(program.time)]
+            )
+        ratio = at.program(SPLIT).time.median / at.program(FUSED).time.median
+        body.append([format_bytes(at.size), "split / fused time", "", "", f"{ratio:.2f}x"])
     return Table(
         "Fused against split, on this target",
-        ["D", "program", "collectives in HLO", "ring bytes sent per device", "time (median [min, max])"],
+        ["D", "program", "collectives in HLO", "bytes sent per device", "time (median [min, max])"],
         body,
     )
 
 
-def _summary(rows, n) -> str:
-    last = rows[-1]
-    ratio = last.time["reduce-scatter + all-gather"].median / last.time["all-reduce"].median
+def _tpu_tables(obs: Observations, topology: str) -> list[Table]:
+    if obs.tpu_unavailable:
+        return [obs.tpu_unavailable.table()]
+    if not obs.tpu:
+        return []
+    rows = [
+        [p.name, "; ".join(f"{c.kind} (`{c.form}`)" for c in p.collectives), format_bytes(_sent(p))] for p in obs.tpu
+    ]
+    return [
+        Table(
+            f"Compiled for tpu:{topology} (compile-only)",
+            ["program", "collectives the TPU compiler wrote", "bytes sent per chip"],
+            rows,
+        )
+    ]
+
+
+def _tpu_notes(obs: Observations) -> list[str]:
+    split = next((p for p in obs.tpu if p.name == SPLIT), None)
+    if split is None or "all-reduce" not in _kinds(split):
+        return []
+    return [
+        "On TPU the reduce-scatter of a program that does nothing with its piece became an all-reduce plus a slice, "
+        f"so the split sends {format_bytes(_sent(split))} per chip, more than the fused all-reduce: the compiler's "
+        "choice, visible only in the HLO."
+    ]
+
+
+def _summary(obs: Observations) -> str:
+    last = obs.sizes[-1]
+    ratio = last.program(SPLIT).time.median / last.program(FUSED).time.median
     return (
-        f"On {n} devices the two programs gave identical results on every "
-        "device, compiled to one all-reduce against one reduce-scatter "
-        f"and one all-gather on the same axis, and send the same {format_bytes(last.sent['all-reduce'])} "
-        f"per device for D = {format_bytes(last.size)} "
-        "(2(N-1)/N·D). They pair up because the state between them, one "
-        "piece of the sum per device, is what a sharded optimizer needs. "
-        f"On this target the split took {ratio:.2f}x the fused all-reduce's time."
+        f"On {obs.devices} devices the two programs gave identical results on every device, compiled to one "
+        "all-reduce against one reduce-scatter and one all-gather on the same axis, and send the same "
+        f"{format_bytes(_sent(last.program(FUSED)))} per device for D = {format_bytes(last.size)} (2(N-1)/N·D). "
+        "They pair up because the state between them, one piece of the sum per device, is what a sharded "
+        f"optimizer needs. On this target the split took {ratio:.2f}x the fused all-reduce's time."
     )
+
+
+THEORY = r"""
+With N devices each holding D bytes (Thakur, Rabenseifner & Gropp 2005; nccl-tests conventions):
+
+- reduce-scatter: each device ends with its 1/N piece of the sum, sending (N-1)/N · D;
+- all-gather of those pieces: every device ends with all N pieces, sending (N-1)/N · D;
+- together: the sum on every device, 2(N-1)/N · D — exactly what a ring all-reduce sends, because a ring
+  all-reduce *is* a reduce-scatter pass followed by an all-gather pass.
+
+So all-reduce(x) = all-gather(reduce-scatter(x)) holds in values and in bytes. What the split buys is the state in
+between: each device holds only the piece of the sum that it owns.
+"""
 
 
 CPU_NOTE = (

@@ -90,7 +90,7 @@ def run(config: Config) -> Result:
     return Result(
         summary=_summary(pairings, difference, n, config),
         theory=THEORY,
-        tables=[_table(pairings), _path_table(pairings), *([tpu.table()] if isinstance(tpu, kit.Skipped) else [])],
+        tables=[_table(pairings), _path_table(pairings), *([tpu.table()] if isinstance(tpu, kit.Unavailable) else [])],
         checks=_checks(pairings, difference, config.elements, n),
         notes=_notes(pairings),
         provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={n}"),

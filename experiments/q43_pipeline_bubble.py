@@ -545,11 +545,11 @@ def _collective_checks(program, workload: Workload) -> list:
     ]
 
 
-def _execute_interleaved(config: Config, stages: int, devices, reference_loss: float) -> Interleaved | kit.Skipped:
+def _execute_interleaved(config: Config, stages: int, devices, reference_loss: float) -> Interleaved | kit.Unavailable:
     """Interleaved 1F1B on the same layers, weights and data as the P-stage run (unpipelined loss `reference_loss`)."""
     m = max(config.measured_micro_batches)
     if m % stages:
-        return kit.Skipped(f"interleaved 1F1B on P={stages}", f"m={m} is not a multiple of P={stages}")
+        return kit.Unavailable(f"interleaved 1F1B on P={stages}", f"m={m} is not a multiple of P={stages}")
     v = config.chunks
     workload = _workload(config, stages, m, v)
     schedule = make_schedule("interleaved", stages, m, v)
@@ -664,7 +664,7 @@ def _bubble_table(rows: list[dict], executed: list[Executed], config: Config) ->
     )
 
 
-def _executed_table(executed: list[Executed], interleaved: Interleaved | kit.Skipped) -> Table:
+def _executed_table(executed: list[Executed], interleaved: Interleaved | kit.Unavailable) -> Table:
     body = []
     for e in executed:
         for r in e.rows:
@@ -855,7 +855,7 @@ def _summary(rows, example, executed, interleaved, config: Config) -> str:
     return text + "."
 
 
-def _notes(executed: list[Executed], interleaved: Interleaved | kit.Skipped) -> list[str]:
+def _notes(executed: list[Executed], interleaved: Interleaved | kit.Unavailable) -> list[str]:
     notes = [
         (
             "Each executed step is one SPMD program: every device runs the "

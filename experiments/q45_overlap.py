@@ -141,7 +141,7 @@ def _shape_for(name: str, shape_MKF) -> tuple[int, int, int]:
 # ------------------------------------------------------------------ the TPU compiler's schedule
 
 
-def _tpu(topology: str, shape) -> dict | kit.Skipped | None:
+def _tpu(topology: str, shape) -> dict | kit.Unavailable | None:
     tpu = kit.tpu_chips(topology)
     if not isinstance(tpu, kit.TpuChips):
         return tpu  # not asked for, or libtpu cannot build it here

@@ -168,7 +168,7 @@ def _narrow_matmul(devices, shape, repeats: int) -> dict:
 # ------------------------------------------------------------------ TPU (compile-only) and its model
 
 
-def _tpu(config: Config) -> dict | kit.Skipped | None:
+def _tpu(config: Config) -> dict | kit.Unavailable | None:
     tpu = kit.tpu_chips(config.tpu_topology)
     if not isinstance(tpu, kit.TpuChips):
         return tpu  # not asked for, or libtpu cannot build it here

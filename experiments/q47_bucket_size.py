@@ -219,7 +219,7 @@ def _combined_count(problem, stacked, size: int) -> dict:
 # ------------------------------------------------------------------ TPU (compile-only)
 
 
-def _tpu(config: Config, model_config) -> dict | kit.Skipped | None:
+def _tpu(config: Config, model_config) -> dict | kit.Unavailable | None:
     tpu = kit.tpu_chips(config.tpu_topology)
     if not isinstance(tpu, kit.TpuChips):
         return tpu  # not asked for, or libtpu cannot build it here

@@ -101,7 +101,7 @@ def run(config: Config) -> Result:
     by = {(p.target, p.variant): p for p in programs}
     persisted = _persisted_gather_bytes(model, config.persistence_threshold)
     checks = [c for target in devices_seen for c in _checks(by, target, model, persisted)]
-    skipped = [tpu.table()] if isinstance(tpu, kit.Skipped) else []
+    skipped = [tpu.table()] if isinstance(tpu, kit.Unavailable) else []
     return Result(
         summary=_summary(by, list(devices_seen), guard, config),
         theory=THEORY,

@@ -120,7 +120,10 @@ def run(config: Config) -> Result:
     return Result(
         summary=_summary(measured, tpu, expected, ratio, model),
         theory=THEORY,
-        tables=[*_tables(everything, expected, ratio), *([chips.table()] if isinstance(chips, kit.Skipped) else [])],
+        tables=[
+            *_tables(everything, expected, ratio),
+            *([chips.table()] if isinstance(chips, kit.Unavailable) else []),
+        ],
         checks=checks,
         plots={"zero_stages": _plot(everything, expected)},
         notes=_notes(measured, tpu, expected, model),

@@ -88,7 +88,7 @@ def run(config: Config) -> Result:
             _collectives_table(collectives, tpu, config),
             _memory_table(memory, config),
             _timing_table(timing, config),
-            *([tpu.table()] if isinstance(tpu, kit.Skipped) else []),
+            *([tpu.table()] if isinstance(tpu, kit.Unavailable) else []),
         ],
         checks=checks,
         plots={"activation_memory": _plot(memory, config)},
@@ -159,7 +159,7 @@ def _per_layer(collectives) -> dict:
     return {"counts": counts, "sizes": {k: sorted(v) for k, v in sizes.items()}}
 
 
-def _tpu_collectives(topology: str) -> dict | kit.Skipped | None:
+def _tpu_collectives(topology: str) -> dict | kit.Unavailable | None:
     """The annotated TP+SP program compiled by the TPU compiler (compile-only): its per-layer collectives."""
     tpu = kit.tpu_chips(topology)
     if not isinstance(tpu, kit.TpuChips):

@@ -198,7 +198,7 @@ def _scenarios(measured) -> list[dict]:
 # ------------------------------------------------------------------ TPU: exposed position in the schedule
 
 
-def _tpu(config: Config, model_config) -> dict | kit.Skipped | None:
+def _tpu(config: Config, model_config) -> dict | kit.Unavailable | None:
     tpu = kit.tpu_chips(config.tpu_topology)
     if not isinstance(tpu, kit.TpuChips):
         return tpu  # not asked for, or libtpu cannot build it here

@@ -47,6 +47,5 @@ from lab.training.series import SeriesSummary as SeriesSummary
 from lab.training.step import TrainConfig as TrainConfig
 from lab.training.step import Trainer as Trainer
 from lab.verdict import Check as Check
-from lab.verdict import Expectation as Expectation
-from lab.verdict import at_most as at_most
-from lab.verdict import compare as compare
+from lab.verdict import Claim as Claim
+from lab.verdict import check as check

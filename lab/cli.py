@@ -37,7 +37,6 @@ from lab.errors import LabError
 from lab.hardware import profile_for_device_kind
 from lab.mesh import AXES, MeshSpec, axes_of_groups, describe, slice_local_shape
 from lab.registry import experiments, get
-from lab.report import Result
 from lab.topology import describe_axes, placement, predict
 from lab.training import page as training_page
 from lab.training import run as training_run
@@ -45,7 +44,7 @@ from lab.training import run as training_run
 # `lab train`'s options, which `lab doctor` shares; importing jax starts no backend
 from lab.training.run import RunConfig
 from lab.units import format_bytes, parse_size, size_sweep
-from lab.verdict import Check, tally
+from lab.verdict import tally
 
 _out = Console() if sys.stdout.isatty() else Console(width=160)  # piped output: do not squeeze tables
 _err = Console(stderr=True)
@@ -61,6 +60,10 @@ class Report:
     """folder for the pages and the index"""
     only: tuple[str, ...] = ()
     """run only these experiments (names from `lab list`)"""
+    rejudge: bool = False
+    """measure nothing: rebuild each page's checks, claims and tables from the observations its result.json holds"""
+    stale: bool = False
+    """regenerate only the pages whose code hash differs from the code's (changed since they were measured)"""
 
 
 @dataclass(frozen=True)
@@ -420,29 +423,51 @@ def run_one(config) -> int:
 
 
 def report(command: Report) -> int:
-    """Run all experiments (or `only`) and write pages and the index."""
-
+    """Run all experiments (or `only`, or the stale ones) and write pages and the index; or only re-judge them."""
+    if command.rejudge and command.stale:
+        raise LabError("--rejudge and --stale exclude each other: re-judge what was measured, or measure again")
+    if command.only and not all(command.only):
+        raise LabError("--only needs experiment names (see `lab list`)")
     chosen = [get(n) for n in command.only] if command.only else list(experiments().values())
-    for experiment in chosen:
-        _check_target(experiment, command.target)
+    if command.stale:
+        chosen = [e for e in chosen if _page_hash(command.results / e.name) != e.code_hash]
+        _out.print(f"stale: {', '.join(e.name for e in chosen) or 'none'}", highlight=False)
+    if not command.rejudge:
+        for experiment in chosen:
+            _check_target(experiment, command.target)
     started, results = time.perf_counter(), []
     with progress.session():
         for experiment in progress.track(chosen, "lab report"):
-            config = experiment.config()
-            if "target" in {f.name for f in fields(config)} and _takes_target(experiment, command.target):
-                config = replace(config, target=command.target)
-            progress.say(f"[bold]{experiment.name}[/bold] ({experiment.question}) ...")
-            result = experiment.run(config)
+            if command.rejudge:
+                result = experiment.rejudge(command.results / experiment.name)
+            else:
+                progress.say(f"[bold]{experiment.name}[/bold] ({experiment.question}) ...")
+                result = experiment.run(_config_for(experiment, command.target))
             pages.write(result, command.results)
             results.append(result)
             _print_result(result, command.results / experiment.name / "README.md")
-    if command.only:
+    partial = bool(command.only or command.stale)
+    if partial:
         results = _merge_existing(results, command.results)
-    index = pages.write_index(
-        results, command.results, elapsed_s=time.perf_counter() - started, only=tuple(command.only)
-    )
-    _out.print(f"index: {index}  ({time.perf_counter() - started:.0f} s)")
+    elapsed = time.perf_counter() - started
+    names = (tuple(command.only) or tuple(e.name for e in chosen)) if partial else ()
+    index = pages.write_index(results, command.results, elapsed_s=None if command.rejudge else elapsed, only=names)
+    _out.print(f"index: {index}  ({elapsed:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command
+
+
+def _config_for(experiment, target: str):
+    config = experiment.config()
+    if "target" in {f.name for f in fields(config)} and _takes_target(experiment, target):
+        config = replace(config, target=target)
+    return config
+
+
+def _page_hash(folder: Path) -> str:
+    try:
+        return json.loads((folder / "result.json").read_text())["provenance"]["code_hash"]
+    except (OSError, ValueError, KeyError):
+        return ""
 
 
 def _takes_target(experiment, target: str) -> bool:
@@ -464,24 +489,12 @@ def _check_target(experiment, target: str) -> None:
 
 
 def _merge_existing(results, folder: Path):
-    """With --only, keep the other experiments' lines in the index from their result.json."""
-
+    """With --only or --stale, keep the other experiments' lines in the index from their result.json."""
     fresh = {r.name for r in results}
+    known = set(experiments())
     for path in sorted(folder.glob("*/result.json")):
-        data = json.loads(path.read_text())
-        if data.get("name") in fresh:
-            continue
-        checks = [Check(**c) for c in data.get("checks", [])]
-        results.append(
-            Result(
-                name=data["name"],
-                title=data["title"],
-                question=data["question"],
-                summary=data["summary"],
-                checks=checks,
-                provenance=data.get("provenance", {}),
-            )
-        )
+        if path.parent.name in known and path.parent.name not in fresh:
+            results.append(pages.read(path.parent))
     return results
 
 

@@ -74,8 +74,11 @@ def command(argv: list[str] | None = None) -> str:
     """
     program, *args = argv if argv is not None else sys.argv
     path = Path(program)
-    lab = path.name == "lab" or (path.name == "__main__.py" and path.parent.name == "lab")
-    return shlex.join(["lab" if lab else path.name, *args])
+    if path.name == "lab" or (path.name == "__main__.py" and path.parent.name == "lab"):
+        return shlex.join(["lab", *args])
+    if path.name == "__main__.py":  # python -m package
+        return shlex.join(["python", "-m", path.parent.name, *args])
+    return shlex.join([path.name, *args])
 
 
 def code_hash(module: str) -> str:

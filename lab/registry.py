@@ -1,7 +1,21 @@
-"""Where the command line finds experiments, without the library importing them.
+"""Experiments: measure, then judge; and where the command line finds them.
 
-The library sits below the experiments: `experiments/` imports `lab`, never
-the other way round. The command line still has to list and run them, so the
+An experiment is a module with
+
+* ``QUESTION`` (``"#40"``) and a docstring whose first line is its title;
+* ``Config``: a frozen dataclass of its options (``lab run NAME --help``);
+* ``Observations``: a frozen dataclass of everything it measured, JSON-serialisable, with a ``setup: Setup``
+  field saying where (target, devices, mesh);
+* ``measure(config) -> Observations``: all that needs JAX, a compiler or a clock;
+* ``judge(observations, config) -> Result``: pure (no JAX, no clock, no randomness): the checks, claims,
+  tables, plots (as functions that draw them) and notes.
+
+`Experiment.run` measures and judges; `Experiment.rejudge` rebuilds a page
+from the observations its result.json stored, in milliseconds, so theory can
+be improved and re-judged without re-measuring.
+
+The library sits below the experiments: ``experiments/`` imports ``lab``,
+never the other way round. The command line still has to find them, so the
 experiments package *registers* itself as a Python entry point (group
 ``lab.experiments`` in pyproject.toml), the way pytest finds its plugins; any
 installed package can add experiments the same way. Each entry point names a
@@ -11,18 +25,25 @@ function returning ``{name: Experiment}``.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+import json
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
+from pathlib import Path
 from types import ModuleType
 
+import dacite
+
 from lab.errors import LabError
+from lab.provenance import Setup, code_hash, provenance
+from lab.report import Result
 
 GROUP = "lab.experiments"
+_TYPED = dacite.Config(cast=[tuple, Path], strict=True)  # JSON lists back to tuples, strings to paths
 
 
 @dataclass(frozen=True)
 class Experiment:
-    """One question's experiment: its module defines ``Config`` and ``run(config) -> Result``."""
+    """One question's experiment (see the module docstring for what its module defines)."""
 
     name: str
     question: str
@@ -38,10 +59,52 @@ class Experiment:
         """Whether it only compiles (and so may run on a compile-only target)."""
         return getattr(self.module, "COMPILE_ONLY", False)
 
-    def run(self, config=None):
-        """Run it; the page's name, title and question come from here, not from the module."""
-        result = self.module.run(config if config is not None else self.module.Config())
-        return replace(result, name=self.name, title=self.title, question=self.question)
+    @property
+    def code_hash(self) -> str:
+        """The hash of the code that produces its page (`lab.provenance.code_hash`)."""
+        return code_hash(self.module.__name__)
+
+    def run(self, config=None) -> Result:
+        """Measure on the config's target, then judge."""
+        config = config if config is not None else self.module.Config()
+        observations = self.module.measure(config)
+        setup: Setup = observations.setup
+        where = provenance(target=setup.target, devices=setup.devices, mesh=setup.mesh, module=self.module.__name__)
+        return self.judge(observations, config, where)
+
+    def judge(self, observations, config, where: dict) -> Result:
+        """The page from observations alone; its name, title, question and provenance come from here."""
+        result = self.module.judge(observations, config)
+        return replace(
+            result,
+            name=self.name,
+            title=self.title,
+            question=self.question,
+            observations=asdict(observations),
+            config=asdict(config),
+            provenance=where,
+        )
+
+    def stored(self, folder: Path):
+        """(observations, config, provenance) of the page written in `folder`."""
+        path = folder / "result.json"
+        if not path.is_file():
+            raise LabError(f"{path} does not exist: run `lab report --only {self.name}` to measure it first")
+        data = json.loads(path.read_text())
+        try:
+            observations = dacite.from_dict(self.module.Observations, data["observations"], config=_TYPED)
+            config = dacite.from_dict(self.module.Config, data["config"], config=_TYPED)
+        except (KeyError, dacite.DaciteError) as err:
+            raise LabError(
+                f"{path} holds no observations this experiment can read ({err}); "
+                f"measure again with `lab report --only {self.name}`"
+            ) from None
+        return observations, config, data.get("provenance", {})
+
+    def rejudge(self, folder: Path) -> Result:
+        """The page rebuilt from what `folder`/result.json observed, with today's theory and judge."""
+        observations, config, where = self.stored(folder)
+        return self.judge(observations, config, where)
 
 
 @functools.cache

@@ -1,93 +1,144 @@
-"""Theory against observation: expectations, checks and verdicts.
+"""Theory against observation: checks, their verdicts, and the quick-reference's claims.
 
-An `Expectation` is what theory predicts for a program: named quantities
-(collectives per axis, bytes per device, memory, time on a chip profile).
-`compare(expected, observed)` turns each quantity into a `Check` row with one
-of three verdicts:
+A `Check` puts one quantity's prediction next to what this run observed. Its
+`kind` says what sort of evidence it is, and so how strict it must be:
 
-* ``agrees``: observed within the tolerance of the prediction;
-* ``refined``: it differs, and the difference is a known, explained effect
-  (XLA gathered in bf16, combined two all-reduces into one tuple, fused the
-  reduce-scatter into a fusion): the textbook was too simple, not wrong;
-* ``differs``: it differs and nothing explains it. This is a finding.
+* ``exact``: counts, kinds, axes, bytes, FLOPs and memory that a compiler
+  reports. Nothing about them is approximate: rtol 0, or at most 1e-6.
+* ``model``: a closed-form or simulated prediction of a quantity measured
+  independently (a simulator against an executed program, a cost model against
+  a clock). Its `basis` says why the tolerance is as wide as it is.
+* ``timing``: a clock on this target. Its `basis` states the claim it tests
+  *here* (emulated devices share the host's cores: a claim about real hardware
+  is not evidence from them).
 
-A check never hides a difference: the explanation of a ``refined`` verdict is
-printed next to it.
+The verdict follows from the numbers alone:
+
+* ``agrees``: observed within rtol of the theory;
+* ``refined``: the textbook value differs, and a corrected prediction
+  (`refined`, computed in this run from evidence read in this run: the element
+  type XLA gathered in, the tuple members it combined) agrees within the same
+  rtol; `why` names that evidence;
+* ``differs``: anything else. A sentence without a number changes nothing.
+
+A bound ("at most half the dip is left") is a check whose `relation` is
+``<=`` or ``>=``. `Claim` is the separate ledger of what the quick-reference
+says: confirmed, refined or refuted, with the numbers that decide it.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Literal
 
+Kind = Literal["exact", "model", "timing"]
 Verdict = Literal["agrees", "refined", "differs"]
+Relation = Literal["==", "<=", ">="]
+Status = Literal["confirmed", "refined", "refuted"]
+
+KINDS: tuple[Kind, ...] = ("exact", "model", "timing")
+VERDICTS: tuple[Verdict, ...] = ("agrees", "refined", "differs")
+STATUSES: tuple[Status, ...] = ("confirmed", "refined", "refuted")
+EXACT_RTOL = 1e-6  # float formatting of a compiler's integer report; anything wider is a model, not exact
+_ABS_TOL = 1e-12  # zero against zero agrees
+
+Value = float | int | str
 
 
 @dataclass(frozen=True)
 class Check:
-    """One quantity: theory, observation, tolerance, verdict and why."""
+    """One quantity: what theory predicts, what this run observed, and the verdict the two give."""
 
     quantity: str
-    theory: float | int | str
-    observed: float | int | str
+    kind: Kind
+    theory: Value
+    observed: Value
+    rtol: float
     verdict: Verdict
-    rtol: float = 0.0
-    note: str = ""
+    relation: Relation = "=="
+    refined: Value | None = None  # a corrected prediction computed from this run's evidence
+    why: str = ""  # the evidence behind `refined`
+    basis: str = ""  # model: why the tolerance is what it is; timing: the claim tested on this target
 
     @property
     def passed(self) -> bool:
         return self.verdict != "differs"
 
 
-def check(quantity: str, theory, observed, *, rtol: float = 0.0, explained: str | None = None) -> Check:
-    """Compare one quantity; numbers within `rtol` agree, strings must match.
-
-    `explained` is the known reason a difference is expected (XLA refined the
-    textbook); without it a difference is reported as ``differs``.
-    """
-    if isinstance(theory, (int, float)) and isinstance(observed, (int, float)):
-        same = math.isclose(observed, theory, rel_tol=rtol, abs_tol=1e-12)
+def check(
+    quantity: str,
+    theory: Value,
+    observed: Value,
+    *,
+    kind: Kind,
+    rtol: float = 0.0,
+    relation: Relation = "==",
+    refined: Value | None = None,
+    why: str = "",
+    basis: str = "",
+) -> Check:
+    """Judge one quantity (see the module docstring); numbers compare within `rtol`, strings must match."""
+    if kind not in KINDS:
+        raise ValueError(f"check {quantity!r}: kind {kind!r} is none of {KINDS}")
+    if kind == "exact" and rtol > EXACT_RTOL:
+        raise ValueError(f"check {quantity!r}: an exact check takes rtol <= {EXACT_RTOL:g}, not {rtol:g}")
+    if kind != "exact" and not basis:
+        raise ValueError(f"check {quantity!r}: a {kind} check says why its tolerance is what it is (basis=...)")
+    if refined is not None and not why:
+        raise ValueError(f"check {quantity!r}: a refined prediction names the evidence it was computed from (why=)")
+    if holds(theory, observed, rtol, relation):
+        verdict: Verdict = "agrees"
+    elif refined is not None and holds(refined, observed, rtol, relation):
+        verdict = "refined"
     else:
-        same = str(theory) == str(observed)
-    if same:
-        return Check(quantity, theory, observed, "agrees", rtol)
-    if explained:
-        return Check(quantity, theory, observed, "refined", rtol, explained)
-    return Check(quantity, theory, observed, "differs", rtol)
+        verdict = "differs"
+    return Check(quantity, kind, theory, observed, rtol, verdict, relation, refined, why, basis)
 
 
-def at_most(quantity: str, observed: float, limit: float, *, explained: str | None = None) -> Check:
-    """Theory as an upper bound ("most of the dip is gone": a ratio at most 0.5): agrees when observed <= limit."""
-    if observed <= limit:
-        return Check(quantity, f"<= {limit:g}", observed, "agrees")
-    return Check(quantity, f"<= {limit:g}", observed, "refined" if explained else "differs", note=explained or "")
+def holds(theory: Value, observed: Value, rtol: float, relation: Relation = "==") -> bool:
+    """Whether `observed` satisfies `relation` against `theory` within `rtol`."""
+    if not (_is_number(theory) and _is_number(observed)):
+        return relation == "==" and str(theory) == str(observed)
+    if relation == "<=":
+        return observed <= theory * (1 + rtol) + _ABS_TOL
+    if relation == ">=":
+        return observed >= theory * (1 - rtol) - _ABS_TOL
+    return math.isclose(observed, theory, rel_tol=rtol, abs_tol=_ABS_TOL)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
-class Expectation:
-    """What theory predicts for one program: quantity name -> value."""
+class Claim:
+    """One sentence of the quick-reference, and what this run's numbers make of it."""
 
-    program: str
-    quantities: Mapping[str, float | int | str]
-    rtol: float = 0.0
-    explanations: Mapping[str, str] = field(default_factory=dict)
+    claim: str
+    status: Status
+    numbers: str  # the numbers from this run that decide it
 
-
-def compare(expected: Expectation, observed: Mapping[str, float | int | str]) -> list[Check]:
-    """One `Check` per expected quantity; a quantity never observed ``differs``."""
-    rows = []
-    for name, value in expected.quantities.items():
-        label = f"{expected.program}: {name}"
-        if name not in observed:
-            rows.append(Check(label, value, "not found", "differs", expected.rtol))
-            continue
-        rows.append(check(label, value, observed[name], rtol=expected.rtol, explained=expected.explanations.get(name)))
-    return rows
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"claim {self.claim!r}: status {self.status!r} is none of {STATUSES}")
+        if not self.numbers:
+            raise ValueError(f"claim {self.claim!r}: a status without numbers is an opinion")
 
 
-def tally(checks: list[Check]) -> str:
+def counts(checks: Iterable[Check]) -> dict[Verdict, int]:
+    """How many checks gave each verdict."""
+    checks = list(checks)
+    return {v: sum(c.verdict == v for c in checks) for v in VERDICTS}
+
+
+def tally(checks: Iterable[Check]) -> str:
     """``"5 agree, 1 refined, 0 differ"``."""
-    counts = {v: sum(c.verdict == v for c in checks) for v in ("agrees", "refined", "differs")}
-    return f"{counts['agrees']} agree, {counts['refined']} refined, {counts['differs']} differ"
+    n = counts(checks)
+    return f"{n['agrees']} agree, {n['refined']} refined, {n['differs']} differ"
+
+
+# TRANSITIONAL, removed once every experiment measures and judges: the old experiments still import this name.
+def at_most(*_, **__):
+    raise NotImplementedError("this experiment has not been converted to measure/judge yet")

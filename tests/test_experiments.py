@@ -11,7 +11,6 @@ import pytest
 from experiments import get, registry
 from experiments.q39_collectives import Config as CollectivesConfig
 from experiments.q39_ring_allreduce import Config as RingConfig
-from experiments.q40_allreduce_equivalence import Config as EquivalenceConfig
 from lab.errors import LabError
 from lab.report import render
 
@@ -47,9 +46,3 @@ def test_ring_allreduce_structure_matches_theory(devices):
     structural = [c for c in result.checks if c.quantity.startswith("N=")]
     assert len(structural) == 15 and all(c.verdict == "agrees" for c in structural), structural
     assert result.data["alpha_s"] > 0 and result.data["beta_Bps"] > 0
-
-
-def test_allreduce_equivalence_holds_in_values_hlo_and_bytes(devices):
-    result = get("allreduce_equivalence").run(EquivalenceConfig(sizes=("4K",), repeats=1))
-    assert result.passed, [c for c in result.checks if not c.passed]
-    assert any("results identical" in c.quantity and c.verdict == "agrees" for c in result.checks)

@@ -18,7 +18,7 @@ def test_no_topology_asked_for_is_none():
 
 def test_a_topology_libtpu_cannot_build_is_skipped_with_one_row():
     skipped = kit.tpu_chips("v5e:3x3x3x3")
-    assert isinstance(skipped, kit.Skipped) and skipped.what.startswith("tpu:v5e:3x3x3x3")
+    assert isinstance(skipped, kit.Unavailable) and skipped.what.startswith("tpu:v5e:3x3x3x3")
     table = skipped.table()
     assert table.columns == ["skipped"] and table.rows == [[skipped.reason]] and skipped.reason
 

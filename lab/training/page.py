@@ -12,7 +12,8 @@ from dataclasses import asdict
 import numpy as np
 
 from lab.mesh import MeshSpec
-from lab.report import Result, Table, provenance
+from lab.provenance import provenance
+from lab.report import Result, Table
 from lab.training.run import RunLog
 
 
@@ -100,13 +101,13 @@ def result(log: RunLog):
         tables=_tables(log),
         plots={"loss": loss_figure, "step_time": time_figure},
         notes=_notes(log),
-        provenance=provenance(target=log.config.target, devices=(), mesh=log.config.mesh) | {"devices": log.devices},
-        data={
-            "config": {k: str(v) for k, v in asdict(log.config).items()},
+        provenance=provenance(target=log.config.target, devices=log.devices, mesh=log.config.mesh),
+        observations={
             "steps": [asdict(s) for s in log.steps],
             "compile_s": log.compile_s,
             "profile_device_s": log.profile,
         },
+        config={k: str(v) for k, v in asdict(log.config).items()},
     )
 
 
