@@ -242,5 +242,5 @@ def _cell(value: Any) -> str:
 
 
 # TRANSITIONAL, removed once every experiment measures and judges: the old experiments still import this name.
-def provenance(**_):  # noqa: D103
+def provenance(**_):
     raise NotImplementedError("this experiment has not been converted to measure/judge yet")
