@@ -18,16 +18,16 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
+from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
 import jax
-import numpy as np
 import tyro
 from rich.console import Console
 from rich.table import Table
 
-from lab import hlo, progress
+from lab import hlo, inputs, progress
 from lab import report as pages
 from lab.bench import measure_collective
 from lab.collectives import build_program
@@ -58,7 +58,7 @@ class Report:
     """where to run: cpu:N, gpu, tpu (experiments that need more devices than the target has say so)"""
     results: Path = Path("results")
     """folder for the pages and the index"""
-    only: tuple[str, ...] = ()
+    only: tuple[str, ...] | None = None
     """run only these experiments (names from `lab list`)"""
     rejudge: bool = False
     """measure nothing: rebuild each page's checks, claims and tables from the observations its result.json holds"""
@@ -153,6 +153,9 @@ def _commands():
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lab`` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["--version"], ["-V"]):
+        _out.print(f"lab (sharding-lab) {metadata.version('sharding-lab')}, jax {jax.__version__}", highlight=False)
+        return 0
     try:
         command = _parse(argv)
         return _dispatch(command)
@@ -212,12 +215,13 @@ def inspect(command: Inspect) -> int:
 
     if command.hlo is not None:
         return _inspect_dump(command)
+    element = inputs.dtype("--dtype", command.dtype)
+    if command.dump is not None:
+        inputs.output_folder("--dump", command.dump)
     devices = devices_for(command.target)
     mesh = MeshSpec.parse(command.mesh).build(devices)
     program = build_program(command.program, mesh, command.axes)
-    found = hlo.inspect(
-        program.fn, program.abstract_input(parse_size(command.size), np.dtype(command.dtype)), mesh=mesh
-    )
+    found = hlo.inspect(program.fn, program.abstract_input(parse_size(command.size), element), mesh=mesh)
     _out.print(
         f"{command.program} over {','.join(command.axes)} on {command.target}\n{describe(mesh)}", highlight=False
     )
@@ -244,12 +248,7 @@ def inspect(command: Inspect) -> int:
 def _inspect_dump(command: Inspect) -> int:
     """The collectives table for an HLO text dump from any run."""
 
-    try:
-        text = command.hlo.read_text()
-    except OSError as err:
-        raise LabError(
-            f"cannot read HLO file {str(command.hlo)!r}: {err.strerror}; give the path of an HLO text dump"
-        ) from None
+    text = inputs.hlo_text(command.hlo)
     header = re.search(r"num_partitions=(\d+)", text)
     devices = int(header[1]) if header else MeshSpec.parse(command.mesh).size
     spec = MeshSpec.parse(command.mesh).resolve(devices)
@@ -316,6 +315,9 @@ def bench(command: Bench) -> int:
     """Sweep sizes for each collective and print an nccl-tests-style table."""
 
     sizes = size_sweep(command.begin, command.end, command.factor)
+    inputs.dtype("--dtype", command.dtype)
+    inputs.number("--iters", command.iters, low=1, high=10_000)
+    inputs.number("--warmup", command.warmup, low=0, high=1_000)
     mesh = MeshSpec.parse(command.mesh).build(devices_for(command.target))
     table = Table(
         "size",
@@ -349,7 +351,11 @@ def bench(command: Bench) -> int:
 
 def train(command) -> int:
     """``lab train``: the loop of `lab.training.run`, its progress bar, then the page (process 0 writes it)."""
-
+    if parse_target(command.target).compile_only:
+        raise LabError(
+            f"--target {command.target} is compile-only: it has no devices to train on; use cpu:N, gpu or tpu, "
+            f"or `lab doctor --target {command.target}` to see whether the step fits and what it communicates"
+        )
     with progress.session():
         log = training_run.run(command)
     if jax.process_index() == 0:
@@ -426,8 +432,8 @@ def report(command: Report) -> int:
     """Run all experiments (or `only`, or the stale ones) and write pages and the index; or only re-judge them."""
     if command.rejudge and command.stale:
         raise LabError("--rejudge and --stale exclude each other: re-judge what was measured, or measure again")
-    if command.only and not all(command.only):
-        raise LabError("--only needs experiment names (see `lab list`)")
+    if command.only is not None and not (command.only and all(command.only)):
+        raise LabError("--only needs experiment names, e.g. --only collectives overlap (see `lab list`)")
     chosen = [get(n) for n in command.only] if command.only else list(experiments().values())
     if command.stale:
         chosen = [e for e in chosen if _page_hash(command.results / e.name) != e.code_hash]
@@ -450,7 +456,7 @@ def report(command: Report) -> int:
     if partial:
         results = _merge_existing(results, command.results)
     elapsed = time.perf_counter() - started
-    names = (tuple(command.only) or tuple(e.name for e in chosen)) if partial else ()
+    names = (tuple(command.only or ()) or tuple(e.name for e in chosen)) if partial else ()
     index = pages.write_index(results, command.results, elapsed_s=None if command.rejudge else elapsed, only=names)
     _out.print(f"index: {index}  ({elapsed:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command

@@ -35,8 +35,9 @@ from jax.experimental import topologies
 from lab.errors import LabError
 
 DEFAULT_TARGET = "cpu:8"
+MAX_CPU_DEVICES = 512  # XLA:CPU compiles for every emulated device in one process: thousands never finish
 
-_TOPOLOGY = re.compile(r"^tpu:(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$")
+_TOPOLOGY = re.compile(r"^tpu:(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$", re.ASCII)
 _TARGET_FORMS = "cpu:N (e.g. cpu:8), gpu, tpu, or tpu:<gen>:<topology>[ slices=K] (e.g. tpu:v5e:4x4, tpu:v5p:8x8x16)"
 
 
@@ -73,13 +74,18 @@ def parse_target(spec: str) -> Target:
         return Target(platform=text)
     if text.startswith("cpu:"):
         count = text[4:]
-        if not count.isdigit() or int(count) < 1:
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
             raise LabError(f"target {spec!r}: the device count must be a positive integer, as in cpu:8")
+        if int(count) > MAX_CPU_DEVICES:
+            raise LabError(
+                f"target {spec!r}: this host emulates at most {MAX_CPU_DEVICES} CPU devices; for a larger mesh "
+                "compile for a TPU topology instead (tpu:<gen>:<topology>)"
+            )
         return Target("cpu", int(count))
     match = _TOPOLOGY.match(text)
     if match:
         slices = match["slices"] or "1"
-        if not slices.isdigit() or int(slices) < 1:
+        if not (slices.isascii() and slices.isdigit()) or int(slices) < 1:
             raise LabError(f"target {spec!r}: slices must be a positive integer, as in 'tpu:v5e:16x16 slices=4'")
         return Target("tpu", topology=f"{match['gen']}:{match['dims']}", slices=int(slices))
     raise LabError(f"unknown target {spec!r}; use {_TARGET_FORMS}")

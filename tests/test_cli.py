@@ -20,6 +20,8 @@ from lab.cli import main
         (["inspect", "--hlo", "/no/such/file", "--mesh", "data=8"], "cannot read HLO file"),
         (["bench", "-b", "0"], "sizes must be positive"),
         (["report", "--only", "nope"], "unknown experiment 'nope'"),
+        (["report", "--rejudge", "--stale"], "exclude each other"),
+        (["report", "--only"], "--only needs experiment names"),
         (["run", "nonexistent"], "Unrecognized options: nonexistent"),
         (["bench", "--factor", "x"], "invalid literal"),
     ],
@@ -90,15 +92,31 @@ def test_bench_prints_an_nccl_tests_table(capsys, devices):
     assert "busbw" in out and out.count("all-reduce") >= 2
 
 
-def test_report_only_writes_the_page_and_keeps_the_index(capsys, devices, tmp_path):
-    (tmp_path / "old").mkdir()
-    (tmp_path / "old" / "result.json").write_text(
-        json.dumps({"name": "old", "title": "Old", "question": "#1", "summary": "", "checks": []})
-    )
+def test_report_only_rejudge_and_stale(capsys, devices, tmp_path, monkeypatch):
+    from lab.registry import get
+
     assert main(["report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
-    index = (tmp_path / "README.md").read_text()
-    assert "allreduce_equivalence/README.md" in index and "[Old](old/README.md)" in index
-    assert (tmp_path / "allreduce_equivalence" / "result.json").exists()
+    page = tmp_path / "allreduce_equivalence"
+    measured = json.loads((page / "result.json").read_text())
+    assert "allreduce_equivalence/README.md" in (tmp_path / "README.md").read_text()
+
+    # --rejudge measures nothing: the same observations give the same checks, and the provenance is kept
+    assert main(["report", "--rejudge", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
+    rejudged = json.loads((page / "result.json").read_text())
+    assert rejudged["checks"] == measured["checks"] and rejudged["provenance"] == measured["provenance"]
+
+    # --stale: a fresh page is left alone; a page whose code hash differs is measured again
+    capsys.readouterr()
+    assert main(["report", "--stale", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
+    assert "stale: none" in capsys.readouterr().out
+    monkeypatch.setattr(type(get("allreduce_equivalence")), "code_hash", property(lambda self: "changed"))
+    assert main(["report", "--stale", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
+    assert "stale: allreduce_equivalence" in capsys.readouterr().out
+
+
+def test_rejudge_without_a_measured_page_says_what_to_run(capsys, tmp_path):
+    assert main(["report", "--rejudge", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 2
+    assert "lab report --only allreduce_equivalence" in capsys.readouterr().err
 
 
 def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
@@ -117,3 +135,8 @@ def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
         assert done.returncode == 0, done.stderr
         assert done.stderr == "", done.stderr
         assert "all-" in done.stdout
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("lab (sharding-lab) 0.1.0, jax 0.10")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -38,7 +39,7 @@ import jax
 import numpy as np
 from jax.profiler import StepTraceAnnotation, TraceAnnotation
 
-from lab import progress
+from lab import inputs, progress
 from lab.devices import DEFAULT_TARGET, describe_devices, devices_for, distributed_devices
 from lab.errors import LabError
 from lab.hardware import profile, profile_for_device_kind
@@ -255,21 +256,40 @@ def _trainer(model, train_config, mesh):
 
 
 def _check(config: RunConfig) -> None:
-    if config.steps < 1 or config.global_batch < 1:
-        raise LabError(f"--steps {config.steps} and --global-batch {config.global_batch} must both be at least 1")
+    """Refuse what cannot run before anything is compiled or written (`lab.inputs`)."""
+    inputs.number("--steps", config.steps, low=1, high=MAX_STEPS)
+    inputs.number("--global-batch", config.global_batch, low=1)
+    inputs.number("--micro-batches", config.micro_batches, low=1, high=config.global_batch)
+    inputs.positive("--learning-rate", config.learning_rate, high=1.0)
+    inputs.number("--seed", config.seed, low=0, high=2**32 - 1)
+    inputs.number("--checkpoint-every", config.checkpoint_every, low=0)
+    inputs.number("--input-ms", config.input_ms, low=0, high=MAX_INPUT_MS)
+    inputs.number("--input-jitter-ms", config.input_jitter_ms, low=0, high=MAX_INPUT_MS)
+    inputs.number("--prefetch", config.prefetch, low=0, high=64)
+    tokens_bytes = config.global_batch * (preset(config.model).seq + 1) * 4
+    if tokens_bytes > _host_memory() / 4:
+        raise LabError(
+            f"--global-batch {config.global_batch}: one step's tokens alone take {tokens_bytes / 2**30:.1f} GiB, "
+            f"more than a quarter of this host's {_host_memory() / 2**30:.0f} GiB; use a smaller batch"
+        )
     if config.resume and config.checkpoint_dir is None:
         raise LabError("--resume needs --checkpoint-dir: the folder an earlier lab train saved to")
-    if config.checkpoint_every < 0:
-        raise LabError(
-            f"--checkpoint-every {config.checkpoint_every}: use 0 (only at the end) or a positive step count"
-        )
-    if min(config.input_ms, config.input_jitter_ms, config.prefetch) < 0:
-        raise LabError(
-            f"--input-ms {config.input_ms:g}, --input-jitter-ms {config.input_jitter_ms:g} "
-            f"and --prefetch {config.prefetch} must not be negative"
-        )
-    if config.profile is not None and Path(config.profile).is_file():
-        raise LabError(f"--profile {str(config.profile)!r} is a file; give a folder for the trace")
+    inputs.page_name("--name", config.name)
+    if config.page:
+        inputs.output_folder("--results", config.results)
+    if config.log is not None:
+        inputs.output_file("--log", config.log)
+    for option, folder in (("--checkpoint-dir", config.checkpoint_dir), ("--profile", config.profile)):
+        if folder is not None:
+            inputs.output_folder(option, folder)
+
+
+MAX_STEPS = 10**8  # a run of more steps than this is a typo (1e20), not a plan
+MAX_INPUT_MS = 60_000.0  # a simulated loader slower than a minute per batch is a typo
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _model(config: RunConfig):
