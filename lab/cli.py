@@ -7,6 +7,9 @@ because the emulated device count must be fixed before JAX's backends start.
 
 A user mistake (`LabError`) prints one line on stderr and exits with code 2,
 never a traceback.
+
+One concept, one module: the command line, one option dataclass and one short
+handler per subcommand; the work itself is in the modules each handler calls.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ LAB = Path(__file__).resolve().parents[1] / "lab"
 
 # The data flow, bottom to top: a module may import its own layer and those below, never above.
 LAYERS = (
-    ("lab.errors", "lab.units", "lab.progress", "lab.verdict"),
+    ("lab.errors", "lab.units", "lab.progress", "lab.verdict", "lab.inputs", "lab.provenance"),
     ("lab.mesh", "lab.devices", "lab.hardware", "lab.collectives"),
     ("lab.rules", "lab.topology", "lab.theory"),
     ("lab.hlo", "lab.moe", "lab.model", "lab.roofline", "lab.bench"),

@@ -18,26 +18,27 @@ def _figure():
 
 
 def _result(**overrides):
-    fields = dict(
-        name="demo",
-        title="A demo",
-        question="#39",
-        summary="Two numbers agree.",
-        theory="$2(N-1)/N \\cdot D$",
-        tables=[Table("sizes", ["n", "bytes"], [[1, 2.5], [2, "a|b"]])],
-        checks=[
-            check("bytes", 2, 2, kind="exact"),
-            check("count", 1, 2, kind="exact", refined=2, why="two tuple members"),
-            check("ms", 1.0, 3.0, kind="timing", rtol=0.2, basis="the split is no slower on this host"),
-        ],
-        claims=[Claim("the same bytes both ways", "confirmed", "2 against 2")],
-        plots={"curve": _figure},
-        notes=["XLA combined them."],
-        observations={"bytes": 2},
-        config={"target": "cpu:8"},
-        provenance=provenance(target="cpu:8", devices="8 x cpu", mesh="fsdp=8"),
-    )
-    return Result(**(fields | overrides))
+    return Result(**(_FIELDS | {"plots": {"curve": _figure}} | overrides))
+
+
+_FIELDS = dict(  # noqa: C408 - keywords: the fields of a Result, as a call would name them
+    name="demo",
+    title="A demo",
+    question="#39",
+    summary="Two numbers agree.",
+    theory="$2(N-1)/N \\cdot D$",
+    tables=[Table("sizes", ["n", "bytes"], [[1, 2.5], [2, "a|b"]])],
+    checks=[
+        check("bytes", 2, 2, kind="exact"),
+        check("count", 1, 2, kind="exact", refined=2, why="two tuple members"),
+        check("ms", 1.0, 3.0, kind="timing", rtol=0.2, basis="the split is no slower on this host"),
+    ],
+    claims=[Claim("the same bytes both ways", "confirmed", "2 against 2")],
+    notes=["XLA combined them."],
+    observations={"bytes": 2},
+    config={"target": "cpu:8"},
+    provenance=provenance(target="cpu:8", devices="8 x cpu", mesh="fsdp=8"),
+)
 
 
 def test_page_has_question_theory_checks_claims_plot_and_provenance(tmp_path):
