@@ -213,7 +213,7 @@ def run(config: RunConfig, devices=None) -> RunLog:
         trainer.layout.idle_axes,
         sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.abstract_state())),
     )
-    writer = _log_writer(config)
+    writer = _log_writer(config, start_step)
     loader = input_pipeline.Loader(
         lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
         config.input_ms / 1e3,
@@ -316,6 +316,8 @@ def _initial_state(config: RunConfig, trainer, checkpoints) -> tuple[int, object
     if not config.resume:
         return 0, trainer.init(config.seed)
     step, state = checkpoints.restore(trainer.abstract_state())
+    for skipped in checkpoints.skipped:
+        progress.say(f"checkpoint {skipped}; moved aside, resuming from step {step}")
     if step >= config.steps:
         raise LabError(
             f"the checkpoint in {str(config.checkpoint_dir)!r} is already "
@@ -381,17 +383,37 @@ def _describe(devices) -> str:
     return describe_devices(devices)
 
 
-def _log_writer(config: RunConfig):
-    """A function appending one JSON line per step (process 0 only; the others write nothing)."""
+def _log_writer(config: RunConfig, start_step: int):
+    """A function appending one JSON line per step (process 0 only; the others write nothing).
+
+    A resumed run keeps the lines up to the step it resumed from and drops the later ones, which the
+    interrupted run logged after its last checkpoint and this run is about to redo: no step is logged twice.
+    """
     if jax.process_index() != 0:
         return lambda metrics: None
     path = config.log or config.results / config.name / "metrics.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not config.resume:
-        path.write_text("")
+    kept = [line for line in _lines(path) if json.loads(line)["step"] <= start_step] if config.resume else []
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text("".join(f"{line}\n" for line in kept))
+    staged.replace(path)  # the log is replaced whole: an interrupted rewrite leaves the old one
 
     def write(metrics: StepMetrics) -> None:
         with path.open("a") as out:
             out.write(json.dumps(asdict(metrics)) + "\n")
 
     return write
+
+
+def _lines(path: Path) -> list[str]:
+    """The complete JSON lines of a log (a line cut off by a kill is dropped)."""
+    if not path.is_file():
+        return []
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            json.loads(line)
+        except ValueError:
+            continue
+        lines.append(line)
+    return lines

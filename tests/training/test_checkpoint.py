@@ -112,8 +112,75 @@ def test_corrupt_or_foreign_folder_is_a_clear_error(devices, tmp_path):
     foreign = tmp_path / "foreign"
     (foreign / "3").mkdir(parents=True)
     (foreign / "3" / "weights.bin").write_bytes(b"\x00garbage")
-    with pytest.raises(LabError, match=r"corrupt|not a readable orbax checkpoint"):
+    with pytest.raises(LabError, match="not a readable lab train checkpoint"):
         Checkpoints(CheckpointPolicy(foreign)).restore(target, step=3)
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(LabError, match="is a file"):
         Checkpoints(CheckpointPolicy(tmp_path / "a_file"))
+
+
+def _data_files(folder):
+    """The files holding a step's array bytes: tensorstore's chunks, in the ``d/`` folders of its OCDBT store."""
+    return sorted(f for f in (folder / "state").rglob("*") if f.is_file() and f.parent.name == "d")
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate, lambda path: path.unlink()], ids=["flip", "truncate", "delete"])
+def test_a_damaged_latest_step_is_skipped_for_the_intact_one_which_is_never_deleted(devices, tmp_path, damage):
+    mesh = MeshSpec.parse("fsdp=8").build(devices)
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path, every=1, keep=2))
+    for step in (1, 2):
+        checkpoints.save(step, _state(mesh, P("fsdp"), P(), scale=step))
+    checkpoints.wait()
+    for path in _data_files(tmp_path / "2"):
+        damage(path)
+
+    specs = {"params": {"w": P("fsdp"), "b": P()}, "count": P()}
+    step, restored = checkpoints.restore(_abstract(_state(mesh, P("fsdp"), P()), mesh, specs))
+    assert step == 1 and len(checkpoints.skipped) == 1 and checkpoints.skipped[0].startswith("step 2: ")
+    np.testing.assert_array_equal(
+        np.asarray(restored["params"]["w"]), np.asarray(_state(mesh, P("fsdp"), P())["params"]["w"])
+    )
+    assert (tmp_path / "2.corrupt").is_dir()  # moved aside, not deleted: nothing is lost
+
+    checkpoints.save(3, _state(mesh, P("fsdp"), P(), scale=3))  # keeping two steps now keeps 1 and 3
+    checkpoints.wait()
+    assert sorted(checkpoints.manager.all_steps()) == [1, 3]
+    checkpoints.close()
+
+
+def test_values_that_are_not_finite_are_refused(devices, tmp_path):
+    mesh = MeshSpec.parse("fsdp=8").build(devices)
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path, every=1))
+    checkpoints.save(1, _state(mesh, P("fsdp"), P(), scale=float("nan")))
+    checkpoints.wait()
+    target = _abstract(_state(mesh, P("fsdp"), P()), mesh, {"params": {"w": P("fsdp"), "b": P()}, "count": P()})
+    with pytest.raises(LabError, match=r"no intact checkpoint.*holds NaN or Inf"):
+        checkpoints.restore(target)
+    with pytest.raises(LabError, match=r"checkpoint step 1 .*holds NaN or Inf"):
+        checkpoints.restore(target, step=1)
+    checkpoints.close()
+
+
+def test_the_checksum_is_the_same_on_every_mesh_and_moves_with_any_bit(devices):
+    from lab.training.checkpoint import checksums
+
+    values = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    sums = {
+        spec: checksums({"w": jax.device_put(values, NamedSharding(MeshSpec.parse(mesh).build(devices), spec))})
+        for mesh, spec in (("fsdp=8", P("fsdp")), ("data=2,tensor=4", P("data", "tensor")), ("fsdp=8", P()))
+    }
+    assert len(set(map(str, sums.values()))) == 1
+    changed = values.copy()
+    changed.view(np.uint32)[3, 5] ^= 1  # one bit of one element
+    assert checksums({"w": jax.device_put(changed)}) != checksums({"w": jax.device_put(values)})

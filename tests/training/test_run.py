@@ -133,3 +133,14 @@ def test_an_moe_run_logs_and_shows_its_expert_load(devices, tmp_path):
     )  # the busiest expert is at least the mean
     table = result(log).tables[0]
     assert "expert_load_max_over_mean" in table.columns
+
+
+def test_a_resumed_log_keeps_the_steps_up_to_the_checkpoint_and_redoes_none(tmp_path):
+    from lab.training.run import _log_writer
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps({"step": k, "loss": 1.0}) + "\n" for k in range(1, 14)) + '{"step": 14, "lo')
+    _log_writer(RunConfig(log=log, resume=True, checkpoint_dir=tmp_path), start_step=10)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 11))
+    _log_writer(RunConfig(log=log), start_step=0)  # a fresh run starts a fresh log
+    assert log.read_text() == ""
