@@ -30,6 +30,8 @@ resumed from. Nothing is trained on weights that failed the check.
 
 from __future__ import annotations
 
+import fcntl
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,7 @@ class Checkpoints:
             raise LabError(
                 f"checkpoint path {str(directory)!r} is a file; give a directory (new or written by lab train)"
             )
+        self._lock = _lock(directory) if jax.process_index() == 0 else None
         options = ocp.CheckpointManagerOptions(
             save_interval_steps=max(policy.every, 1),
             max_to_keep=policy.keep,
@@ -84,7 +87,12 @@ class Checkpoints:
         )
         # the handlers named up front: a manager that has not saved yet can then read an existing folder's metadata
         handlers = {"state": ocp.StandardCheckpointHandler(), "checksums": ocp.JsonCheckpointHandler()}
-        self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+        try:
+            self.manager = ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+        except BaseException:
+            if self._lock is not None:
+                self._lock.close()
+            raise
         self.skipped: list[str] = []  # the steps a restore passed over, and why
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
@@ -189,9 +197,18 @@ class Checkpoints:
         """Block until an asynchronous save is on disk."""
         self.manager.wait_until_finished()
 
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the lock
+            self._lock = None
 
 
 def _without_reduced(sharding):
@@ -210,6 +227,26 @@ def _relabel(array: jax.Array, sharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(
         array.shape, sharding, [shard.data for shard in array.addressable_shards]
     )
+
+
+def _lock(directory: Path):
+    """Hold the folder's lock for this run: a second run on the same folder is refused, not interleaved."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = (directory / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "another process"
+        handle.close()
+        raise LabError(
+            f"checkpoint folder {str(directory)!r} is in use by another run ({owner}); wait for it, "
+            "or give this run its own --checkpoint-dir"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"pid {os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 class _Corrupt(Exception):

@@ -88,6 +88,7 @@ def test_killed_during_save_keeps_the_previous_checkpoint(devices, tmp_path):
     step, restored = checkpoints.restore(
         {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=NamedSharding(mesh, P("fsdp")))}
     )
+    checkpoints.close()
     assert step == 1 and float(restored["w"].sum()) == 64 * 16
 
 
@@ -102,18 +103,22 @@ def test_checkpoint_of_another_model_is_a_clear_error(devices, tmp_path):
         checkpoints.restore(wider)
     with pytest.raises(LabError, match=re.escape("another model: it has no 'params.v'")):
         checkpoints.restore({"params": {"v": wider["params"]["w"]}})
+    checkpoints.close()
 
 
 def test_corrupt_or_foreign_folder_is_a_clear_error(devices, tmp_path):
     mesh = MeshSpec.parse("fsdp=8").build(devices)
     target = {"w": jax.ShapeDtypeStruct((64, 16), np.float32, sharding=NamedSharding(mesh, P("fsdp")))}
-    with pytest.raises(LabError, match="no checkpoint in"):
-        Checkpoints(CheckpointPolicy(tmp_path / "empty")).restore(target)
+    with pytest.raises(LabError, match="no checkpoint in"), Checkpoints(CheckpointPolicy(tmp_path / "e")) as empty:
+        empty.restore(target)
     foreign = tmp_path / "foreign"
     (foreign / "3").mkdir(parents=True)
     (foreign / "3" / "weights.bin").write_bytes(b"\x00garbage")
-    with pytest.raises(LabError, match="not a readable lab train checkpoint"):
-        Checkpoints(CheckpointPolicy(foreign)).restore(target, step=3)
+    with (
+        pytest.raises(LabError, match="not a readable lab train checkpoint"),
+        Checkpoints(CheckpointPolicy(foreign)) as c,
+    ):
+        c.restore(target, step=3)
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(LabError, match="is a file"):
         Checkpoints(CheckpointPolicy(tmp_path / "a_file"))
@@ -184,3 +189,20 @@ def test_the_checksum_is_the_same_on_every_mesh_and_moves_with_any_bit(devices):
     changed = values.copy()
     changed.view(np.uint32)[3, 5] ^= 1  # one bit of one element
     assert checksums({"w": jax.device_put(changed)}) != checksums({"w": jax.device_put(values)})
+
+
+def test_a_second_run_on_the_same_folder_is_refused_until_the_first_closes(devices, tmp_path):
+    first = Checkpoints(CheckpointPolicy(tmp_path))
+    result = run_python(
+        f"""
+        from lab.errors import LabError
+        from lab.training.checkpoint import CheckpointPolicy, Checkpoints
+        try:
+            Checkpoints(CheckpointPolicy({str(tmp_path)!r}))
+        except LabError as err:
+            print(err)
+        """
+    )
+    assert "is in use by another run (pid" in result.stdout, result.stderr
+    first.close()
+    Checkpoints(CheckpointPolicy(tmp_path)).close()  # free again

@@ -100,7 +100,7 @@ def test_a_slow_loader_shows_as_waiting_for_data_and_the_profile_names_the_parts
 def test_page_has_loss_and_step_time_plots(layout):
     page = result(layout)
     assert set(page.plots) == {"loss", "step_time"}
-    assert len(page.tables[0].rows) == STEPS and page.data["steps"][0]["loss"] == layout.losses[0]
+    assert len(page.tables[0].rows) == STEPS and page.observations["steps"][0]["loss"] == layout.losses[0]
 
 
 @pytest.mark.parametrize(
@@ -110,8 +110,8 @@ def test_page_has_loss_and_step_time_plots(layout):
         (RunConfig(resume=True), "--resume needs --checkpoint-dir"),
         (RunConfig(mesh="data=2,fsdp=2,tensor=2", global_batch=6), "not divisible"),
         (RunConfig(strategy="zero9"), "unknown strategy"),
-        (RunConfig(prefetch=-1), "must not be negative"),
-        (RunConfig(input_ms=-5), "must not be negative"),
+        (RunConfig(prefetch=-1), "--prefetch -1: must be at least 0"),
+        (RunConfig(input_ms=-5), "--input-ms -5: must be at least 0"),
         (RunConfig(profile=Path(__file__)), "is a file"),
     ],
 )
