@@ -61,18 +61,23 @@ def time_fn(fn: Callable, *args, warmup: int = 2, repeats: int = 10, min_seconds
 
 
 def time_interleaved(
-    calls: dict[str, tuple[Callable, tuple]], *, repeats: int = 5, warmup: int = 1
+    calls: dict[str, tuple[Callable, tuple]], *, repeats: int = 5, warmup: int = 1, min_seconds: float = 0.0
 ) -> dict[str, Timing]:
     """Time several programs round-robin: one call of each per round, `repeats` rounds.
 
     On a shared machine the load drifts during a measurement; taking turns
     spreads the drift over every variant alike, so their ratios stay fair,
-    which timing each variant in one block does not.
+    which timing each variant in one block does not. With `min_seconds`, keeps
+    going round until that much time was spent, so microsecond-scale programs
+    get enough rounds.
     """
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for fn, args in calls.values():
         time_fn(fn, *args, warmup=warmup, repeats=1)
-    for _ in range(repeats):
+    started = time.perf_counter()
+    rounds = 0
+    while rounds < repeats or time.perf_counter() - started < min_seconds:
+        rounds += 1
         for name, (fn, args) in calls.items():
             samples[name].append(time_fn(fn, *args, warmup=0, repeats=1).median)
     return {name: Timing(statistics.median(s), min(s), max(s), len(s)) for name, s in samples.items()}

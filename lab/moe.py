@@ -93,6 +93,16 @@ class RouterConfig:
         return min(tokens, expert_capacity(tokens, self.experts, self.top_k, self.capacity_factor))
 
 
+def parse_capacity_factor(text: str) -> float | None:
+    """A capacity factor as typed on a command line: a number such as ``1.25``, or ``none`` for no dropping."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise LabError(f"capacity factor {text!r}: write a number such as 1.25, or none for no dropping") from None
+
+
 @struct.dataclass
 class Balance:
     """Load-balancing coefficients, passed at run time so that one compiled step serves every value."""

@@ -146,7 +146,9 @@ def _run(config: RunConfig, devices) -> RunLog:
     """A short `lab train` run, without its page, its log written to a folder that is then removed."""
 
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as folder:
-        return training_run.run(replace(config, page=False, results=Path(folder), log=None, name="doctor"), devices)
+        return training_run.run(
+            replace(config, page=False, results=Path(folder), log=None, name="doctor", halt_on_nan=False), devices
+        )
 
 
 # --- memory -------------------------------------------------------------------------------------

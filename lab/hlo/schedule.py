@@ -382,6 +382,22 @@ def _chain_id(schedule: ScheduledModule, computation: str) -> str | None:
     )
 
 
+def window_flops(schedule: ScheduledModule, window: Window) -> float:
+    """Matmul FLOPs of the instructions the schedule runs between `window`'s start and done."""
+    found = {i.name: i for i in schedule.computations.get(window.computation, ())}
+    return sum(flops(schedule, window.computation, found[name]) for name in window.between)
+
+
+def flops_in_flight(schedule: ScheduledModule, windows: Sequence[Window]) -> float:
+    """Matmul FLOPs run while at least one collective of `windows` is in flight, each instruction counted once.
+
+    Windows can nest or overlap (two transfers in flight at once); an instruction inside several counts once.
+    """
+    inside = {(w.computation, name) for w in windows for name in w.between}
+    found = {(c, i.name): i for c, body in schedule.computations.items() for i in body}
+    return sum(flops(schedule, c, found[(c, name)]) for c, name in inside)
+
+
 def predict_seconds(collective: Collective, chip, topology: tuple[int, ...] = ()) -> float:
     """lab.theory's time for one run of `collective` on `chip`: over torus dims its group spans, else a switch."""
     kind, size, group = collective.kind, collective.size_bytes, collective.group_size or 1

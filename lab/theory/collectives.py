@@ -10,8 +10,10 @@
    Sizes follow nccl-tests (doc/PERFORMANCE.md): S is the all-reduce buffer,
    the all-gather *output*, the reduce-scatter *input*, the all-to-all
    per-device buffer, and the permute, broadcast or reduce buffer. The
-   reduction arithmetic (TRG's gamma term) is left out: accelerators overlap
-   it with the transfers.
+   reduction arithmetic (TRG's gamma term, `bytes_reduced` * gamma seconds
+   per byte) is 0 unless `gamma` is given: accelerators overlap it with the
+   transfers, but a target that runs it between the sends (emulated CPU
+   devices) pays it in full.
 2. nccl-tests bandwidths (NVIDIA/nccl-tests doc/PERFORMANCE.md):
    algbw = S/t and busbw = algbw * factor(kind, N).
 3. The crossover: the size below which a few-step algorithm beats a
@@ -55,6 +57,8 @@ class CollectiveCost:
     latency_s: float  # steps * alpha
     transfer_s: float  # bytes_sent / (links * beta)
     seconds: float
+    bytes_reduced: float = 0.0  # bytes of S one device adds into a partial sum (TRG's gamma term)
+    reduction_s: float = 0.0  # bytes_reduced * gamma
 
 
 # --- 1. Collectives in the alpha-beta model ---------------------------------
@@ -62,11 +66,13 @@ class CollectiveCost:
 
 @dataclass(frozen=True)
 class _Pass:
-    """An algorithm's passes over the data, combined: rounds on the critical path, bytes per byte of S, links."""
+    """An algorithm's passes over the data, combined: rounds on the critical path, bytes per byte of S, links,
+    and bytes reduced per byte of S (TRG's gamma term)."""
 
     steps: int
     bytes_per_size: float  # bytes_sent / S
     links: int = 1
+    reduced_per_size: float = 0.0  # bytes_reduced / S
 
 
 def _exact_log2(n: int) -> int:
@@ -97,9 +103,15 @@ def _halving_doubling_pass(n: int) -> _Pass:
     return _Pass(_exact_log2(n), (n - 1) / n)
 
 
+def _reducing(one: _Pass) -> _Pass:
+    """A reduce-scatter pass: every byte it receives is added to a partial sum (TRG: (p-1)/p n gamma)."""
+    return _Pass(one.steps, one.bytes_per_size, one.links, one.bytes_per_size)
+
+
 def _twice(one: _Pass) -> _Pass:
-    """All-reduce = reduce-scatter then all-gather (TRG, Rabenseifner's algorithm; scaling book Part 3)."""
-    return _Pass(2 * one.steps, 2 * one.bytes_per_size, one.links)
+    """All-reduce = reduce-scatter then all-gather (TRG, Rabenseifner's algorithm; scaling book Part 3): the
+    reduce-scatter pass reduces what it receives, the all-gather pass only copies."""
+    return _Pass(2 * one.steps, 2 * one.bytes_per_size, one.links, one.bytes_per_size)
 
 
 # (kind, algorithm) -> N -> its passes. Each line cites its formula.
@@ -109,16 +121,16 @@ _PASSES: dict[tuple[str, str], Callable[[int], _Pass]] = {
     ("all-reduce", "bidirectional-ring"): lambda n: _twice(_bidirectional_pass(n)),
     # Rabenseifner (TRG): 2 lg(p) a + 2 (p-1)/p n b.
     ("all-reduce", "halving-doubling"): lambda n: _twice(_halving_doubling_pass(n)),
-    # Recursive doubling (TRG): lg(p) (a + n b): the whole buffer at every step.
-    ("all-reduce", "recursive-doubling"): lambda n: _Pass(_exact_log2(n), _exact_log2(n)),
-    # Binomial reduce then binomial broadcast (TRG): 2 ceil(lg p) (a + n b).
-    ("all-reduce", "binomial-tree"): lambda n: _Pass(2 * _ceil_log2(n), 2 * _ceil_log2(n)),
+    # Recursive doubling (TRG): lg(p) (a + n b + n g): the whole buffer sent and added at every step.
+    ("all-reduce", "recursive-doubling"): lambda n: _Pass(_exact_log2(n), _exact_log2(n), 1, _exact_log2(n)),
+    # Binomial reduce then binomial broadcast (TRG): 2 ceil(lg p) (a + n b) + ceil(lg p) n g.
+    ("all-reduce", "binomial-tree"): lambda n: _Pass(2 * _ceil_log2(n), 2 * _ceil_log2(n), 1, _ceil_log2(n)),
     ("all-gather", "ring"): _ring_pass,
     ("all-gather", "bidirectional-ring"): _bidirectional_pass,
     ("all-gather", "halving-doubling"): _halving_doubling_pass,
-    ("reduce-scatter", "ring"): _ring_pass,
-    ("reduce-scatter", "bidirectional-ring"): _bidirectional_pass,
-    ("reduce-scatter", "halving-doubling"): _halving_doubling_pass,
+    ("reduce-scatter", "ring"): lambda n: _reducing(_ring_pass(n)),
+    ("reduce-scatter", "bidirectional-ring"): lambda n: _reducing(_bidirectional_pass(n)),
+    ("reduce-scatter", "halving-doubling"): lambda n: _reducing(_halving_doubling_pass(n)),
     # Pairwise exchange (TRG): N-1 steps, one S/N block to each peer.
     ("all-to-all", "direct"): lambda n: _Pass(n - 1, (n - 1) / n),
     # On a ring each block is forwarded hop by hop: S/N * (1 + 2 + ... + N-1) = S (N-1)/2.
@@ -130,7 +142,7 @@ _PASSES: dict[tuple[str, str], Callable[[int], _Pass]] = {
     ("broadcast", "binomial-tree"): lambda n: _Pass(_ceil_log2(n), _ceil_log2(n)),
     # van de Geijn, binomial scatter + ring all-gather (TRG): (lg p + p - 1) a + 2 (p-1)/p n b.
     ("broadcast", "scatter-allgather"): lambda n: _Pass(_ceil_log2(n) + n - 1, 2 * (n - 1) / n),
-    ("reduce", "binomial-tree"): lambda n: _Pass(_ceil_log2(n), _ceil_log2(n)),
+    ("reduce", "binomial-tree"): lambda n: _Pass(_ceil_log2(n), _ceil_log2(n), 1, _ceil_log2(n)),
     # Rabenseifner reduce, recursive-halving reduce-scatter + binomial gather (TRG): 2 lg p a + 2 (p-1)/p n b.
     ("reduce", "halving-doubling"): lambda n: _twice(_halving_doubling_pass(n)),
 }
@@ -143,21 +155,26 @@ def algorithms_for(kind: str) -> tuple[str, ...]:
 
 
 def collective_cost(
-    kind: str, size_bytes: float, devices: int, *, algorithm: str, alpha: float, beta: float
+    kind: str, size_bytes: float, devices: int, *, algorithm: str, alpha: float, beta: float, gamma: float = 0.0
 ) -> CollectiveCost:
-    """Alpha-beta cost of `kind` on `devices` devices: steps * alpha + bytes_sent / (links * beta).
+    """Alpha-beta cost of `kind` on `devices` devices: steps * alpha + bytes_sent / (links * beta), plus
+    bytes_reduced * gamma when the reduction arithmetic is not overlapped.
 
-    `size_bytes` is the nccl-tests size S; `alpha` is seconds per message and
-    `beta` bytes/s per link per direction.
+    `size_bytes` is the nccl-tests size S; `alpha` is seconds per message,
+    `beta` bytes/s per link per direction, `gamma` seconds per byte added into
+    a partial sum (TRG's gamma; 0: hidden behind the transfers).
     """
     _check_kind(kind)
     _check_count_and_size(devices, size_bytes)
-    if alpha < 0 or beta <= 0:
-        raise LabError(f"alpha must be >= 0 seconds and beta > 0 bytes/s, got alpha={alpha}, beta={beta}")
+    if alpha < 0 or beta <= 0 or gamma < 0:
+        raise LabError(
+            f"alpha must be >= 0 seconds, beta > 0 bytes/s and gamma >= 0 s/byte, got alpha={alpha}, beta={beta}, "
+            f"gamma={gamma}"
+        )
     if (kind, algorithm) not in _PASSES:
         raise LabError(f"no algorithm {algorithm!r} for {kind}; use one of {', '.join(algorithms_for(kind))}")
     passes = _PASSES[kind, algorithm](devices)
-    bytes_sent = passes.bytes_per_size * size_bytes
+    bytes_sent, bytes_reduced = passes.bytes_per_size * size_bytes, passes.reduced_per_size * size_bytes
     latency_s, transfer_s = passes.steps * alpha, bytes_sent / (passes.links * beta)
     return CollectiveCost(
         kind,
@@ -169,7 +186,9 @@ def collective_cost(
         passes.links,
         latency_s,
         transfer_s,
-        latency_s + transfer_s,
+        latency_s + transfer_s + bytes_reduced * gamma,
+        bytes_reduced,
+        bytes_reduced * gamma,
     )
 
 
@@ -224,7 +243,7 @@ def bus_bandwidth(kind: str, size_bytes: float, seconds: float, devices: int) ->
 
 
 def crossover_bytes(
-    kind: str, few_steps: str, bandwidth_optimal: str, devices: int, *, alpha: float, beta: float
+    kind: str, few_steps: str, bandwidth_optimal: str, devices: int, *, alpha: float, beta: float, gamma: float = 0.0
 ) -> float:
     """The size S* below which algorithm `few_steps` is faster than `bandwidth_optimal`.
 
@@ -234,16 +253,17 @@ def crossover_bytes(
     (k = 2(N-1), c = 2(N-1)/N) gives
         S* = alpha * beta * (2(N-1) - log2 N) / (log2 N - 2(N-1)/N),
     which is why MPICH uses recursive doubling only for short messages (TRG).
+    With `gamma`, the per-byte costs include the reduction: c/beta + r*gamma.
     Returns inf when `few_steps` is never slower (e.g. Rabenseifner's
     halving-doubling against the ring: fewer steps, the same bytes; in practice
     link contention on a ring or torus, which this model leaves out, is what
     makes the ring win for large sizes), and 0 when it is never faster.
     """
     _check_count_and_size(devices, 0)
-    few = collective_cost(kind, 1.0, devices, algorithm=few_steps, alpha=alpha, beta=beta)
-    wide = collective_cost(kind, 1.0, devices, algorithm=bandwidth_optimal, alpha=alpha, beta=beta)
+    few = collective_cost(kind, 1.0, devices, algorithm=few_steps, alpha=alpha, beta=beta, gamma=gamma)
+    wide = collective_cost(kind, 1.0, devices, algorithm=bandwidth_optimal, alpha=alpha, beta=beta, gamma=gamma)
     latency_saved = wide.latency_s - few.latency_s
-    transfer_lost_per_byte = few.transfer_s - wide.transfer_s  # S = 1 byte above
+    transfer_lost_per_byte = (few.transfer_s + few.reduction_s) - (wide.transfer_s + wide.reduction_s)  # S = 1 byte
     if transfer_lost_per_byte <= 0:  # never slower per byte: faster everywhere if it also saves steps
         return math.inf if latency_saved > 0 or (latency_saved == 0 and transfer_lost_per_byte < 0) else 0.0
     return max(latency_saved, 0.0) / transfer_lost_per_byte

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -109,6 +110,8 @@ class RunConfig:
     """initialise jax.distributed from the environment (TPU VM, SLURM) without the three flags"""
     page: bool = True
     """write the results page (process 0)"""
+    halt_on_nan: bool = True
+    """stop at the first NaN or Inf loss with an error (lab doctor keeps going, to study the divergence)"""
 
 
 WARMUP_STEPS = 2  # left out of step-time statistics
@@ -228,6 +231,11 @@ def run(config: RunConfig, devices=None) -> RunLog:
                 state, metrics = loop.iterate(step, state, data)
                 log.steps.append(metrics)
                 writer(metrics)
+                if config.halt_on_nan and not math.isfinite(metrics.loss):
+                    raise LabError(
+                        f"step {metrics.step}: the loss is {metrics.loss}: training diverged (the log has every step "
+                        "so far); run `lab doctor` with the same options to see why"
+                    )
     finally:
         data.close()
         if checkpoints is not None:

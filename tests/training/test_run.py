@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -144,3 +145,20 @@ def test_a_resumed_log_keeps_the_steps_up_to_the_checkpoint_and_redoes_none(tmp_
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 11))
     _log_writer(RunConfig(log=log), start_step=0)  # a fresh run starts a fresh log
     assert log.read_text() == ""
+
+
+def test_a_run_whose_loss_becomes_nan_stops_with_one_line_pointing_at_the_doctor(devices, tmp_path, monkeypatch):
+    from lab.training import run as training_run
+
+    iterate = training_run._Loop.iterate
+
+    def diverging(self, step, state, data):  # the real step, with the loss a diverged run would report from step 2
+        state, metrics = iterate(self, step, state, data)
+        return state, replace(metrics, loss=float("nan")) if metrics.step >= 2 else metrics
+
+    monkeypatch.setattr(training_run._Loop, "iterate", diverging)
+    log = tmp_path / "metrics.jsonl"
+    config = RunConfig(mesh="fsdp=8", steps=5, results=tmp_path, page=False, log=log)
+    with pytest.raises(LabError, match=r"step 2: the loss is nan: training diverged .* run `lab doctor`"):
+        run(config)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [0, 1, 2]  # logged up to the NaN

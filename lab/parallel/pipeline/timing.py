@@ -70,6 +70,7 @@ class StageTimes:
     forward_all: float
     backward_all: float
     call: float  # the step's cost outside its ticks (launch, arguments, results): added once per step
+    floored: tuple[str, ...] = ()  # grids no slower than the empty step: floored at the clock's resolution
 
     def costs(self, chunks: int = 1) -> Costs:
         """The simulator's costs: per stage, its forward and backward alone (v chunk ticks make a whole stage)."""
@@ -116,11 +117,18 @@ class RoundRobin:
         return statistics.median(a / b for a, b in zip(self.samples[numerator], self.samples[denominator]))
 
 
-def load_note() -> str:
-    """One line on how busy the host was: other processes' work shows in every timing taken on it."""
+def host_load() -> tuple[float, int]:
+    """(the 1-minute load average, the cores this process may use): how busy the host was, to store beside timings."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return os.getloadavg()[0], cores
+
+
+def load_note(load: float | None = None, cores: int | None = None) -> str:
+    """One line on how busy the host was (now, or as `host_load` read it): other processes' work shows in timings."""
+    if load is None or cores is None:
+        load, cores = host_load()
     return (
-        f"The host's load average was {os.getloadavg()[0]:.1f} on {cores} cores when the timings finished; "
+        f"The host's load average was {load:.1f} on {cores} cores when the timings finished; "
         "other processes' work shows in every one."
     )
 
@@ -172,13 +180,30 @@ def calibration_tables(stages: int, micro_batches: int, chunks: int = 1) -> dict
     return {name: _timing_only(grid, stages, chunks) for name, grid in grids.items()}
 
 
-def stage_times(timings: RoundRobin, tables: dict[str, Tables], stages: int) -> StageTimes:
-    """Per-tick times from timed `calibration_tables` (the timings may hold other calls too)."""
+RESOLUTION = time.get_clock_info("perf_counter").resolution  # the smallest difference the timing clock can tell
+
+
+def stage_times(timings: RoundRobin, tables: dict[str, Tables | int], stages: int) -> StageTimes:
+    """Per-tick times from timed `calibration_tables` (or their tick counts); the timings may hold other calls too.
+
+    On a busy host a grid's median can come out no slower than the empty
+    step's. Such a grid's ticks cost less than the clock can resolve, not
+    nothing and not less than nothing: its time over the empty step is floored
+    at the clock's resolution (`RESOLUTION`) and its name listed in
+    `StageTimes.floored`, so that every tick time is positive and a ratio of
+    them (`StageTimes.sharing`) is defined.
+    """
     call = timings.timing("no ticks").median
-    # on a busy host a median can dip below the empty step's: such a tick cost nothing measurable, not less than nothing
-    per_tick = {
-        name: max(timings.timing(name).median - call, 0.0) / tables[name].ticks for name in tables if tables[name].ticks
-    }
+    ticks = {name: t if isinstance(t, int) else t.ticks for name, t in tables.items()}
+    per_tick, floored = {}, []
+    for name, count in ticks.items():
+        if not count:
+            continue
+        excess = timings.timing(name).median - call
+        if excess < RESOLUTION:
+            floored.append(name)
+            excess = RESOLUTION
+        per_tick[name] = excess / count
     return StageTimes(
         tuple(per_tick[f"F on stage {s}"] for s in range(stages)),
         tuple(per_tick[f"B on stage {s}"] for s in range(stages)),
@@ -186,6 +211,7 @@ def stage_times(timings: RoundRobin, tables: dict[str, Tables], stages: int) -> 
         per_tick["F on every stage"],
         per_tick["B on every stage"],
         call,
+        tuple(floored),
     )
 
 
