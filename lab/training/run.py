@@ -394,14 +394,15 @@ def _describe(devices) -> str:
 def _log_writer(config: RunConfig, start_step: int):
     """A function appending one JSON line per step (process 0 only; the others write nothing).
 
-    A resumed run keeps the lines up to the step it resumed from and drops the later ones, which the
-    interrupted run logged after its last checkpoint and this run is about to redo: no step is logged twice.
+    A resumed run keeps the lines of the steps its checkpoint holds (0 to start_step - 1) and drops the later
+    ones, which the interrupted run logged after its last checkpoint and this run is about to redo: no step is
+    logged twice, none is lost.
     """
     if jax.process_index() != 0:
         return lambda metrics: None
     path = config.log or config.results / config.name / "metrics.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    kept = [line for line in _lines(path) if json.loads(line)["step"] <= start_step] if config.resume else []
+    kept = [line for line in _lines(path) if json.loads(line)["step"] < start_step] if config.resume else []
     staged = path.with_name(f".{path.name}.tmp")
     staged.write_text("".join(f"{line}\n" for line in kept))
     staged.replace(path)  # the log is replaced whole: an interrupted rewrite leaves the old one

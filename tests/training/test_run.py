@@ -140,9 +140,10 @@ def test_a_resumed_log_keeps_the_steps_up_to_the_checkpoint_and_redoes_none(tmp_
     from lab.training.run import _log_writer
 
     log = tmp_path / "metrics.jsonl"
-    log.write_text("".join(json.dumps({"step": k, "loss": 1.0}) + "\n" for k in range(1, 14)) + '{"step": 14, "lo')
+    # the killed run logged steps 0..12 and half of 13; its last checkpoint holds 10 steps (0..9)
+    log.write_text("".join(json.dumps({"step": k, "loss": 1.0}) + "\n" for k in range(13)) + '{"step": 13, "lo')
     _log_writer(RunConfig(log=log, resume=True, checkpoint_dir=tmp_path), start_step=10)
-    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(1, 11))
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(10))
     _log_writer(RunConfig(log=log), start_step=0)  # a fresh run starts a fresh log
     assert log.read_text() == ""
 
