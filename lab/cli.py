@@ -165,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     except LabError as err:
         _err.print(f"lab: error: {err}", highlight=False, soft_wrap=True)
         return 2
+    except OSError as err:  # a full or read-only disk found mid-run: the pages and checkpoints are written whole
+        where = f" {err.filename!r}" if err.filename else ""
+        _err.print(f"lab: error: cannot write{where}: {err.strerror or err}; free space or choose another folder")
+        return 2
     except KeyboardInterrupt:
         _err.print("lab: interrupted")
         return 130

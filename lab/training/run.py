@@ -32,12 +32,14 @@ import json
 import math
 import os
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.profiler import StepTraceAnnotation, TraceAnnotation
 
 from lab import inputs, progress
@@ -306,10 +308,31 @@ def _model(config: RunConfig):
 
 
 def _devices(config: RunConfig) -> tuple:
-
     if config.distributed or config.coordinator is not None or config.num_processes is not None:
-        return distributed_devices(config.target, config.coordinator, config.num_processes, config.process_id)
+        devices = distributed_devices(config.target, config.coordinator, config.num_processes, config.process_id)
+        _agree(config)
+        return devices
     return devices_for(config.target)
+
+
+# what every process of a run must agree on before the first step (the rest, such as --process-id, may differ)
+AGREED = ("mesh", "model", "strategy", "steps", "global_batch", "micro_batches", "learning_rate", "seed", "resume")
+
+
+def _agree(config: RunConfig) -> None:
+    """Every process publishes a hash of each field of `AGREED`; a mismatch stops all of them, naming the field.
+
+    Processes started with different meshes or step counts would otherwise compile different programs and wait on
+    each other's collectives forever.
+    """
+    mine = np.array([zlib.crc32(repr(getattr(config, name)).encode()) for name in AGREED], np.uint32)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))  # [processes, fields]
+    for index, name in enumerate(AGREED):
+        if len(set(everyone[:, index].tolist())) > 1:
+            raise LabError(
+                f"the processes of this run disagree on --{name.replace('_', '-')} (this is process "
+                f"{jax.process_index()}, with {getattr(config, name)!r}); start every process with the same options"
+            )
 
 
 def _checkpoints(config: RunConfig):

@@ -29,14 +29,14 @@ def _free_port() -> int:
 def _start(code: str, process_id: int, port: int, tmp_path: Path) -> subprocess.Popen:
     """One process of the run; its output goes to a file so that a full pipe never blocks it."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    out = open(tmp_path / f"process{process_id}.log", "w")  # noqa: SIM115 - stays open for the child process
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), str(process_id), f"127.0.0.1:{port}", str(tmp_path)],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env=env,
-        cwd=ROOT,
-    )
+    with open(tmp_path / f"process{process_id}.log", "w") as out:  # the child keeps its own copy of the file
+        return subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), str(process_id), f"127.0.0.1:{port}", str(tmp_path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
 
 
 def _finish(processes, timeout: float) -> list[int]:
@@ -120,3 +120,26 @@ def test_unreachable_coordinator_is_a_clear_error_after_a_bounded_wait():
 def test_bad_distributed_flags_are_clear_errors(arguments, message):
     with pytest.raises(LabError, match=message):
         distributed_devices("cpu:4", *arguments, timeout_s=1)
+
+
+MISMATCH = f"""
+    import sys
+    from pathlib import Path
+    from lab.cli import main
+    process_id, coordinator, folder = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+    steps = ["--steps", "4" if process_id == 0 else "6"]  # started with different step counts by mistake
+    sys.exit(main(["train", "--target", "cpu:4", "--mesh", {RUN.mesh!r}, "--global-batch", "8", *steps, "--no-page",
+                   "--results", str(folder), "--coordinator", coordinator, "--num-processes", "2",
+                   "--process-id", str(process_id)]))
+"""
+
+
+def test_processes_started_with_different_options_refuse_to_start_naming_the_field(tmp_path):
+    port = _free_port()
+    started = time.monotonic()
+    processes = [_start(MISMATCH, i, port, tmp_path) for i in (0, 1)]
+    codes = _finish(processes, timeout=120)
+    assert codes == [2, 2] and time.monotonic() - started < 100
+    for process_id in (0, 1):
+        out = (tmp_path / f"process{process_id}.log").read_text()
+        assert "lab: error: the processes of this run disagree on --steps" in out, out[-2000:]
