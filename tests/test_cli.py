@@ -140,3 +140,17 @@ def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("lab (sharding-lab) 0.1.0, jax 0.10")
+
+
+def test_a_full_disk_mid_run_is_one_line_naming_the_path(capsys, devices, tmp_path, monkeypatch):
+    import errno
+
+    from lab import report
+
+    def full(result, results_dir="results"):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / result.name / "README.md"))
+
+    monkeypatch.setattr(report, "write", full)
+    assert main(["report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "No space left on device" in err and "allreduce_equivalence" in err
