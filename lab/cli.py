@@ -167,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as err:  # a full or read-only disk found mid-run: the pages and checkpoints are written whole
         where = f" {err.filename!r}" if err.filename else ""
-        _err.print(f"lab: error: cannot write{where}: {err.strerror or err}; free space or choose another folder")
+        _err.print(
+            f"lab: error: cannot write{where}: {err.strerror or err}; free space or choose another folder",
+            highlight=False,
+            soft_wrap=True,
+        )
         return 2
     except KeyboardInterrupt:
         _err.print("lab: interrupted")

@@ -152,5 +152,5 @@ def test_a_full_disk_mid_run_is_one_line_naming_the_path(capsys, devices, tmp_pa
 
     monkeypatch.setattr(report, "write", full)
     assert main(["report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "No space left on device" in err and "allreduce_equivalence" in err
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lab: error")]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "allreduce_equivalence" in errors[0]
