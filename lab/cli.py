@@ -17,13 +17,15 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal, NoReturn, Union
 
 import jax
 import tyro
@@ -156,6 +158,7 @@ def _commands():
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``lab`` console script."""
     argv = sys.argv[1:] if argv is None else argv
+    _stop_on_sigterm()
     if argv in (["--version"], ["-V"]):
         _out.print(f"lab (sharding-lab) {metadata.version('sharding-lab')}, jax {jax.__version__}", highlight=False)
         return 0
@@ -173,9 +176,35 @@ def main(argv: list[str] | None = None) -> int:
             soft_wrap=True,
         )
         return 2
-    except KeyboardInterrupt:
-        _err.print("lab: interrupted")
-        return 130
+    except (KeyboardInterrupt, _Terminated) as stop:
+        _exit_now("lab: interrupted" if isinstance(stop, KeyboardInterrupt) else "lab: terminated", stop)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops the lab like Ctrl-C (JAX's own preemption handler would otherwise swallow it)."""
+    with contextlib.suppress(ValueError):  # not the main thread (a notebook's worker): leave signals alone
+
+        def terminate(signum, frame):
+            raise _Terminated
+
+        signal.signal(signal.SIGTERM, terminate)
+
+
+def _exit_now(message: str, stop: BaseException) -> NoReturn:
+    """One line, then exit at once with the signal's code (130, 143).
+
+    Not a normal return: XLA's compiler and orbax's writer threads may still be running, and tearing the
+    interpreter down under them crashes (a segfault seconds later). Pages and checkpoints are written whole
+    and renamed into place, so stopping here leaves the last complete ones intact.
+    """
+    _err.print(message, highlight=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM)
 
 
 def _parse(argv: list[str]):

@@ -39,3 +39,20 @@ def test_a_pipe_gets_the_table_without_a_bar():
     piped = subprocess.run(BENCH, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=ROOT)
     assert piped.returncode == 0 and "all-reduce" in piped.stdout
     assert not BAR.search(piped.stdout + piped.stderr)
+
+
+def test_ctrl_c_mid_run_stops_at_once_with_one_line_and_leaves_the_pages(tmp_path):
+    import signal
+    import time
+
+    argv = [sys.executable, "-m", "lab", "report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    first = process.stderr.readline()  # "allreduce_equivalence (#40) ...": imports done, measuring
+    assert "allreduce_equivalence" in first
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 130 and time.monotonic() - stopped < 10
+    assert err.strip() == "lab: interrupted" and not list(tmp_path.iterdir())  # no page, no staging folder
