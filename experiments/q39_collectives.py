@@ -20,22 +20,25 @@ memory-copy bandwidth.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 from matplotlib.figure import Figure
 
 from experiments import kit
 from lab import bench, hardware, hlo, theory
-from lab.bench import measure_collective
+from lab.bench import Timing, measure_collective
 from lab.collectives import KINDS, build_program
 from lab.devices import DEFAULT_TARGET, devices_for
 from lab.mesh import MeshSpec
 from lab.progress import track
-from lab.report import Result, Table, provenance
+from lab.provenance import Setup
+from lab.report import Result, Table
 from lab.units import format_bytes, size_sweep
-from lab.verdict import check
+from lab.verdict import Check, Claim, check
 
 QUESTION = "#39"
+AXES_MESH = "data=2,fsdp=2,tensor=2"
 
 
 @dataclass(frozen=True)
@@ -57,46 +60,416 @@ class Config:
     """also compile each collective for this TPU topology (compile-only, needs libtpu); empty to skip"""
 
 
-def run(config: Config) -> Result:
+@dataclass(frozen=True)
+class Semantics:
+    """One collective on small integer arrays: each device's block before and after."""
+
+    op: str
+    before: tuple[tuple[float, ...], ...]
+    after: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class Point:
+    """One row of the nccl-tests-style sweep, with what XLA compiled for it."""
+
+    op: str
+    size: int  # S per device
+    count: int  # elements in S
+    dtype: str
+    group_size: int
+    time: Timing
+    wrong: int  # elements that differ from the numpy reference, over all devices
+    collectives: tuple[kit.Seen, ...]
+
+
+@dataclass(frozen=True)
+class OnAxis:
+    """One collective asked for over one axis of the 2x2x2 mesh, as compiled."""
+
+    op: str
+    axis: str
+    collectives: tuple[kit.Seen, ...]
+
+
+@dataclass(frozen=True)
+class OnTpu:
+    op: str
+    collectives: tuple[kit.Seen, ...]
+
+
+@dataclass(frozen=True)
+class Observations:
+    setup: Setup
+    devices: int
+    semantics: tuple[Semantics, ...]
+    sweep: tuple[Point, ...]
+    on_axes: tuple[OnAxis, ...]  # empty unless there are 8 devices
+    tpu: tuple[OnTpu, ...]
+    tpu_chips: int
+    tpu_unavailable: kit.Unavailable | None
+    parse_seconds: float  # lab.hlo.parse_collectives on a 100,000-line module
+    copy_bandwidth: float | None  # bytes/s of one memory copy on this host (CPU targets only)
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def measure(config: Config) -> Observations:
     devices = devices_for(config.target)
     mesh = MeshSpec(fsdp=len(devices)).build(devices)
     n = len(devices)
-    sweep = [
-        _measure(op, mesh, size, config)
-        for op, size in track(
-            [(op, s) for op in config.ops for s in size_sweep(config.begin, config.end, config.factor)],
-            "collectives sweep",
-        )
-    ]
-    checks, axis_rows = _axis_checks(devices)
-    checks = _hlo_checks(sweep, n) + checks
-    copy_bw = hardware.profile("cpu").hbm_bandwidth if devices[0].platform == "cpu" else None
-    largest_ar = max((r for r in sweep if r["op"] == "all-reduce"), key=lambda r: r["size"], default=None)
-    tpu_table, tpu_checks = _on_tpu(config.tpu_topology)
-    checks += tpu_checks
-    summary = _summary(sweep, n, largest_ar, copy_bw)
-    parse_s = bench.parse_benchmark(100_000)
+    points = [(op, s) for op in config.ops for s in size_sweep(config.begin, config.end, config.factor)]
+    sweep = tuple(_point(op, mesh, size, config) for op, size in track(points, "collectives sweep"))
+    tpu = kit.tpu_chips(config.tpu_topology)
+    return Observations(
+        setup=Setup.of(config.target, devices, f"fsdp={n}"),
+        devices=n,
+        semantics=_semantics(mesh),
+        sweep=sweep,
+        on_axes=_on_axes(devices),
+        tpu=_on_tpu(tpu) if isinstance(tpu, kit.TpuChips) else (),
+        tpu_chips=len(tpu) if isinstance(tpu, kit.TpuChips) else 0,
+        tpu_unavailable=tpu if isinstance(tpu, kit.Unavailable) else None,
+        parse_seconds=bench.parse_benchmark(100_000),
+        copy_bandwidth=hardware.profile("cpu").hbm_bandwidth if devices[0].platform == "cpu" else None,
+    )
+
+
+def _point(op: str, mesh, size: int, config: Config) -> Point:
+    p = measure_collective(op, mesh, "fsdp", size, dtype=config.dtype, repeats=config.repeats)
+    return Point(op, size, p.count, p.dtype, p.group_size, p.timing, p.wrong, kit.seen(p.collectives))
+
+
+def _semantics(mesh) -> tuple[Semantics, ...]:
+    """Before and after on each device, small integer arrays (N = all devices)."""
+    n, found = mesh.devices.size, []
+    for op in KINDS:
+        program = build_program(op, mesh, "fsdp")
+        x = program.example_input(4 * n)  # n float32 per device (gathers: n after)
+        y = np.asarray(program.fn(program.place(x)))
+        rows = lambda a: tuple(tuple(float(e) for e in np.ravel(a[i])) for i in range(n))  # noqa: E731
+        found.append(Semantics(op, rows(x), rows(y)))
+    return tuple(found)
+
+
+def _on_axes(devices) -> tuple[OnAxis, ...]:
+    """Each primitive over each axis of a 2x2x2 mesh, as XLA compiled it."""
+    if len(devices) != 8:
+        return ()
+    mesh = MeshSpec.parse(AXES_MESH).build(devices)
+    found = []
+    for op in KINDS:
+        for axis in ("data", "fsdp", "tensor"):
+            program = build_program(op, mesh, axis)
+            inspection = hlo.inspect(program.fn, program.abstract_input(1024), mesh=mesh)
+            found.append(OnAxis(op, axis, kit.seen(inspection.collectives)))
+    return tuple(found)
+
+
+def _on_tpu(tpu: kit.TpuChips) -> tuple[OnTpu, ...]:
+    """The same programs compiled by the TPU compiler at 1 MiB (no TPU needed)."""
+    mesh = tpu.mesh("fsdp")
+    found = []
+    for op in KINDS:
+        program = build_program(op, mesh, "fsdp")
+        found.append(OnTpu(op, kit.seen(hlo.inspect(program.fn, program.abstract_input(2**20), mesh=mesh).collectives)))
+    return tuple(found)
+
+
+# --------------------------------------------------------------------------- judge
+
+
+def judge(obs: Observations, config: Config) -> Result:
+    checks = _hlo_checks(obs) + _axis_checks(obs) + _tpu_checks(obs, config.tpu_topology)
+    largest_ar = max((p for p in obs.sweep if p.op == "all-reduce"), key=lambda p: p.size, default=None)
     return Result(
-        summary=summary,
+        summary=_summary(obs, checks, largest_ar),
         theory=THEORY,
         tables=[
-            *_semantics_tables(mesh),
-            _sweep_table(sweep),
-            _hlo_table(sweep, n),
-            Table(
-                "Each collective on each axis of a data=2,fsdp=2,tensor=2 mesh",
-                ["collective", "asked for axis", "XLA's replica groups span", "group size"],
-                axis_rows,
-            ),
-            *([tpu_table] if tpu_table else []),
-            _performance_table(sweep, largest_ar, copy_bw, parse_s),
+            *_semantics_tables(obs),
+            _sweep_table(obs),
+            _hlo_table(obs),
+            *_axis_tables(obs),
+            *_tpu_tables(obs, config.tpu_topology),
+            _performance_table(obs, largest_ar),
         ],
         checks=checks,
-        plots={"busbw": _busbw_plot(sweep, n, copy_bw)},
-        notes=_notes(sweep, largest_ar, copy_bw),
-        provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={n}"),
-        data={"sweep": sweep, "memory_copy_bandwidth": copy_bw},
+        claims=_claims(obs),
+        plots={"busbw": partial(_busbw_plot, obs)},
+        notes=_notes(obs, largest_ar),
     )
+
+
+def _kinds(collectives) -> str:
+    kinds = [c.kind for c in collectives]
+    return ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none"
+
+
+def _axes(c: kit.Seen) -> str:
+    return ",".join(c.axes or ("?",))
+
+
+def _algbw(p: Point) -> float:
+    return theory.algorithm_bandwidth(p.size, p.time.median)
+
+
+def _busbw(p: Point) -> float:
+    return theory.bus_bandwidth(p.op, p.size, p.time.median, p.group_size)
+
+
+def _hlo_checks(obs: Observations) -> list[Check]:
+    """One compiled program per collective (at 1 MiB or the nearest size): kind, axis, S, N; and #wrong."""
+    checks = []
+    for op in dict.fromkeys(p.op for p in obs.sweep):
+        row = min((p for p in obs.sweep if p.op == op), key=lambda p: abs(p.size - 2**20))
+        checks.append(check(f"{op}: collectives in the HLO", f"1 {op}", _kinds(row.collectives), kind="exact"))
+        found = row.collectives[0] if row.collectives else None  # the same checks whatever XLA wrote
+        checks += [
+            check(f"{op}: mesh axes of its replica groups", "fsdp", _axes(found) if found else "none", kind="exact"),
+            check(
+                f"{op}: S per device at {format_bytes(row.size)} (bytes)",
+                row.size,
+                found.size_bytes if found else "none",
+                kind="exact",
+            ),
+            check(f"{op}: group size N", obs.devices, found.group_size if found else "none", kind="exact"),
+        ]
+    checks.append(
+        check("elements wrong across the whole sweep (#wrong)", 0, sum(p.wrong for p in obs.sweep), kind="exact")
+    )
+    return checks
+
+
+def _spans(found: OnAxis) -> str:
+    return _axes(found.collectives[0]) if len(found.collectives) == 1 else f"{len(found.collectives)} collectives"
+
+
+def _axis_checks(obs: Observations) -> list[Check]:
+    """Each primitive over each axis of a 2x2x2 mesh: the replica groups map back to that axis."""
+    return [
+        check(f"{a.op} over {a.axis}: axes found from replica groups", a.axis, _spans(a), kind="exact")
+        for a in obs.on_axes
+    ]
+
+
+def _tpu_checks(obs: Observations, topology: str) -> list[Check]:
+    return [
+        check(f"tpu:{topology} {t.op}: collectives in the HLO", f"1 {t.op}", _kinds(t.collectives), kind="exact")
+        for t in obs.tpu
+    ]
+
+
+def _claims(obs: Observations) -> list[Claim]:
+    said = {
+        "all-reduce": "all-reduce: every device ends with the full reduction (the sum) of every device's tensor",
+        "all-gather": "all-gather: every device ends with every device's shard, concatenated",
+        "reduce-scatter": "reduce-scatter: each device ends with one 1/N slice of the reduction",
+    }
+    claims = []
+    for op, claim in said.items():
+        points = [p for p in obs.sweep if p.op == op]
+        if not points:
+            continue
+        wrong = sum(p.wrong for p in points)
+        example = next(s for s in obs.semantics if s.op == op)
+        claims.append(
+            Claim(
+                claim,
+                "confirmed" if wrong == 0 else "refuted",
+                f"{wrong} elements wrong against numpy over {len(points)} sizes "
+                f"({format_bytes(points[0].size)}..{format_bytes(points[-1].size)}) on {obs.devices} devices; "
+                f"device 0 before {_vector(example.before[0])}, after {_vector(example.after[0])}",
+            )
+        )
+    return claims
+
+
+# --------------------------------------------------------------------------- the page
+
+
+def _semantics_tables(obs: Observations) -> list[Table]:
+    return [
+        Table(
+            f"{s.op} on {obs.devices} devices",
+            ["device", "before", "after"],
+            [[f"device {i}", _vector(b), _vector(a)] for i, (b, a) in enumerate(zip(s.before, s.after))],
+        )
+        for s in obs.semantics
+    ]
+
+
+def _vector(v) -> str:
+    return "[" + " ".join(f"{int(e)}" for e in v) + "]"
+
+
+def _sweep_table(obs: Observations) -> Table:
+    rows = [
+        [
+            format_bytes(p.size),
+            p.count,
+            p.dtype,
+            p.op,
+            f"{p.time.median * 1e6:.1f} [{p.time.min * 1e6:.1f}, {p.time.max * 1e6:.1f}]",
+            f"{_algbw(p) / 1e9:.2f}",
+            f"{_busbw(p) / 1e9:.2f}",
+            p.wrong,
+        ]
+        for p in obs.sweep
+    ]
+    return Table(
+        "nccl-tests-style sweep",
+        ["size S", "count", "type", "op", "time us (median [min, max])", "algbw GB/s", "busbw GB/s", "#wrong"],
+        rows,
+        note="Medians over timed calls after warm-up; every element of every device checked against numpy.",
+    )
+
+
+def _hlo_table(obs: Observations) -> Table:
+    rows = []
+    for p in obs.sweep:
+        if p.size != max(q.size for q in obs.sweep if q.op == p.op):
+            continue
+        for c in p.collectives:
+            sent = c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size or obs.devices)
+            rows.append([p.op, c.kind, c.form, _axes(c), c.group_size, format_bytes(c.size_bytes), format_bytes(sent)])
+    return Table(
+        "What XLA compiled (largest size)",
+        ["program", "HLO collective", "as written", "axes", "N", "S per device", "sent per device (ring theory)"],
+        rows,
+    )
+
+
+def _axis_tables(obs: Observations) -> list[Table]:
+    if not obs.on_axes:
+        return []
+    rows = [[a.op, a.axis, _spans(a), a.collectives[0].group_size if a.collectives else "-"] for a in obs.on_axes]
+    return [
+        Table(
+            f"Each collective on each axis of a {AXES_MESH} mesh",
+            ["collective", "asked for axis", "XLA's replica groups span", "group size"],
+            rows,
+        )
+    ]
+
+
+def _tpu_tables(obs: Observations, topology: str) -> list[Table]:
+    if obs.tpu_unavailable:
+        return [obs.tpu_unavailable.table()]
+    if not obs.tpu:
+        return []
+    rows = [
+        [
+            t.op,
+            "; ".join(
+                f"{c.kind} as `{c.form}`{' (async)' if c.is_async else ''} over {_axes(c)}, "
+                f"S {format_bytes(c.size_bytes)}"
+                for c in t.collectives
+            )
+            or "no collective",
+        ]
+        for t in obs.tpu
+    ]
+    return [
+        Table(
+            f"The same programs compiled for tpu:{topology} (compile-only, 1 MiB)",
+            ["program", "what the TPU compiler wrote"],
+            rows,
+        )
+    ]
+
+
+def _busbw_plot(obs: Observations):
+    figure = Figure(figsize=(7, 4.2))
+    axes = figure.subplots()
+    for op in dict.fromkeys(p.op for p in obs.sweep):
+        rows = [p for p in obs.sweep if p.op == op]
+        axes.plot([p.size for p in rows], [_busbw(p) / 1e9 for p in rows], marker="o", label=op)
+    if obs.copy_bandwidth:
+        axes.axhline(obs.copy_bandwidth / 1e9, color="gray", linestyle="--", label="memory-copy bandwidth (measured)")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("size S per device (bytes)")
+    axes.set_ylabel("busbw (GB/s)")
+    emulated = " emulated" if obs.copy_bandwidth else ""
+    axes.set_title(f"busbw against size, {obs.devices}{emulated} devices")
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    return figure
+
+
+def _performance_table(obs: Observations, largest_ar: Point | None) -> Table:
+    rows = [["parse a 100,000-line HLO text (lab.hlo.parse_collectives)", f"{obs.parse_seconds:.2f} s", "under 1 s"]]
+    if largest_ar and obs.copy_bandwidth:
+        rows.append(
+            [
+                f"busbw of the {format_bytes(largest_ar.size)} all-reduce / measured memory-copy bandwidth",
+                f"{_busbw(largest_ar) / obs.copy_bandwidth:.0%}",
+                "reported",
+            ]
+        )
+    return Table("Performance", ["what", "measured", "goal"], rows)
+
+
+def _summary(obs: Observations, checks: list[Check], largest_ar: Point | None) -> str:
+    n = obs.devices
+    here = [c for c in checks if not c.quantity.startswith("tpu:")]
+    text = (
+        f"On {n} devices, all-reduce leaves the sum on every device, all-gather leaves every block on every device, "
+        f"and reduce-scatter leaves one 1/{n} piece of the sum on each (tables below, device by device). "
+    )
+    text += (
+        "Each compiled to exactly the collective its name says, on the mesh axis it was asked for."
+        if all(c.verdict == "agrees" for c in here)
+        else f"{sum(c.verdict != 'agrees' for c in here)} of the {len(here)} HLO and numerics checks on this target "
+        "do not agree (see Checks)."
+    )
+    if largest_ar:
+        text += (
+            f" The {format_bytes(largest_ar.size)} all-reduce reached a busbw of {_busbw(largest_ar) / 1e9:.2f} GB/s"
+        )
+        text += (
+            f", {_busbw(largest_ar) / obs.copy_bandwidth:.0%} of this machine's measured memory-copy bandwidth."
+            if obs.copy_bandwidth
+            else "."
+        )
+    rewritten = [t.op for t in obs.tpu if [c.kind for c in t.collectives] != [t.op]]
+    if rewritten:
+        text += f" The TPU compiler wrote something else for: {', '.join(rewritten)} (see the TPU table)."
+    return text
+
+
+def _notes(obs: Observations, largest_ar: Point | None) -> list[str]:
+    notes = []
+    forms = {c.kind: c.form for p in obs.sweep for c in p.collectives}
+    for kind, form in forms.items():
+        if form != kind:
+            notes.append(f"XLA wrote the {kind} as `{form}`.")
+    for t in obs.tpu:
+        kinds = [c.kind for c in t.collectives]
+        if kinds != [t.op]:
+            notes.append(
+                f"The TPU compiler compiled the standalone {t.op} to {_kinds(t.collectives)} "
+                f"({'; '.join(f'`{c.form}`, S {format_bytes(c.size_bytes)}' for c in t.collectives)}): "
+                "no formula here predicts that rewrite, so the check says differs"
+                + (
+                    "; the allreduce_equivalence page prices what it costs (an all-reduce, then a slice)."
+                    if t.op == "reduce-scatter" and kinds == ["all-reduce"]
+                    else "."
+                )
+            )
+    small = [p for p in obs.sweep if p.size == min(q.size for q in obs.sweep)]
+    if small:
+        fastest = min(small, key=lambda p: p.time.median)
+        notes.append(
+            f"At {format_bytes(fastest.size)} every collective is latency-bound: the fastest, {fastest.op}, still took "
+            f"{fastest.time.median * 1e6:.0f} us, so busbw there measures per-call overhead, not bandwidth."
+        )
+    if largest_ar and obs.copy_bandwidth:
+        notes.append(
+            "Emulated devices share one memory bus and two cores: busbw here is bounded by memory copies, not by any "
+            "network; the ratios between collectives, not the absolute numbers, carry over to real hardware."
+        )
+    return notes
 
 
 THEORY = r"""
@@ -114,226 +487,6 @@ gathered output, reduce-scatter the full input), a bandwidth-optimal ring sends 
 algbw = S / t and busbw = algbw · factor (NVIDIA nccl-tests, `doc/PERFORMANCE.md`): busbw is what a
 ring algorithm asks of each link, so it can be compared across N and with the hardware's link bandwidth.
 Note the quick-reference's claim that all-reduce traffic "does not depend on N" holds only per device
-and only in the limit: 2(N-1)/N · S is S at N = 2 and approaches 2S as N grows.
+and only in the limit: 2(N-1)/N · S is S at N = 2 and approaches 2S as N grows (the ring_allreduce page
+counts it in the HLO for N = 2, 4, 8).
 """
-
-
-def _measure(op: str, mesh, size: int, config: Config) -> dict:
-    point = measure_collective(op, mesh, "fsdp", size, dtype=config.dtype, repeats=config.repeats)
-    return {
-        "op": op,
-        "size": size,
-        "count": point.count,
-        "dtype": config.dtype,
-        "time_s": point.timing.median,
-        "time_min_s": point.timing.min,
-        "time_max_s": point.timing.max,
-        "algbw": point.algbw,
-        "busbw": point.busbw,
-        "wrong": point.wrong,
-        "hlo": [(c.kind, c.axes, c.size_bytes, c.group_size, c.form) for c in point.collectives],
-    }
-
-
-def _hlo_checks(sweep: list[dict], n: int) -> list:
-    """One compiled program per collective (at 1 MiB or the nearest size): kind, axis, S, N."""
-    checks = []
-    for op in dict.fromkeys(r["op"] for r in sweep):
-        row = min((r for r in sweep if r["op"] == op), key=lambda r: abs(r["size"] - 2**20))
-        kinds = [h[0] for h in row["hlo"]]
-        checks.append(
-            check(
-                f"{op}: collectives in the HLO",
-                f"1 {op}",
-                ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none",
-            )
-        )
-        if kinds == [op]:
-            _, axes, size, group, _ = row["hlo"][0]
-            checks.append(check(f"{op}: mesh axes of its replica groups", "fsdp", ",".join(axes or ("?",))))
-            checks.append(check(f"{op}: S per device at {format_bytes(row['size'])} (bytes)", row["size"], size))
-            checks.append(check(f"{op}: group size N", n, group))
-    checks.append(check("elements wrong across the whole sweep (#wrong)", 0, sum(r["wrong"] for r in sweep)))
-    return checks
-
-
-def _axis_checks(devices) -> tuple[list, list]:
-    """Each primitive over each axis of a 2x2x2 mesh: the replica groups map back to that axis."""
-    if len(devices) != 8:
-        return [], []
-    mesh = MeshSpec(data=2, fsdp=2, tensor=2).build(devices)
-    checks, rows = [], []
-    for op in KINDS:
-        for axis in ("data", "fsdp", "tensor"):
-            program = build_program(op, mesh, axis)
-            found = hlo.inspect(program.fn, program.abstract_input(1024), mesh=mesh).collectives
-            spans = ",".join(found[0].axes or ("?",)) if len(found) == 1 else f"{len(found)} collectives"
-            rows.append([op, axis, spans, found[0].group_size if found else "-"])
-            checks.append(check(f"{op} over {axis}: axes found from replica groups", axis, spans))
-    return checks, rows
-
-
-def _on_tpu(topology: str) -> tuple[Table | None, list]:
-    """The same programs compiled by the TPU compiler (no TPU needed): what it wrote instead."""
-    tpu = kit.tpu_chips(topology)
-    if not isinstance(tpu, kit.TpuChips):
-        return (tpu.table() if tpu else None), []
-    mesh = tpu.mesh("fsdp")
-    rows, checks = [], []
-    for op in KINDS:
-        program = build_program(op, mesh, "fsdp")
-        found = hlo.inspect(program.fn, program.abstract_input(2**20), mesh=mesh).collectives
-        written = "; ".join(
-            f"{c.kind} as `{c.form}`{' (async)' if c.is_async else ''} over "
-            f"{','.join(c.axes or ('?',))}, S {format_bytes(c.size_bytes)}"
-            for c in found
-        )
-        rows.append([op, written or "no collective"])
-        kinds = [c.kind for c in found]
-        explained = None
-        if kinds != [op] and op == "reduce-scatter" and kinds == ["all-reduce"]:
-            sent = theory.bus_bandwidth_factor("all-reduce", len(tpu)) / theory.bus_bandwidth_factor(
-                "reduce-scatter", len(tpu)
-            )
-            explained = (
-                "the TPU compiler ran the standalone psum_scatter as a full all-reduce and kept its own slice "
-                f"(dynamic-slice): {sent:.0f}x the ring bytes of a reduce-scatter (see allreduce_equivalence)"
-            )
-        checks.append(
-            check(
-                f"tpu:{topology} {op}: collectives in the HLO",
-                f"1 {op}",
-                ", ".join(f"{kinds.count(k)} {k}" for k in dict.fromkeys(kinds)) or "none",
-                explained=explained,
-            )
-        )
-    return Table(
-        f"The same programs compiled for tpu:{topology} (compile-only, 1 MiB)",
-        ["program", "what the TPU compiler wrote"],
-        rows,
-    ), checks
-
-
-def _semantics_tables(mesh) -> list[Table]:
-    """Before and after on each device, small integer arrays (N = all devices)."""
-    n = mesh.devices.size
-    tables = []
-    for op in KINDS:
-        program = build_program(op, mesh, "fsdp")
-        x = program.example_input(4 * n)  # n float32 per device (gathers: n after)
-        y = np.asarray(program.fn(program.place(x)))
-        rows = [[f"device {i}", _vector(x[i]), _vector(y[i])] for i in range(n)]
-        tables.append(Table(f"{op} on {n} devices", ["device", "before", "after"], rows))
-    return tables
-
-
-def _vector(v) -> str:
-    return "[" + " ".join(f"{int(e)}" for e in np.ravel(v)) + "]"
-
-
-def _sweep_table(sweep: list[dict]) -> Table:
-    rows = [
-        [
-            format_bytes(r["size"]),
-            r["count"],
-            r["dtype"],
-            r["op"],
-            f"{r['time_s'] * 1e6:.1f} [{r['time_min_s'] * 1e6:.1f}, {r['time_max_s'] * 1e6:.1f}]",
-            f"{r['algbw'] / 1e9:.2f}",
-            f"{r['busbw'] / 1e9:.2f}",
-            r["wrong"],
-        ]
-        for r in sweep
-    ]
-    return Table(
-        "nccl-tests-style sweep",
-        ["size S", "count", "type", "op", "time us (median [min, max])", "algbw GB/s", "busbw GB/s", "#wrong"],
-        rows,
-        note="Medians over timed calls after warm-up; every element of every device checked against numpy.",
-    )
-
-
-def _hlo_table(sweep: list[dict], n: int) -> Table:
-    rows = []
-    for r in sweep:
-        if r["size"] != max(s["size"] for s in sweep if s["op"] == r["op"]):
-            continue
-        for kind, axes, size, group, form in r["hlo"]:
-            sent = size * theory.bus_bandwidth_factor(kind, group or n)
-            rows.append([r["op"], kind, form, ",".join(axes or ("?",)), group, format_bytes(size), format_bytes(sent)])
-    return Table(
-        "What XLA compiled (largest size)",
-        ["program", "HLO collective", "as written", "axes", "N", "S per device", "sent per device (ring theory)"],
-        rows,
-    )
-
-
-def _busbw_plot(sweep: list[dict], n: int, copy_bw: float | None):
-    figure = Figure(figsize=(7, 4.2))
-    axes = figure.subplots()
-    for op in dict.fromkeys(r["op"] for r in sweep):
-        rows = [r for r in sweep if r["op"] == op]
-        axes.plot([r["size"] for r in rows], [r["busbw"] / 1e9 for r in rows], marker="o", label=op)
-    if copy_bw:
-        axes.axhline(copy_bw / 1e9, color="gray", linestyle="--", label="memory-copy bandwidth (measured)")
-    axes.set_xscale("log", base=2)
-    axes.set_xlabel("size S per device (bytes)")
-    axes.set_ylabel("busbw (GB/s)")
-    axes.set_title(f"busbw against size, {n} emulated devices" if copy_bw else f"busbw against size, {n} devices")
-    axes.legend(fontsize=8)
-    axes.grid(alpha=0.3)
-    return figure
-
-
-def _performance_table(sweep, largest_ar, copy_bw, parse_s: float) -> Table:
-    rows = [["parse a 100,000-line HLO text (lab.hlo.parse_collectives)", f"{parse_s:.2f} s", "under 1 s"]]
-    if largest_ar and copy_bw:
-        rows.append(
-            [
-                f"busbw of the {format_bytes(largest_ar['size'])} all-reduce / measured memory-copy bandwidth",
-                f"{largest_ar['busbw'] / copy_bw:.0%}",
-                "reported",
-            ]
-        )
-    return Table("Performance", ["what", "measured", "goal"], rows)
-
-
-def _summary(sweep, n, largest_ar, copy_bw) -> str:
-    text = (
-        f"On {n} devices, all-reduce leaves the sum on every device, all-gather leaves every block on every device, "
-        f"and reduce-scatter leaves one 1/{n} piece of the sum on each (tables below, device by device). "
-        f"Each compiled to exactly the collective its name says, on the mesh axis it was asked for."
-    )
-    if largest_ar:
-        busbw = largest_ar["busbw"] / 1e9
-        text += f" The {format_bytes(largest_ar['size'])} all-reduce reached a busbw of {busbw:.2f} GB/s"
-        text += (
-            f", {largest_ar['busbw'] / copy_bw:.0%} of this machine's measured memory-copy bandwidth."
-            if copy_bw
-            else "."
-        )
-    return text
-
-
-def _notes(sweep, largest_ar, copy_bw) -> list[str]:
-    notes = []
-    forms = {h[0]: h[4] for r in sweep for h in r["hlo"]}
-    for kind, form in forms.items():
-        if form != kind:
-            notes.append(f"XLA wrote the {kind} as `{form}`.")
-    small = [r for r in sweep if r["size"] == min(s["size"] for s in sweep)]
-    if small:
-        fastest = min(small, key=lambda r: r["time_s"])
-        notes.append(
-            f"At {format_bytes(fastest['size'])} every collective is latency-bound: "
-            f"the fastest, {fastest['op']}, still took {fastest['time_s'] * 1e6:.0f} "
-            "us, so busbw there measures per-call overhead, not bandwidth."
-        )
-    if largest_ar and copy_bw:
-        notes.append(
-            "Emulated devices share one memory bus and two cores: busbw here "
-            "is bounded by memory copies, not by any network; the ratios "
-            "between collectives, not the absolute numbers, carry over to "
-            "real hardware."
-        )
-    return notes

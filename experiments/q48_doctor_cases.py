@@ -6,6 +6,9 @@ control and on one configuration broken on purpose in each layer, in the
 doctor's order: memory, input, layout, communication, numerics. For each case
 it shows the ranked report and checks that the first problem the doctor names
 is in the layer that was broken, and that the control has no problem at all.
+The doctor's communication volume of the control (and of the case that
+re-gathers every micro-batch) is checked against the ZeRO paper's 3Ψ, and the
+difference accounted for from the compiled step's collectives.
 
 The order is the quick-reference's, with one change: it starts with GPU
 utilisation, the doctor starts with memory. A step that does not fit tells you
@@ -15,17 +18,36 @@ exists), and utilisation is an effect of the layers below, not a layer.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from lab.devices import DEFAULT_TARGET, devices_for
+import jax
+
+from experiments import kit
+from lab.devices import DEFAULT_TARGET, devices_for, topology_devices
+from lab.doctor.checks import COMM_BOUND_PROBLEM, INPUT_PROBLEM, Finding
 from lab.doctor.diagnosis import Diagnosis, diagnose
 from lab.model import preset
 from lab.progress import track
-from lab.report import Result, Table, provenance
-from lab.training.run import RunConfig
-from lab.verdict import check
+from lab.provenance import Setup
+from lab.report import Result, Table
+from lab.training.run import RunConfig, trainer_for
+from lab.units import format_bytes
+from lab.verdict import Check, Claim, check
 
 QUESTION = "#48"
+VOLUME_CASES = ("control", "regather")  # the cases whose compiled collectives the page reads
+# The doctor's checks that read a clock on an executed target: the data wait, and the measured compute the
+# predicted collectives are set against. Every other check reads the compiler, the shapes or the losses.
+CLOCKED = ("time waiting for data", "largest collectives per axis")
+_DP_KINDS = ("all-gather", "reduce-scatter", "all-reduce")  # what the doctor's volume counts (lab.doctor.diagnosis)
+_ZERO_AXES = {"data", "fsdp"}
+VOLUME_RTOL = 1e-3  # the step's scalar all-reduces (tens of bytes) against a volume of MiB: under 1e-4
+VOLUME_BASIS = (
+    "the doctor counts every collective over the data axes, the step's scalar all-reduces (the loss and the "
+    "gradient norm's partial sums: tens of bytes, under 1e-4 of the volume) among them; the prediction counts "
+    "the parameters only"
+)
 
 
 @dataclass(frozen=True)
@@ -54,9 +76,10 @@ class Case:
     broken_layer: str  # "" for the healthy control
     what: str
     run: RunConfig
+    clocked: bool = False  # the finding that names the broken layer reads a clock on this target
 
 
-def cases(config: Config, devices: int) -> list[Case]:
+def cases(config: Config, devices: int, chips: int) -> list[Case]:
     """The control and one broken configuration per layer (two for layout and for communication)."""
     tpu = f"tpu:{config.tpu_topology}"
     control = RunConfig(
@@ -78,7 +101,7 @@ def cases(config: Config, devices: int) -> list[Case]:
         Case(
             "too_big",
             "memory",
-            f"the 1b model with ddp (everything replicated) on a {tpu} slice, compile-only",
+            f"the 1b model with ddp (everything replicated) on the {chips} chips of a {tpu} slice, compile-only",
             replace(control, target=tpu, model="1b", strategy="ddp", mesh="data=-1", global_batch=8),
         ),
         Case(
@@ -86,6 +109,7 @@ def cases(config: Config, devices: int) -> list[Case]:
             "input",
             f"a loader taking {config.input_ms:g} ms per batch, no prefetching",
             replace(control, input_ms=config.input_ms),
+            clocked=True,
         ),
         Case(
             "bubble",
@@ -110,7 +134,7 @@ def cases(config: Config, devices: int) -> list[Case]:
         Case(
             "tiny_on_tpu",
             "communication",
-            f"the tiny model with zero3 over the 4 chips of {tpu}: too little compute per collective",
+            f"the tiny model with zero3 over the {chips} chips of {tpu}: too little compute per collective",
             replace(control, target=tpu, mesh="fsdp=-1", global_batch=16),
         ),
         Case(
@@ -122,37 +146,120 @@ def cases(config: Config, devices: int) -> list[Case]:
     ]
 
 
-def run(config: Config) -> Result:
+# --------------------------------------------------------------------------- observations
+
+
+@dataclass(frozen=True)
+class FindingSeen:
+    """One of the doctor's findings as `lab.doctor.checks.Finding` gave it: layer, check, severity, the numbers."""
+
+    layer: str
+    check: str
+    severity: str
+    verdict: str
+    evidence: tuple[str, ...]
+    fix: str
+    numbers: dict[str, float]
+
+    @classmethod
+    def of(cls, f: Finding) -> FindingSeen:
+        numbers = {name: float(value) for name, value in f.numbers.items()}
+        return cls(f.layer, f.check, f.severity, f.verdict, tuple(f.evidence), f.fix, numbers)
+
+    def finding(self) -> Finding:
+        return Finding(self.layer, self.check, self.severity, self.verdict, self.evidence, self.fix, self.numbers)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter array of the trained model, whole (one model copy counts it so)."""
+
+    name: str  # "blocks/mlp/w_in": the layer loop's arrays sit under blocks/
+    bytes: int
+
+
+@dataclass(frozen=True)
+class CaseSeen:
+    """What the doctor found for one case, in the order it checked; for the volume cases the compiled collectives."""
+
+    name: str
+    not_run: str  # why no steps ran (compile-only, does not fit); empty when they did
+    findings: tuple[FindingSeen, ...]
+    collectives: tuple[kit.Seen, ...] = ()  # the compiled step's, for VOLUME_CASES
+    params: tuple[Param, ...] = ()  # the model's parameter arrays, for VOLUME_CASES
+
+
+@dataclass(frozen=True)
+class Observations:
+    setup: Setup
+    devices: int
+    tpu_chips: int  # chips of the compile-only topology, as libtpu built it
+    cases: tuple[CaseSeen, ...]
+
+    def case(self, name: str) -> CaseSeen | None:
+        return next((c for c in self.cases if c.name == name), None)
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def measure(config: Config) -> Observations:
     devices = devices_for(config.target)  # before any compile-only target: the emulated device count is fixed first
-    diagnosed = [(case, diagnose(case.run)) for case in track(cases(config, len(devices)), "doctor cases")]
-    return Result(
-        summary=_summary(diagnosed),
-        theory=THEORY,
-        tables=[_overview(diagnosed)] + [_report(case, diagnosis) for case, diagnosis in diagnosed],
-        checks=_checks(diagnosed),
-        notes=_notes(diagnosed),
-        provenance=provenance(target=config.target, devices=devices, mesh=f"fsdp={len(devices)} (cases vary it)"),
-        data={
-            case.name: {
-                "broken_layer": case.broken_layer,
-                "what": case.what,
-                "not_run": d.not_run,
-                "findings": [
-                    {
-                        "layer": f.layer,
-                        "check": f.check,
-                        "severity": f.severity,
-                        "verdict": f.verdict,
-                        "evidence": list(f.evidence),
-                        "fix": f.fix,
-                        "numbers": dict(f.numbers),
-                    }
-                    for f in d.ranked
-                ],
-            }
-            for case, d in diagnosed
-        },
+    chips = len(topology_devices(config.tpu_topology))
+    seen = tuple(_measure_case(case, devices) for case in track(cases(config, len(devices), chips), "doctor cases"))
+    return Observations(
+        setup=Setup.of(config.target, devices, f"fsdp={len(devices)} (cases vary it)"),
+        devices=len(devices),
+        tpu_chips=chips,
+        cases=seen,
     )
+
+
+def _measure_case(case: Case, devices) -> CaseSeen:
+    diagnosis = diagnose(case.run)
+    findings = tuple(FindingSeen.of(f) for f in diagnosis.findings)
+    if case.name not in VOLUME_CASES:
+        return CaseSeen(case.name, diagnosis.not_run, findings)
+    trainer = trainer_for(case.run, devices)  # the doctor's trainer (cached): its step is already compiled
+    collectives = kit.seen(trainer.inspect_step(case.run.global_batch).collectives)
+    params = tuple(
+        Param(_name(path), int(a.size * a.dtype.itemsize))
+        for path, a in jax.tree_util.tree_flatten_with_path(trainer.abstract_state().params)[0]
+    )
+    return CaseSeen(case.name, diagnosis.not_run, findings, collectives, params)
+
+
+def _name(path) -> str:
+    """blocks/mlp/w_in: a parameter's path, without nnx's trailing "value"."""
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    return "/".join(keys[:-1] if keys and keys[-1] == "value" else keys)
+
+
+# --------------------------------------------------------------------------- judge
+
+
+def judge(obs: Observations, config: Config) -> Result:
+    diagnosed = [(case, _diagnosis(obs.case(case.name), case)) for case in cases(config, obs.devices, obs.tpu_chips)]
+    volumes = {
+        case.name: _volume(obs.case(case.name), case)
+        for case, _ in diagnosed
+        if case.name in VOLUME_CASES and obs.case(case.name).collectives
+    }
+    checks = _checks(diagnosed, volumes)
+    return Result(
+        summary=_summary(diagnosed, volumes),
+        theory=THEORY,
+        tables=[_overview(diagnosed), *_volume_tables(obs, volumes)]
+        + [_report(case, diagnosis) for case, diagnosis in diagnosed],
+        checks=checks,
+        claims=_claims(diagnosed),
+        notes=_notes(diagnosed, volumes),
+    )
+
+
+def _diagnosis(seen: CaseSeen, case: Case) -> Diagnosis:
+    """The doctor's diagnosis rebuilt from its stored findings: its own ranking, its own first problem."""
+    return Diagnosis(tuple(f.finding() for f in seen.findings), case.run.target, seen.not_run)
 
 
 def _named(diagnosis: Diagnosis) -> str:
@@ -160,46 +267,287 @@ def _named(diagnosis: Diagnosis) -> str:
     return diagnosis.start_here.layer if diagnosis.start_here else "none"
 
 
-def _checks(diagnosed) -> list:
-    """Each broken layer named first, nothing in the control; and the control's volume against the ZeRO paper."""
-    rows = []
-    for case, diagnosis in diagnosed:
-        if case.broken_layer:
-            rows.append(check(f"{case.name}: layer of the first problem", case.broken_layer, _named(diagnosis)))
-            continue
-        rows.append(check("control: problems found", 0, len(diagnosis.problems)))
-        volume = next(f for f in diagnosis.findings if f.check == "communication volume per step")
-        if "copies" in volume.numbers and case.run.strategy == "zero3":
-            rows.append(
-                _volume_check(volume.numbers["copies"], preset(case.run.model), case.run.target.startswith("cpu"))
-            )
-    return rows
+def _finding(diagnosis: Diagnosis, name: str) -> Finding | None:
+    return next((f for f in diagnosis.findings if f.check == name), None)
 
 
-def _volume_check(copies: float, model, on_cpu: bool):
-    """ZeRO-3's 3Ψ per step against the control's copies; on XLA:CPU refined by the accounting below."""
-    embeddings = 2 * model.vocab * model.embed / model.parameters  # f: the share of Ψ in the two embedding tables
-    on_cpu_copies = 2 * (1 - embeddings) + embeddings + 2
-    explained = None
-    if on_cpu and abs(copies - on_cpu_copies) <= 0.02 * on_cpu_copies:
-        explained = (
-            "XLA:CPU has no reduce-scatter: the gradient's reduce-scatter "
-            "runs as an all-reduce and a slice (2Ψ, not Ψ); and "
-            f"the embedding tables (f = 2VD/Ψ = {embeddings:.3f} of the model), "
-            "outside the rematerialised blocks, are gathered "
-            f"once, not twice (the backward keeps the forward's copy): 2(1 - f) + f + 2 = {on_cpu_copies:.3f} copies"
+@dataclass(frozen=True)
+class Volume:
+    """Model copies one ZeRO-3 step moves over the data axes: the textbook, what the compiled step moves (each
+    kind apart), and the prediction corrected by what the HLO shows (None when it shows something unforeseen)."""
+
+    micro_batches: int
+    doctor: float  # the doctor's number: every data-axis collective's bytes per step / one model copy
+    gathered: float  # all-gathers' bytes per step / Ψ
+    reduced: float  # the reductions' (all-reduce counted twice, as the doctor does) / Ψ
+    outside: float  # f: the share of Ψ in arrays outside the layer loop
+    gathers_in_loop: float | None  # per micro-batch, of each array in the layer loop
+    gathers_outside: float | None  # per step, of each array outside it
+    reduction_kinds: tuple[str, ...]
+    refined_gathered: float | None
+    refined_reduced: float | None
+    why: str
+    groups: tuple[tuple[str, int, int, float], ...]  # (kind and where, instructions, runs per step, model copies)
+
+    @property
+    def textbook(self) -> float:
+        """Rajbhandari et al. 2020, Section 7: per micro-batch, gather Ψ forward, again backward, reduce-scatter Ψ."""
+        return 3.0 * self.micro_batches
+
+    @property
+    def refined(self) -> float | None:
+        if self.refined_gathered is None or self.refined_reduced is None:
+            return None
+        return self.refined_gathered + self.refined_reduced
+
+
+def _volume(seen: CaseSeen, case: Case) -> Volume:
+    """Read the compiled step's collectives over the data axes, in model copies, and the HLO facts that price them:
+    how often each array is gathered (counts of instructions and their runs, not bytes) and which kind reduces."""
+    psi = sum(p.bytes for p in seen.params)
+    block = [p for p in seen.params if p.name.startswith("blocks/")]
+    rest = [p for p in seen.params if not p.name.startswith("blocks/")]
+    f = sum(p.bytes for p in rest) / psi
+    layers, m = preset(case.run.model).layers, case.run.micro_batches
+    dp = [c for c in seen.collectives if c.kind in _DP_KINDS and c.axes and set(c.axes) <= _ZERO_AXES]
+    gathers = [c for c in dp if c.kind == "all-gather"]
+    reductions = [c for c in dp if c.kind != "all-gather"]
+
+    def copies(group, twice: bool) -> float:
+        return (
+            sum(c.size_bytes * (c.repeats or 1) * (2 if twice and c.kind == "all-reduce" else 1) for c in group) / psi
         )
-    return check(
-        "control: model copies moved per step over fsdp (ZeRO-3)", 3.0, round(copies, 3), rtol=0.05, explained=explained
+
+    known = all(c.repeats is not None for c in dp)
+    in_loop = [c for c in gathers if (c.repeats or 0) > 1]
+    once = [c for c in gathers if c.repeats == 1]
+    g_in = sum(c.repeats for c in in_loop) / (len(block) * layers * m) if known and block else None
+    g_out = len(once) / len(rest) if known and rest else None
+    kinds = tuple(sorted({c.kind for c in reductions}))
+    r = 2.0 if kinds == ("all-reduce",) else None  # an all-reduce moves 2 copies in this count; a reduce-scatter 1
+    refined_gathered = m * g_in * (1 - f) + g_out * f if g_in is not None and g_out is not None else None
+    refined_reduced = m * r if r is not None else None
+    why = (
+        f"the compiled step's {len(in_loop)} all-gathers in the layer loop run {sum(c.repeats or 0 for c in in_loop)} "
+        f"times per step: each of the {len(block)} arrays of each of {layers} layers gathered {g_in or 0:g} times per "
+        f"micro-batch; its {len(once)} all-gathers outside the loop run once: {g_out or 0:g} per step for each of the "
+        f"{len(rest)} arrays outside it (f = {f:.4f} of Ψ, in the embedding tables and final norm); the gradients are "
+        f"reduced by {', '.join(kinds) or 'nothing'} (no reduce-scatter: 2 copies per micro-batch). "
+        f"So {m:g}·{g_in or 0:g}·(1 - f) + {g_out or 0:g}·f gathered + {m:g}·2 reduced"
+    )
+    groups = tuple(
+        (label, len(group), sum(c.repeats or 1 for c in group), copies(group, True))
+        for label, group in (
+            ("all-gather in the layer loop", in_loop),
+            ("all-gather outside the loop", once),
+            *(
+                (f"{kind} (counted twice)" if kind == "all-reduce" else kind, [c for c in reductions if c.kind == kind])
+                for kind in kinds
+            ),
+        )
+        if group
+    )
+    doctor = _finding_numbers(seen, "communication volume per step").get("copies", math.nan)
+    return Volume(
+        m,
+        doctor,
+        copies(gathers, False),
+        copies(reductions, True),
+        f,
+        g_in,
+        g_out,
+        kinds,
+        refined_gathered,
+        refined_reduced,
+        why,
+        groups,
     )
 
 
-def _summary(diagnosed) -> str:
+def _finding_numbers(seen: CaseSeen, name: str) -> dict[str, float]:
+    return next((f.numbers for f in seen.findings if f.check == name), {})
+
+
+def _checks(diagnosed, volumes: dict[str, Volume]) -> list[Check]:
+    """Each broken layer named first; the control clean; the volume against the ZeRO paper, refined by the HLO."""
+    rows = []
+    for case, diagnosis in diagnosed:
+        if case.broken_layer:
+            rows.append(_layer_check(case, diagnosis))
+            continue
+        rows += _control_checks(diagnosis)
+    for name, v in volumes.items():
+        rows += _volume_checks(name, v)
+    return rows
+
+
+def _layer_check(case: Case, diagnosis: Diagnosis) -> Check:
+    quantity = f"{case.name}: layer of the first problem"
+    if not case.clocked:
+        return check(quantity, case.broken_layer, _named(diagnosis), kind="exact")
+    return check(
+        quantity,
+        case.broken_layer,
+        _named(diagnosis),
+        kind="timing",
+        basis=(
+            "the loader's sleep is several times the tiny model's step on this target, so its wait passes the "
+            f"doctor's {INPUT_PROBLEM:.0%} of the step by a wide margin and input is named first"
+        ),
+    )
+
+
+def _control_checks(diagnosis: Diagnosis) -> list[Check]:
+    """No problem found: by the checks that read no clock (exactly), and by the two that do (with their margins)."""
+    unclocked = [f for f in diagnosis.problems if f.check not in CLOCKED]
+    rows = [check("control: problems found by the checks that read no clock", 0, len(unclocked), kind="exact")]
+    wait = _finding(diagnosis, "time waiting for data")
+    if wait is not None and "fraction" in wait.numbers:
+        rows.append(
+            check(
+                f"control: median wait for data / step (a problem from {INPUT_PROBLEM:g})",
+                INPUT_PROBLEM,
+                wait.numbers["fraction"],
+                kind="timing",
+                relation="<=",
+                basis=(
+                    "on this target a loop whose batches are ready waits only for host-to-device placement, "
+                    "a few percent of the step: far under the doctor's threshold"
+                ),
+            )
+        )
+    comm = _finding(diagnosis, "largest collectives per axis")
+    if comm is not None and "ratio" in comm.numbers:
+        rows.append(
+            check(
+                f"control: predicted communication / measured compute (a problem from {COMM_BOUND_PROBLEM:g})",
+                COMM_BOUND_PROBLEM,
+                comm.numbers["ratio"],
+                kind="timing",
+                relation="<=",
+                basis=(
+                    "the tiny model's collectives, priced at this host's copy bandwidth, are a small fraction of "
+                    "its measured compute on this target, orders of magnitude under the threshold"
+                ),
+            )
+        )
+    return rows
+
+
+def _volume_checks(name: str, v: Volume) -> list[Check]:
+    m = f" per micro-batch, {v.micro_batches} micro-batches" if v.micro_batches > 1 else ""
+    rows = []
+    if name == "control":
+        rows += [
+            check(
+                f"{name}: model copies gathered per step over fsdp (ZeRO-3: forward and backward, 2Ψ)",
+                2.0 * v.micro_batches,
+                v.gathered,
+                kind="exact",
+                rtol=1e-9,
+                refined=v.refined_gathered,
+                why=v.why if v.refined_gathered is not None else "",
+            ),
+            check(
+                f"{name}: model copies the gradient reduction moves per step (ZeRO-3: a reduce-scatter, Ψ)",
+                1.0 * v.micro_batches,
+                v.reduced,
+                kind="model",
+                rtol=VOLUME_RTOL,
+                refined=v.refined_reduced,
+                why=f"the compiled step reduces the gradients by {', '.join(v.reduction_kinds) or 'nothing'}"
+                if v.refined_reduced is not None
+                else "",
+                basis=VOLUME_BASIS,
+            ),
+        ]
+    rows.append(
+        check(
+            f"{name}: model copies moved per step over fsdp, as the doctor counts them (ZeRO-3: 3Ψ{m})",
+            v.textbook,
+            v.doctor,
+            kind="model",
+            rtol=VOLUME_RTOL,
+            refined=v.refined,
+            why=v.why if v.refined is not None else "",
+            basis=VOLUME_BASIS,
+        )
+    )
+    return rows
+
+
+def _claims(diagnosed) -> list[Claim]:
+    by_name = {c.name: d for c, d in diagnosed}
+    broken = [(c, d) for c, d in diagnosed if c.broken_layer]
+    found = [c.name for c, d in broken if _named(d) == c.broken_layer]
+    missed = [f"{c.name}: {_named(d)} instead of {c.broken_layer}" for c, d in broken if _named(d) != c.broken_layer]
+    claims = [
+        Claim(
+            "System layers before numerics (data, then parallel layout, then communication, numerics last): the "
+            "first problem found in that order is the broken layer",
+            "confirmed" if not missed else "refuted",
+            f"{len(found)} of {len(broken)} broken cases named by their layer first"
+            + (f"; missed: {'; '.join(missed)}" if missed else ""),
+        )
+    ]
+    too_big = by_name.get("too_big")
+    if too_big is not None:
+        memory = _finding(too_big, "peak memory per device")
+        first = _named(too_big)
+        status = "refuted" if first != "memory" else "refined" if too_big.not_run else "confirmed"
+        peak = memory.numbers.get("peak_bytes") if memory else None
+        capacity = memory.numbers.get("capacity_bytes") if memory else None
+        claims.append(
+            Claim(
+                "Look first at resource utilisation: GPU utilisation, memory, network bandwidth",
+                status,
+                f"too_big: first problem {first}; "
+                + (
+                    f"peak {format_bytes(peak)} against {format_bytes(capacity)} per chip; "
+                    if peak and capacity
+                    else ""
+                )
+                + (
+                    "no step ran, so there was no utilisation to read: memory is the first gate"
+                    if too_big.not_run
+                    else "the step ran"
+                ),
+            )
+        )
+    collapsed = by_name.get("collapsed_router")
+    if collapsed is not None:
+        layers = [f.layer for f in collapsed.problems]
+        skew = _finding(collapsed, "expert load skew")
+        divergence = _finding(collapsed, "loss divergence")
+        symptom_first = bool(layers) and layers[0] == "layout" and "numerics" in layers
+        claims.append(
+            Claim(
+                "Checking system layers before numerics keeps you from starting in the wrong direction",
+                "refined" if symptom_first else "confirmed",
+                "collapsed_router (only the learning rate changed): problems in the order "
+                + (", ".join(layers) or "none")
+                + (f"; expert skew {skew.numbers['skew']:.2f}" if skew and "skew" in skew.numbers else "")
+                + (
+                    f"; loss {divergence.numbers['first']:.2f} -> {divergence.numbers['final']:.2f}"
+                    if divergence and "final" in divergence.numbers
+                    else ""
+                )
+                + (
+                    ": the first problem is a symptom of the numerics, whose fix is the one that works"
+                    if symptom_first
+                    else ""
+                ),
+            )
+        )
+    return claims
+
+
+def _summary(diagnosed, volumes: dict[str, Volume]) -> str:
     broken = [(c, d) for c, d in diagnosed if c.broken_layer]
     found = sum(_named(d) == c.broken_layer for c, d in broken)
     control = next(d for c, d in diagnosed if not c.broken_layer)
     firsts = "; ".join(f"{c.name}: {d.start_here.check if d.start_here else 'nothing'}" for c, d in broken)
-    return (
+    text = (
         f"The doctor named the broken layer first in {found} of {len(broken)} "
         f"broken configurations ({firsts}) and found "
         f"{len(control.problems)} problem(s) in the healthy control. Memory "
@@ -207,6 +555,14 @@ def _summary(diagnosed) -> str:
         f"is refused before anything else can be measured; numerics last, because a diverging loss on a wrong layout "
         f"sends you in the wrong direction."
     )
+    v = volumes.get("control")
+    if v is not None:
+        text += (
+            f" The control moves {v.doctor:.2f} model copies per step, not ZeRO-3's 3: the compiled step gathers "
+            f"{v.gathered:.2f} (the arrays outside the layer loop once, not twice) and reduces the gradients by "
+            f"{', '.join(v.reduction_kinds)} ({v.reduced:.2f} copies, not a reduce-scatter's 1)."
+        )
+    return text
 
 
 def _overview(diagnosed) -> Table:
@@ -228,6 +584,25 @@ def _overview(diagnosed) -> Table:
         ["case", "broken layer", "what was broken", "start here", "evidence", "fix"],
         rows,
     )
+
+
+def _volume_tables(obs: Observations, volumes: dict[str, Volume]) -> list[Table]:
+    rows = []
+    for name, v in volumes.items():
+        rows += [[name, label, count, runs, round(copies, 4)] for label, count, runs, copies in v.groups]
+        against = f"ZeRO-3: {v.textbook:g}; from the HLO's counts: {v.refined:.4f}" if v.refined else "-"
+        rows.append([name, "total, as the doctor counts it", "", "", round(v.doctor, 4), against])
+    if not rows:
+        return []
+    return [
+        Table(
+            "The ZeRO-3 cases' collectives over fsdp, in model copies per step",
+            ["case", "collectives", "instructions", "runs per step", "model copies", "against"],
+            [row + [""] * (6 - len(row)) for row in rows],
+            "Model copies: bytes per step (S times runs) over the bytes of all parameters, an all-reduce counted "
+            "twice (a reduce-scatter plus an all-gather), as the doctor counts them.",
+        )
+    ]
 
 
 def _report(case: Case, diagnosis: Diagnosis) -> Table:
@@ -260,7 +635,7 @@ QUICK_REFERENCE = (
 )
 
 
-def _notes(diagnosed) -> list[str]:
+def _notes(diagnosed, volumes: dict[str, Volume]) -> list[str]:
     by_name = {c.name: d for c, d in diagnosed}
     notes = [QUICK_REFERENCE]
     too_big = by_name.get("too_big")
@@ -272,15 +647,29 @@ def _notes(diagnosed) -> list[str]:
             "the doctor compares XLA's memory analysis with the host's "
             "memory shared out among the emulated devices instead."
         )
+    control = volumes.get("control")
+    if control is not None and control.reduction_kinds == ("all-reduce",):
+        notes.append(
+            "control: the compiled step has no reduce-scatter. XLA:CPU does write one when a program asks for it "
+            "(the allreduce_equivalence page's shard_map reduce-scatter stays one); here the partitioner reduces "
+            "each gradient with an all-reduce, of which each device keeps its slice, and nothing on this target "
+            f"rewrites that pair into a reduce-scatter. Counted as the doctor counts (an all-reduce twice), the "
+            f"reduction moves {control.reduced:.4f} copies instead of 1, while the embedding tables and the final "
+            f"norm (f = {control.outside:.4f} of Ψ), outside the rematerialised layer loop, are gathered once "
+            f"instead of twice: {control.gathered:.4f} copies gathered instead of 2."
+        )
     regather = by_name.get("regather")
     if regather is not None:
-        volume = next(f for f in regather.findings if f.check == "communication volume per step")
-        timing = next(f for f in regather.findings if f.check == "largest collectives per axis")
-        notes.append(
-            "regather: on emulated CPU devices the repeated gathers are memory "
-            f"copies ({timing.evidence[0]}), so time alone would "
-            f"not find them; the bytes do ({volume.evidence[0]}). On a real network the same bytes cost real time."
-        )
+        volume = _finding(regather, "communication volume per step")
+        timing = _finding(regather, "largest collectives per axis")
+        if volume is not None and timing is not None and volume.evidence and timing.evidence:
+            notes.append(
+                "regather: on emulated CPU devices the repeated gathers are memory "
+                f"copies ({timing.evidence[0]}), so time alone would "
+                f"not find them; the bytes do ({volume.evidence[0]}). On a real network the same bytes cost real "
+                "time. The arrays outside the layer loop are gathered once per step, not once per micro-batch: "
+                "the compiler hoisted their gathers out of the micro-batch loop."
+            )
     collapsed = by_name.get("collapsed_router")
     if collapsed is not None and collapsed.start_here is not None:
         diverged = [f for f in collapsed.problems if f.layer == "numerics"]
@@ -291,6 +680,11 @@ def _notes(diagnosed) -> list[str]:
             "the cause is the learning rate, the skew its "
             "first symptom. Rebalancing the router would not help; the fix of the numerics finding would."
         )
+    notes.append(
+        "Verdicts: the layer named first is exact where the finding that names it reads the compiler, the shapes "
+        "or the losses, and a timing check where it reads a clock (the slow loader's wait); the control's two "
+        "clocked checks are bounds at the doctor's own thresholds, with the margin in the observed value."
+    )
     notes.append(
         "XLA:CPU schedules no collective asynchronously, so the overlap analysis (lab.hlo.schedule) applies only "
         "to the compile-only TPU cases; loop trip counts are missing from the TPU "
@@ -317,4 +711,11 @@ problem is where to start.
 
 A step compiled for a TPU topology needs no TPU: memory, layout and communication are read from what the compiler
 produced; input and numerics need steps to run, so they are not applicable there.
+
+ZeRO-3's volume, per micro-batch: gather every parameter for the forward (Ψ), gather it again for the backward (Ψ),
+reduce-scatter the gradients (Ψ): 3Ψ, so 3M copies with M micro-batches. The corrected prediction reads three facts
+from the compiled step, counts rather than bytes: how many times the layer loop's all-gathers run per step (each
+array gathered g_in times per micro-batch), how many all-gathers run once outside it (each of the other arrays
+gathered g_out times per step; they hold a share f of Ψ), and which kind reduces the gradients (an all-reduce moves
+2 copies in this count, a reduce-scatter 1): M·g_in·(1 - f) + g_out·f + M·r.
 """  # noqa: E501

@@ -4,20 +4,30 @@ Question #50 asks why TP + FSDP beats making FSDP ever larger. The scaling
 book's answer is a threshold: data parallelism and FSDP stay compute-bound
 only while each chip has enough tokens, B/N > alpha / M_X (alpha = C / W_ici,
 2550 on TPU v5p; M_X the torus axes the data axis spans), tensor parallelism
-only while Y < M_Y·F / alpha, and FSDP x TP down to B/N > 4·alpha² / (M_X·M_Y·F).
+only while Y < M_Y·F / alpha, and FSDP x TP down to B/N > 4·alpha² / (M_X·M_Y·F)
+with the best Y.
 
 Here a transformer MLP block's training step (y = relu(x·W_in)·W_out, the
-gradients of both weights and of the input) at realistic sizes is compiled by the TPU compiler for a
-v5p slice, compile-only, under each strategy and a sweep of per-chip batch.
-Compute time comes from XLA's cost analysis and the chip's peak FLOP/s,
-communication time from the collectives in the compiled HLO and the links
-their mesh axes use (lab.roofline). Where the two cross is the threshold XLA's
-own program has, next to the book's.
+gradients of both weights and of the input) at realistic sizes is compiled by
+the TPU compiler for a v5p slice, compile-only, under each strategy and a
+sweep of per-chip batch. What is observed is the program the compiler wrote:
+its FLOPs (XLA's cost analysis) and its collectives (kinds, bytes, the mesh
+axes and so the torus links they use). Its compute time is those FLOPs at the
+chip's peak, its communication time those collectives priced on their links
+(`lab.topology`, with hop latency); where the two cross is the threshold XLA's
+own program has, next to the book's. Nothing here runs on a TPU: every time on
+this page is a model of the compiled program, and the page says so.
+
+`compile_mlp_step` and the pricing helpers below are shared with
+`tp_fsdp_vs_fsdp`, which holds the global batch fixed and grows the slice.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
+from time import perf_counter
 
 import jax
 import jax.numpy as jnp
@@ -26,27 +36,40 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from matplotlib.figure import Figure
 
+from experiments import kit
 from lab import hlo, theory
 from lab.bench import crossover
 from lab.devices import parse_target, topology_devices
-from lab.hardware import profile_for_device_kind
+from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.mesh import MeshSpec
 from lab.progress import track
-from lab.report import Result, Table, provenance
-from lab.roofline import roofline
-from lab.topology import placement
+from lab.provenance import Setup
+from lab.report import Result, Table
+from lab.theory.scaling import fsdp_tp_comm_to_compute, fsdp_tp_min_batch_per_chip_at
+from lab.topology import Placement, placement, predict
 from lab.units import format_bytes
-from lab.verdict import check
+from lab.verdict import Check, Claim, check
 
 QUESTION = "#50"
 COMPILE_ONLY = True  # runs on a TPU topology through libtpu, whatever target `lab report` uses
 
-# strategy -> (mesh spec, where each array lives and how it is used); axis names from lab.mesh
+# strategy -> mesh spec; axis names from lab.mesh
 STRATEGIES = {
     "data parallel": "data=-1",
     "FSDP": "fsdp=-1",
     "FSDP x TP": "fsdp=-1,tensor=4",
 }
+CROSSOVER_RTOL = 0.02
+CROSSOVER_BASIS = (
+    "the crossing is interpolated between sweep points a factor 2 apart (exact for a ratio in 1/(B/N), within 1% "
+    "where TP's activations grow with B/N), and the roofline adds ~1 us hop latency per hop that the bandwidth "
+    "rule leaves out: 2%"
+)
+RATIO_RTOL = 0.02
+RATIO_BASIS = (
+    "the roofline prices each collective as max(hop latency, bytes / bandwidth); latency is microseconds against "
+    "milliseconds of transfer here: 2%"
+)
 
 
 @dataclass(frozen=True)
@@ -68,70 +91,59 @@ class Config:
     """larger slices for the FSDP step at a fixed B/N (compile time grows with chips: v5p:8x8x16 takes ~10 s more)"""
 
 
-def run(config: Config) -> Result:
-    target = parse_target(config.target)
-    topology = target.topology if target.compile_only else Config.target.split(":", 1)[1]
-    chips = topology_devices(topology)
-    chip = profile_for_device_kind(chips[0].device_kind)
-    sweep = {
-        name: [_step(spec, chips, config, b) for b in track(config.batch_per_chip, f"{name} on {topology}")]
-        for name, spec in STRATEGIES.items()
-    }
-    tensor = [
-        _step(f"data=-1,tensor={y}", chips, config, config.batch_per_chip[-1])
-        for y in track(config.tensor_ways, "tensor parallel degrees")
-    ]
-    pods = [
-        _step("fsdp=-1", topology_devices(t), config, 2048) | {"topology": t}
-        for t in track(config.pod_topologies, "pod sizes")
-    ]
-    thresholds = _thresholds(sweep, chip, config)
-    benchmark = (
-        _compile_benchmark(config.benchmark_preset, config.benchmark_topology) if config.benchmark_preset else None
+# --------------------------------------------------------------------------- the compiled MLP step (shared)
+
+
+@dataclass(frozen=True)
+class MlpStep:
+    """The MLP block's training step as the TPU compiler wrote it, for one mesh and batch (compile-only)."""
+
+    spec: str  # as asked, "fsdp=-1,tensor=4"
+    mesh: str  # as built, "fsdp=16,tensor=4"
+    topology: str  # "v5p:4x4x4", with " x2 slices" across DCN
+    chips: int
+    batch_per_chip: int
+    device_kind: str
+    flops: float  # per chip, XLA's cost analysis of the partitioned module
+    bytes_accessed: float  # per chip, the same
+    collectives: tuple[kit.Seen, ...]
+    placements: tuple[Placement, ...]  # where each mesh axis of size > 1, and each set a collective spans, sits
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return MeshSpec.parse(self.mesh).sizes
+
+    def where(self, axes) -> Placement | None:
+        axes = tuple(axes or ())
+        return next((p for p in self.placements if p.axes == axes), None)
+
+
+def compile_mlp_step(spec: str, chips, *, embed: int, mlp: int, batch_per_chip: int, topology: str = "") -> MlpStep:
+    """Compile the MLP block's training step over `spec` on `chips` (compile-only) and read what XLA wrote."""
+    mesh = MeshSpec.parse(spec).build(chips, explicit=False)
+    n = mesh.devices.size
+    step, (w_in, w_out), batch = _mlp_step(mesh, _axes_for(mesh))
+    args = (
+        jax.ShapeDtypeStruct((embed, mlp), jnp.bfloat16, sharding=w_in),
+        jax.ShapeDtypeStruct((mlp, embed), jnp.bfloat16, sharding=w_out),
+        jax.ShapeDtypeStruct((batch_per_chip * n, embed), jnp.bfloat16, sharding=batch),
     )
-    checks = _checks(sweep, thresholds, tensor, chip, config)
-    return Result(
-        summary=_summary(thresholds, topology, chip),
-        theory=THEORY,
-        tables=[
-            _sweep_table(sweep),
-            _threshold_table(thresholds),
-            _tensor_table(tensor, chip, config),
-            _pod_table(pods, sweep["FSDP"], config),
-            _collectives_table(sweep),
-            *([_benchmark_table(benchmark)] if benchmark else []),
-        ],
-        checks=checks,
-        plots={"ratio": _plot(sweep, thresholds, topology)},
-        notes=_notes(sweep),
-        provenance=provenance(
-            target=f"tpu:{topology}", devices=chips, mesh=", ".join(f"{k}: {v}" for k, v in STRATEGIES.items())
-        ),
-        data={
-            "sweep": {k: [_plain(r) for r in v] for k, v in sweep.items()},
-            "tensor": [_plain(r) for r in tensor],
-            "pods": [_plain(r) for r in pods],
-            "thresholds": thresholds,
-            "benchmark": benchmark,
-        },
+    inspection = hlo.inspect(step, *args, mesh=mesh)
+    found = inspection.collectives
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    wanted = [(a,) for a, size in sizes.items() if size > 1] + [c.axes for c in found if c.axes]
+    return MlpStep(
+        spec=spec,
+        mesh=",".join(f"{a}={s}" for a, s in sizes.items() if s > 1),
+        topology=topology,
+        chips=n,
+        batch_per_chip=batch_per_chip,
+        device_kind=mesh.devices.flat[0].device_kind,
+        flops=float(inspection.cost.get("flops", 0.0)),
+        bytes_accessed=float(inspection.cost.get("bytes accessed", 0.0)),
+        collectives=kit.seen(found),
+        placements=tuple(placement(mesh, axes) for axes in dict.fromkeys(wanted)),
     )
-
-
-THEORY = r"""
-Per chip and per step of an MLP block with B tokens, width D and MLP width F on N chips (the scaling book, Part 5):
-compute is 12·B·D·F / N FLOPs (two matmuls forward, four backward), at C FLOP/s;
-data parallelism all-reduces the 2·D·F weight gradients; FSDP gathers the weights and reduce-scatters their
-gradients; tensor parallelism moves activations of size B·D / X instead. With α = C / W_ici (W_ici: both directions
-of one torus axis; 2550 on v5p) and M the torus axes a mesh axis spans:
-
-| strategy | compute-bound while | v5p, 3 axes |
-|---|---|---|
-| data parallel, FSDP | B/N > α / M_X | 850 tokens per chip |
-| tensor parallel over Y | Y < M_Y · F / α | 12.8·M_Y for F = 32768 |
-| FSDP × TP | B/N > 4α² / (M_X · M_Y · F) | ≈ 400 for M_X M_Y = 2 |
-
-Over DCN the same ratio uses the data-centre bandwidth per chip instead of W_ici: α_DCN = C / W_dcn.
-"""
 
 
 def _mlp_step(mesh, strategy_axes: dict):
@@ -180,128 +192,201 @@ def _axes_for(mesh) -> dict:
     }
 
 
-def _step(spec: str, chips, config: Config, batch_per_chip: int) -> dict:
-    mesh = MeshSpec.parse(spec).build(chips, explicit=False)
-    n = mesh.devices.size
-    step, (w_in, w_out), batch = _mlp_step(mesh, _axes_for(mesh))
-    args = (
-        jax.ShapeDtypeStruct((config.embed, config.mlp), jnp.bfloat16, sharding=w_in),
-        jax.ShapeDtypeStruct((config.mlp, config.embed), jnp.bfloat16, sharding=w_out),
-        jax.ShapeDtypeStruct((batch_per_chip * n, config.embed), jnp.bfloat16, sharding=batch),
+# --------------------------------------------------------------------------- pricing a compiled step (shared, pure)
+
+
+def chip_of(step: MlpStep) -> ChipProfile:
+    return profile_for_device_kind(step.device_kind)
+
+
+def compute_s(step: MlpStep) -> float:
+    """XLA's FLOPs at the chip's peak."""
+    return step.flops / chip_of(step).peak_bf16_flops
+
+
+def memory_s(step: MlpStep) -> float:
+    return step.bytes_accessed / chip_of(step).hbm_bandwidth
+
+
+def collective_costs(step: MlpStep) -> tuple[theory.CollectiveCost | None, ...]:
+    """Each collective's cost on the links its mesh axes use (`lab.topology.predict`); None within a chip."""
+    chip = chip_of(step)
+    out = []
+    for c in step.collectives:
+        where = step.where(c.axes) if c.axes else None
+        out.append(predict(c.kind, c.size_bytes, where, chip) if where else None)
+    return tuple(out)
+
+
+def collective_seconds(step: MlpStep) -> tuple[float, ...]:
+    """Each collective's predicted seconds per step (its runs per step included)."""
+    return tuple(
+        (c.repeats or 1) * (cost.seconds if cost else 0.0) for c, cost in zip(step.collectives, collective_costs(step))
     )
-    inspection = hlo.inspect(step, *args, mesh=mesh)
-    roof = roofline(inspection, mesh)
-    return {
-        "spec": spec,
-        "mesh": mesh,
-        "chips": n,
-        "batch_per_chip": batch_per_chip,
-        "roofline": roof,
-        "ratio": roof.communication_s / roof.compute_s,
-        "expected_flops": 12 * batch_per_chip * config.embed * config.mlp,
+
+
+def communication_s(step: MlpStep, axis: str | None = None) -> float:
+    """The collectives' predicted seconds, all of them or those spanning `axis`."""
+    return sum(
+        s for c, s in zip(step.collectives, collective_seconds(step)) if axis is None or (c.axes and axis in c.axes)
+    )
+
+
+def latency_share(step: MlpStep, axis: str | None = None) -> float:
+    """How much of the communication time is hop latency rather than bytes over bandwidth."""
+    total = latency = 0.0
+    for c, cost in zip(step.collectives, collective_costs(step)):
+        if cost and (axis is None or (c.axes and axis in c.axes)):
+            total += (c.repeats or 1) * cost.seconds
+            latency += (c.repeats or 1) * min(cost.latency_s, cost.seconds)
+    return latency / total if total else 0.0
+
+
+def ratio(step: MlpStep) -> float:
+    """Communication over compute: above 1, communication-bound."""
+    return communication_s(step) / compute_s(step)
+
+
+def bound(step: MlpStep) -> str:
+    terms = {"compute": compute_s(step), "memory": memory_s(step), "communication": communication_s(step)}
+    return max(terms, key=terms.get)
+
+
+def overlapped_s(step: MlpStep) -> float:
+    """The step if everything overlapped perfectly: its largest term."""
+    return max(compute_s(step), memory_s(step), communication_s(step))
+
+
+def torus_axes(where: Placement | None) -> float:
+    """The book's M for a set of mesh axes: the torus dimensions it spans, a line (no wraparound) counting half."""
+    if where is None or where.network != "ici":
+        return 1.0
+    return sum(1.0 if wraps else 0.5 for wraps in where.wraps) or 1.0
+
+
+def _bandwidth(step: MlpStep, c: kit.Seen) -> float | None:
+    """Bytes per second a chip gets for `c` by the book's rule: M · W_ici on a torus, W_dcn across slices."""
+    where, chip = step.where(c.axes), chip_of(step)
+    if where is None or where.network == "chip":
+        return None
+    if where.network == "dcn":
+        return chip.dcn_bandwidth
+    return torus_axes(where) * 2 * chip.link_bandwidth
+
+
+def bus_bytes(c: kit.Seen) -> float:
+    """Bytes one chip sends for `c` per step: nccl-tests' bus factor of its group times S, times its runs."""
+    group = c.group_size or 1
+    factor = theory.bus_bandwidth_factor(c.kind, group) if group > 1 else 0.0
+    return (c.repeats or 1) * factor * c.size_bytes
+
+
+def bandwidth_rule_s(step: MlpStep, activations: bool | None = None) -> float:
+    """The book's rule applied to what XLA wrote: each collective's bytes over M · W_ici (W_dcn across slices), no
+    latency. `activations`: only those over tensor (True), only the others (False), or all (None)."""
+    total = 0.0
+    for c in step.collectives:
+        over_tensor = bool(c.axes and "tensor" in c.axes)
+        bandwidth = _bandwidth(step, c)
+        if bandwidth and (activations is None or activations == over_tensor):
+            total += bus_bytes(c) / bandwidth
+    return total
+
+
+def bandwidth_rule_threshold(step: MlpStep) -> float:
+    """Tokens per chip where XLA's program, priced by the book's rule, turns compute-bound: its weights' collectives
+    cost the same at any B/N, its tensor collectives (activations) and its FLOPs grow with B/N."""
+    b = step.batch_per_chip
+    per_token = compute_s(step) / b - bandwidth_rule_s(step, activations=True) / b
+    return bandwidth_rule_s(step, activations=False) / per_token if per_token > 0 else math.inf
+
+
+def expected_flops(step: MlpStep, embed: int, mlp: int) -> float:
+    """The six matmuls of the block's step, 2·B·D·F each per chip: 12·(B/N)·D·F."""
+    return 12 * step.batch_per_chip * embed * mlp
+
+
+def flops_check(label: str, step: MlpStep, embed: int, mlp: int) -> Check:
+    """XLA's FLOPs against the matmuls': a model, since XLA also counts the elementwise work around them."""
+    return check(
+        f"{label}: FLOPs per chip at B/N={step.batch_per_chip} (12·B·D·F/N)",
+        expected_flops(step, embed, mlp),
+        step.flops,
+        kind="model",
+        rtol=2 / embed + 1 / step.batch_per_chip,
+        basis="12·B·D·F/N counts the matmuls; XLA also counts the elementwise ops (relu, its mask, the loss: "
+        "under 24 per hidden element, 2/D of the matmuls') and the sums of the weight gradients' reductions "
+        "(under 12 per weight element, 1/(B/N)): rtol 2/D + 1/(B/N)",
+    )
+
+
+# --------------------------------------------------------------------------- measure
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """Seconds to compile a whole ZeRO-3 training step for a pod on this machine, and to read its HLO."""
+
+    preset: str
+    parameters: int
+    topology: str
+    chips: int
+    compile_s: float
+    analysis_s: float
+    collectives: int
+
+
+@dataclass(frozen=True)
+class Observations:
+    setup: Setup
+    topology: str
+    sweep: dict[str, tuple[MlpStep, ...]]  # strategy -> one step per batch per chip
+    tensor: tuple[MlpStep, ...]  # data x tensor at the largest batch, one per tensor degree
+    pods: tuple[MlpStep, ...]  # FSDP at 2048 tokens per chip on larger slices
+    benchmark: Benchmark | None = None
+
+
+def _topology(config: Config) -> str:
+    target = parse_target(config.target)
+    return target.topology if target.compile_only else Config.target.split(":", 1)[1]
+
+
+def measure(config: Config) -> Observations:
+    topology = _topology(config)
+    chips = topology_devices(topology)
+    shapes = {"embed": config.embed, "mlp": config.mlp}
+    sweep = {
+        name: tuple(
+            compile_mlp_step(spec, chips, batch_per_chip=b, topology=topology, **shapes)
+            for b in track(config.batch_per_chip, f"{name} on {topology}")
+        )
+        for name, spec in STRATEGIES.items()
     }
-
-
-def _plain(row: dict) -> dict:
-    roof = row["roofline"]
-    return {
-        "spec": row["spec"],
-        "chips": row["chips"],
-        "batch_per_chip": row["batch_per_chip"],
-        "compute_s": roof.compute_s,
-        "memory_s": roof.memory_s,
-        "communication_s": roof.communication_s,
-        "flops": roof.flops,
-        "collectives": [
-            (c.collective.kind, c.collective.axes, c.collective.size_bytes, str(c.where), c.seconds)
-            for c in roof.collectives
-        ],
-    }
-
-
-def _axes_spanned(mesh, axis: str) -> int:
-    return len(placement(mesh, (axis,)).torus_dims)
-
-
-def _thresholds(sweep, chip, config: Config) -> dict:
-    """Theory's threshold and the XLA program's crossover, per strategy (tokens per chip)."""
-    out = {}
-    for name, rows in sweep.items():
-        mesh = rows[0]["mesh"]
-        if name == "FSDP x TP":
-            predicted = theory.fsdp_tp_min_batch_per_chip(
-                chip, config.mlp, _axes_spanned(mesh, "fsdp"), _axes_spanned(mesh, "tensor")
-            )
-        else:
-            predicted = theory.data_parallel_min_batch_per_chip(
-                chip, _axes_spanned(mesh, "data" if name == "data parallel" else "fsdp")
-            )
-        out[name] = {
-            "theory": predicted,
-            "xla": crossover([r["batch_per_chip"] for r in rows], [r["ratio"] for r in rows]),
-        }
-    return out
-
-
-def _checks(sweep, thresholds, tensor, chip, config: Config) -> list:
-    checks = []
-    for name, rows in sweep.items():
-        row = rows[-1]
-        checks.append(
-            check(
-                f"{name}: FLOPs per chip at B/N={row['batch_per_chip']} (12·B·D·F/N)",
-                row["expected_flops"],
-                row["roofline"].flops,
-                rtol=0.05,
-            )
+    tensor = tuple(
+        compile_mlp_step(
+            f"data=-1,tensor={y}", chips, batch_per_chip=config.batch_per_chip[-1], topology=topology, **shapes
         )
-        t = thresholds[name]
-        checks.append(
-            check(
-                f"{name}: tokens per chip where compute = communication (within 2x)",
-                round(t["theory"]),
-                round(t["xla"]) if t["xla"] else "no crossing in the sweep",
-                rtol=0.5,
-                explained=_why_refined(name, rows),
-            )
-        )
-    alpha = theory.ici_arithmetic_intensity(chip)
-    for row in tensor:
-        mesh = row["mesh"]
-        y = dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"]
-        limit = theory.tensor_parallel_max_ways(chip, config.mlp, _axes_spanned(mesh, "tensor"))
-        tp_comm = sum(
-            c.seconds for c in row["roofline"].collectives if c.collective.axes and "tensor" in c.collective.axes
-        )
-        checks.append(
-            check(
-                f"tensor parallel Y={y}: compute-bound on the tensor axis (theory: "
-                f"Y < {limit:.1f} = M_Y·F/α, α={alpha:.0f})",
-                y < limit,
-                tp_comm < row["roofline"].compute_s,
-            )
-        )
-    return checks
+        for y in track(config.tensor_ways, "tensor parallel degrees")
+    )
+    pods = tuple(
+        compile_mlp_step("fsdp=-1", topology_devices(t), batch_per_chip=2048, topology=t, **shapes)
+        for t in track(config.pod_topologies, "pod sizes")
+    )
+    benchmark = (
+        _compile_benchmark(config.benchmark_preset, config.benchmark_topology) if config.benchmark_preset else None
+    )
+    return Observations(
+        setup=Setup.of(f"tpu:{topology}", chips, ", ".join(f"{k}: {v}" for k, v in STRATEGIES.items())),
+        topology=topology,
+        sweep=sweep,
+        tensor=tensor,
+        pods=pods,
+        benchmark=benchmark,
+    )
 
 
-def _why_refined(name: str, rows) -> str | None:
-    """Explain a crossover that moved, from the collectives XLA actually wrote."""
-    kinds = [c.collective.kind for c in rows[-1]["roofline"].collectives]
-    if name == "FSDP" and "all-gather" not in kinds and kinds.count("all-reduce") >= 2:
-        return (
-            "the TPU compiler gathered the weights with all-reduces (each "
-            "chip contributes its shard of a zero buffer) and reduced the "
-            "gradients "
-            "with all-reduces too: 2(N-1)/N·S per collective instead of (N-1)/N·S, "
-            "so communication doubles and the threshold moves up"
-        )
-    return None
-
-
-def _compile_benchmark(preset_name: str, topology: str) -> dict:
-    """Seconds to compile a whole ZeRO-3 training step for a pod, and to analyse it (parse, map, predict)."""
-    from time import perf_counter
-
+def _compile_benchmark(preset_name: str, topology: str) -> Benchmark:
+    """Seconds to compile a whole ZeRO-3 training step for a pod, and to read its collectives."""
     from lab.model import preset
     from lab.training.step import TrainConfig, Trainer
 
@@ -311,55 +396,188 @@ def _compile_benchmark(preset_name: str, topology: str) -> dict:
     started = perf_counter()
     compiled = trainer.compiled_step(mesh.devices.size)  # one sequence per chip
     compiled_at = perf_counter()
-    inspection = hlo.inspect_compiled(compiled, mesh)
-    roof = roofline(inspection, mesh)
-    found = inspection.collectives
+    found = hlo.inspect_compiled(compiled, mesh).collectives
+    return Benchmark(
+        preset_name,
+        int(model.parameters),
+        topology,
+        int(mesh.devices.size),
+        compiled_at - started,
+        perf_counter() - compiled_at,
+        len(found),
+    )
+
+
+# --------------------------------------------------------------------------- judge
+
+
+def judge(obs: Observations, config: Config) -> Result:
+    thresholds = {name: _threshold(name, steps, config) for name, steps in obs.sweep.items()}
+    checks = _checks(obs, thresholds, config)
+    return Result(
+        summary=_summary(obs, thresholds),
+        theory=THEORY,
+        tables=[
+            _sweep_table(obs),
+            _threshold_table(thresholds),
+            _tensor_table(obs, config),
+            _pod_table(obs),
+            _collectives_table(obs),
+            *([_benchmark_table(obs.benchmark)] if obs.benchmark else []),
+        ],
+        checks=checks,
+        claims=_claims(thresholds),
+        plots={"ratio": partial(_plot, obs, thresholds)},
+        notes=_notes(obs, thresholds),
+    )
+
+
+THEORY = r"""
+Per chip and per step of an MLP block with B tokens, width D and MLP width F on N chips (the scaling book, Part 5):
+compute is 12·B·D·F / N FLOPs (two matmuls forward, four backward), at C FLOP/s;
+data parallelism all-reduces the 2·D·F weight gradients; FSDP gathers the weights and reduce-scatters their
+gradients; tensor parallelism moves activations of size B·D / X instead. With α = C / W_ici (W_ici: both directions
+of one torus axis; 2550 on v5p) and M the torus axes a mesh axis spans, per pass over the layer the weights cost
+4DF / (Y·W_ici·M_X), the activations 4BD / (X·W_ici·M_Y) and the matmuls 4BDF / (N·C), so
+
+    T_comm / T_math = α / (Y · M_X · B/N) + α · Y / (M_Y · F)        (`lab.theory.scaling.fsdp_tp_comm_to_compute`)
+
+| strategy | compute-bound while | v5p, 3 axes |
+|---|---|---|
+| data parallel, FSDP (Y = 1) | B/N > α / M_X | 850 tokens per chip |
+| tensor parallel over Y | Y < M_Y · F / α | 12.8·M_Y for F = 32768 |
+| FSDP × TP over Y | B/N > α / (Y·M_X·(1 - α·Y/(M_Y·F))) | 463 for Y = 4, M_X = 2 |
+| FSDP × TP, best Y = M_Y·F/(2α) | B/N > 4α² / (M_X · M_Y · F) | ≈ 400 for M_X M_Y = 2 |
+
+Over DCN the same ratio uses the data-centre bandwidth per chip instead of W_ici: α_DCN = C / W_dcn.
+
+The compiled program is judged against the book where the two can differ: XLA's FLOPs against 12·B·D·F/N, and the
+tokens per chip at which its communication (its collectives priced on their links, hop latency included) falls
+below its compute (its FLOPs at peak). Where the book's threshold misses, the *refined* value is the book's own rule
+(bytes over M · W_ici, against FLOPs at peak) applied to the collectives XLA wrote and the FLOPs it counted: the
+kinds, group sizes and bytes read from the HLO.
+"""
+
+
+def _threshold(name: str, steps: tuple[MlpStep, ...], config: Config) -> dict:
+    """The book's threshold for the program's strategy, the compiled program's crossing, and the book's rule
+    applied to what XLA wrote (tokens per chip)."""
+    last = steps[-1]
+    chip, sizes = chip_of(last), last.sizes
+    y = sizes.get("tensor", 1)
+    weights_axis = "fsdp" if sizes.get("fsdp", 1) > 1 else "data"
+    m_x, m_y = torus_axes(last.where((weights_axis,))), torus_axes(last.where(("tensor",)))
+    book = fsdp_tp_min_batch_per_chip_at(chip, config.mlp, y, m_x, m_y)
+    best = theory.fsdp_tp_min_batch_per_chip(chip, config.mlp, m_x, m_y) if y > 1 else book
     return {
-        "preset": preset_name,
-        "parameters": model.parameters,
-        "topology": topology,
-        "chips": mesh.devices.size,
-        "compile_s": compiled_at - started,
-        "analysis_s": perf_counter() - compiled_at,
-        "collectives": len(found),
-        "bound": roof.bound,
+        "book": book,
+        "book_best_y": best,
+        "xla": crossover([s.batch_per_chip for s in steps], [ratio(s) for s in steps]),
+        "rule": bandwidth_rule_threshold(last),
+        "tensor": y,
+        "m_x": m_x,
+        "m_y": m_y,
     }
 
 
-def _benchmark_table(b: dict) -> Table:
-    rows = [
-        [
-            f"compile one ZeRO-3 training step of the {b['preset']} preset "
-            f"({b['parameters'] / 1e9:.2f} B parameters) for tpu:{b['topology']} "
-            f"({b['chips']} chips)",
-            f"{b['compile_s']:.1f} s",
-            "under 60 s",
-        ],
-        [
-            f"analyse it: parse {b['collectives']} collectives, map them to "
-            f"axes, predict the roofline ({b['bound']}-bound)",
-            f"{b['analysis_s']:.2f} s",
-            "under 2 s",
-        ],
+def _checks(obs: Observations, thresholds: dict, config: Config) -> list[Check]:
+    checks = []
+    for name, steps in obs.sweep.items():
+        checks.append(flops_check(name, steps[-1], config.embed, config.mlp))
+        checks.append(_crossover_check(name, steps, thresholds[name], config))
+    for step in obs.tensor:
+        checks.append(_tensor_check(step, config))
+    return checks
+
+
+def _crossover_check(name: str, steps: tuple[MlpStep, ...], t: dict, config: Config) -> Check:
+    observed = round(t["xla"], 1) if t["xla"] else "no crossing in the sweep"
+    refined = why = None
+    if t["xla"] and not math.isclose(t["book"], t["xla"], rel_tol=CROSSOVER_RTOL):
+        refined, why = round(t["rule"], 1), _why_rule(steps[-1], config)
+    return check(
+        f"{name}: tokens per chip where compute = communication"
+        + (f" (Y={t['tensor']}: α/(Y·M_X·(1-α·Y/(M_Y·F))))" if t["tensor"] > 1 else " (α/M_X)"),
+        round(t["book"], 1),
+        observed,
+        kind="model",
+        rtol=CROSSOVER_RTOL,
+        refined=refined,
+        why=why or "",
+        basis=CROSSOVER_BASIS,
+    )
+
+
+def _why_rule(step: MlpStep, config: Config) -> str:
+    """The evidence behind the bandwidth rule's value: what XLA wrote, and the FLOPs it counted per token."""
+    big = [c for c in step.collectives if c.size_bytes > 4]  # the 4-byte loss all-reduce aside
+    kinds = "; ".join(
+        f"{k} x{sum(c.repeats or 1 for c in big if (c.kind, c.axes) == (k, a))} over {','.join(a or ('?',))}"
+        for k, a in dict.fromkeys((c.kind, c.axes) for c in big)
+    )
+    groups = sorted({c.group_size for c in big if c.group_size})
+    per_token = step.flops / step.batch_per_chip / (config.embed * config.mlp)
+    return (
+        f"XLA wrote {kinds} (groups of {', '.join(map(str, groups))}: (N-1)/N of the large-N bytes), "
+        f"{format_bytes(sum(bus_bytes(c) for c in step.collectives))} sent per chip at B/N={step.batch_per_chip}, "
+        f"against {per_token:.4g}·D·F FLOPs per token (the book: 4·D·F bytes of weights per pass of 4·D·F FLOPs)"
+    )
+
+
+def _tensor_check(step: MlpStep, config: Config) -> Check:
+    """TP's share: its activations' communication over the compute, against the book's α·Y/(M_Y·F)."""
+    chip, y = chip_of(step), step.sizes.get("tensor", 1)
+    m_y = torus_axes(step.where(("tensor",)))
+    # the activations' term of the book's ratio alone: the weights' term is the data axis's, not TP's
+    book = fsdp_tp_comm_to_compute(chip, math.inf, config.mlp, tensor_ways=y, tp_axes=m_y)
+    observed = communication_s(step, "tensor") / compute_s(step)
+    refined = bandwidth_rule_s(step, activations=True) / compute_s(step)
+    tensor_ars = [c for c in step.collectives if c.axes and "tensor" in c.axes]
+    return check(
+        f"tensor parallel Y={y}: tensor-axis communication / compute (α·Y/(M_Y·F), compute-bound below 1)",
+        round(book, 4),
+        round(observed, 4),
+        kind="model",
+        rtol=RATIO_RTOL,
+        refined=round(refined, 4),
+        why=(
+            f"XLA wrote {len(tensor_ars)} {'/'.join(sorted({c.kind for c in tensor_ars}))} over tensor "
+            f"(group {tensor_ars[0].group_size if tensor_ars else '?'}), "
+            f"{format_bytes(sum(bus_bytes(c) for c in tensor_ars))} sent per chip, against "
+            f"{step.flops / step.batch_per_chip:.4g} FLOPs per token"
+        ),
+        basis=RATIO_BASIS,
+    )
+
+
+def _claims(thresholds: dict) -> list[Claim]:
+    fsdp, mixed = thresholds.get("FSDP", {}).get("xla"), thresholds.get("FSDP x TP", {}).get("xla")
+    if not fsdp or not mixed:
+        return []
+    return [
+        Claim(
+            "TP + FSDP keeps the step compute-bound where an ever larger FSDP does not",
+            "confirmed" if mixed < fsdp else "refuted",
+            f"tokens per chip where XLA's program turns compute-bound: FSDP {fsdp:.0f}, FSDP x TP "
+            f"(Y={thresholds['FSDP x TP']['tensor']}) {mixed:.0f} ({fsdp / mixed:.1f}x fewer)",
+        )
     ]
-    return Table("Performance: pod-scale compile on this machine", ["what", "measured", "goal"], rows)
 
 
-def _sweep_table(sweep) -> Table:
+def _sweep_table(obs: Observations) -> Table:
     rows = []
-    for name, points in sweep.items():
-        for r in points:
-            roof = r["roofline"]
+    for name, steps in obs.sweep.items():
+        for s in steps:
             rows.append(
                 [
                     name,
-                    r["spec"].replace("-1", str(r["chips"] // (4 if "tensor=4" in r["spec"] else 1))),
-                    r["batch_per_chip"],
-                    f"{roof.compute_s * 1e3:.2f}",
-                    f"{roof.memory_s * 1e3:.2f}",
-                    f"{roof.communication_s * 1e3:.2f}",
-                    f"{r['ratio']:.2f}",
-                    roof.bound,
+                    s.mesh,
+                    s.batch_per_chip,
+                    f"{compute_s(s) * 1e3:.2f}",
+                    f"{memory_s(s) * 1e3:.2f}",
+                    f"{communication_s(s) * 1e3:.2f}",
+                    f"{ratio(s):.2f}",
+                    bound(s),
                 ]
             )
     return Table(
@@ -369,63 +587,74 @@ def _sweep_table(sweep) -> Table:
     )
 
 
-def _threshold_table(thresholds) -> Table:
+def _threshold_table(thresholds: dict) -> Table:
     rows = [
-        [name, f"{t['theory']:.0f}", f"{t['xla']:.0f}" if t["xla"] else "none in the sweep"]
+        [
+            name,
+            f"{t['book']:.0f}",
+            f"{t['book_best_y']:.0f}" if t["tensor"] > 1 else "-",
+            f"{t['xla']:.0f}" if t["xla"] else "none in the sweep",
+            f"{t['rule']:.0f}",
+        ]
         for name, t in thresholds.items()
     ]
     return Table(
-        "Tokens per chip needed to be compute-bound", ["strategy", "theory (book)", "XLA's program (crossover)"], rows
-    )
-
-
-def _tensor_table(tensor, chip, config: Config) -> Table:
-    rows = []
-    for row in tensor:
-        mesh = row["mesh"]
-        y = dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"]
-        tp = sum(c.seconds for c in row["roofline"].collectives if c.collective.axes and "tensor" in c.collective.axes)
-        rows.append(
-            [
-                y,
-                str(placement(mesh, ("tensor",))),
-                f"{theory.tensor_parallel_max_ways(chip, config.mlp, _axes_spanned(mesh, 'tensor')):.1f}",
-                f"{row['roofline'].compute_s * 1e3:.2f}",
-                f"{tp * 1e3:.2f}",
-            ]
-        )
-    return Table(
-        f"Tensor parallelism at {tensor[0]['batch_per_chip']} tokens per chip",
-        ["Y", "tensor axis on", "theory: Y must stay below", "compute (ms)", "tensor-axis communication (ms)"],
+        "Tokens per chip needed to be compute-bound",
+        [
+            "strategy",
+            "book, for the program's Y",
+            "book, best Y",
+            "XLA's program (crossover)",
+            "book's rule on XLA's collectives",
+        ],
         rows,
     )
 
 
-def _pod_table(pods, fsdp64, config: Config) -> Table:
-    base = next((r for r in fsdp64 if r["batch_per_chip"] == 2048), None)
-    rows = (
-        [
-            [
-                f"tpu:{Config.target.split(':', 1)[1]}",
-                base["chips"],
-                f"{base['roofline'].compute_s * 1e3:.2f}",
-                f"{base['roofline'].communication_s * 1e3:.2f}",
-                str(placement(base["mesh"], ("fsdp",))),
-            ]
-        ]
-        if base
-        else []
-    )
-    for r in pods:
+def _tensor_table(obs: Observations, config: Config) -> Table:
+    rows = []
+    for s in obs.tensor:
+        y = s.sizes.get("tensor", 1)
+        where = s.where(("tensor",))
+        limit = theory.tensor_parallel_max_ways(chip_of(s), config.mlp, torus_axes(where))
         rows.append(
             [
-                f"tpu:{r['topology']}",
-                r["chips"],
-                f"{r['roofline'].compute_s * 1e3:.2f}",
-                f"{r['roofline'].communication_s * 1e3:.2f}",
-                str(placement(r["mesh"], ("fsdp",))),
+                y,
+                str(where),
+                f"{limit:.1f}",
+                "yes" if y < limit else "no",
+                f"{compute_s(s) * 1e3:.2f}",
+                f"{communication_s(s, 'tensor') * 1e3:.2f}",
+                "yes" if communication_s(s, "tensor") < compute_s(s) else "no",
             ]
         )
+    return Table(
+        f"Tensor parallelism at {obs.tensor[0].batch_per_chip if obs.tensor else '-'} tokens per chip",
+        [
+            "Y",
+            "tensor axis on",
+            "book: Y must stay below",
+            "book: compute-bound",
+            "compute (ms)",
+            "tensor-axis communication (ms)",
+            "XLA's program: compute-bound",
+        ],
+        rows,
+    )
+
+
+def _pod_table(obs: Observations) -> Table:
+    base = next((s for s in obs.sweep.get("FSDP", ()) if s.batch_per_chip == 2048), None)
+    rows = [
+        [
+            f"tpu:{s.topology}",
+            s.chips,
+            f"{compute_s(s) * 1e3:.2f}",
+            f"{communication_s(s) * 1e3:.2f}",
+            str(s.where(("fsdp",))),
+        ]
+        for s in ([base] if base else []) + list(obs.pods)
+    ]
     return Table(
         "FSDP at 2048 tokens per chip on larger slices",
         ["target", "chips", "compute (ms)", "communication (ms)", "fsdp axis on"],
@@ -433,21 +662,21 @@ def _pod_table(pods, fsdp64, config: Config) -> Table:
     )
 
 
-def _collectives_table(sweep) -> Table:
+def _collectives_table(obs: Observations) -> Table:
     rows = []
-    for name, points in sweep.items():
-        for c in points[-1]["roofline"].collectives:
-            col = c.collective
+    for name, steps in obs.sweep.items():
+        step = steps[-1]
+        for c, seconds in zip(step.collectives, collective_seconds(step)):
             rows.append(
                 [
                     name,
-                    col.kind,
-                    col.form,
-                    ",".join(col.axes or ("?",)),
-                    ",".join(col.dtypes),
-                    format_bytes(col.size_bytes),
-                    str(c.where),
-                    f"{c.seconds * 1e6:.0f}",
+                    c.kind,
+                    c.form,
+                    ",".join(c.axes or ("?",)),
+                    ",".join(c.dtypes),
+                    format_bytes(c.size_bytes),
+                    str(step.where(c.axes) if c.axes else "?"),
+                    f"{seconds * 1e6:.0f}",
                 ]
             )
     return Table(
@@ -457,55 +686,96 @@ def _collectives_table(sweep) -> Table:
     )
 
 
-def _plot(sweep, thresholds, topology):
+def _benchmark_table(b: Benchmark) -> Table:
+    rows = [
+        [
+            f"compile one ZeRO-3 training step of the {b.preset} preset "
+            f"({b.parameters / 1e9:.2f} B parameters) for tpu:{b.topology} ({b.chips} chips)",
+            f"{b.compile_s:.1f} s",
+            "under 60 s",
+        ],
+        [
+            f"read its HLO: parse {b.collectives} collectives and map them to mesh axes",
+            f"{b.analysis_s:.2f} s",
+            "under 2 s",
+        ],
+    ]
+    return Table(
+        "Performance: pod-scale compile on this machine (a clock on a shared host: shown, not judged)",
+        ["what", "measured", "goal"],
+        rows,
+    )
+
+
+def _plot(obs: Observations, thresholds: dict) -> Figure:
     figure = Figure(figsize=(7.5, 4.5))
     axes = figure.subplots()
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
-    for color, (name, rows) in zip(colors, sweep.items()):
+    for color, (name, steps) in zip(colors, obs.sweep.items()):
         axes.plot(
-            [r["batch_per_chip"] for r in rows],
-            [r["ratio"] for r in rows],
+            [s.batch_per_chip for s in steps],
+            [ratio(s) for s in steps],
             marker="o",
             color=color,
             label=f"{name} (XLA's program)",
         )
-        axes.axvline(thresholds[name]["theory"], color=color, linestyle=":", alpha=0.8, label=f"{name}: book threshold")
+        book = thresholds[name]["book"]
+        if math.isfinite(book):
+            axes.axvline(book, color=color, linestyle=":", alpha=0.8, label=f"{name}: book threshold")
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("tokens per chip (B/N)")
     axes.set_ylabel("communication / compute time")
-    axes.set_title(f"MLP step compiled for tpu:{topology}: below 1 is compute-bound")
+    axes.set_title(f"MLP step compiled for tpu:{obs.topology}: below 1 is compute-bound")
     axes.legend(fontsize=7)
     axes.grid(alpha=0.3)
     return figure
 
 
-def _summary(thresholds, topology, chip) -> str:
-    alpha = theory.ici_arithmetic_intensity(chip)
-    parts = [f"On tpu:{topology} (α = C/W_ici = {alpha:.0f})"]
+def _summary(obs: Observations, thresholds: dict) -> str:
+    any_step = next(iter(obs.sweep.values()))[-1]
+    alpha = theory.ici_arithmetic_intensity(chip_of(any_step))
+    parts = [f"On tpu:{obs.topology} (α = C/W_ici = {alpha:.0f})"]
     for name, t in thresholds.items():
         xla = f"{t['xla']:.0f}" if t["xla"] else "no crossing in the sweep"
         parts.append(
-            f"{name} needs B/N > {t['theory']:.0f} tokens per chip by the book and {xla} in the compiled program"
+            f"{name} needs B/N > {t['book']:.0f} tokens per chip by the book and {xla} in the compiled program "
+            f"({t['rule']:.0f} by the book's rule applied to the collectives XLA wrote)"
         )
     text = "; ".join(parts) + "."
-    fsdp, mixed = thresholds["FSDP"]["xla"], thresholds["FSDP x TP"]["xla"]
+    fsdp, mixed = thresholds.get("FSDP", {}).get("xla"), thresholds.get("FSDP x TP", {}).get("xla")
     if fsdp and mixed:
         text += (
             " In XLA's own program adding 4-way tensor parallelism cut the "
             f"tokens each chip needs by {fsdp / mixed:.1f}x: "
             "that is why TP inside the fast domain with FSDP across it keeps "
             "a pod compute-bound at batch sizes where a very large FSDP is "
-            "not."
+            "not. Every time here is a model of the compiled program (no TPU ran)."
         )
     return text
 
 
-def _notes(sweep) -> list[str]:
-    notes = [why for name, rows in sweep.items() if (why := _why_refined(name, rows))]
-    for name, rows in sweep.items():
-        kinds = [c.collective.kind for c in rows[-1]["roofline"].collectives]
+def _notes(obs: Observations, thresholds: dict) -> list[str]:
+    notes = []
+    fsdp = obs.sweep.get("FSDP")
+    if fsdp:
+        kinds = [c.kind for c in fsdp[-1].collectives if c.axes and "fsdp" in c.axes and c.size_bytes > 4]
+        if "all-gather" not in kinds and kinds.count("all-reduce") >= 2:
+            notes.append(
+                "FSDP: the TPU compiler gathered the weights with all-reduces (each chip contributes its shard of a "
+                "zero buffer) and reduced the gradients with all-reduces too: 2(N-1)/N·S per collective instead "
+                "of (N-1)/N·S, so the program's threshold sits above the book's."
+            )
+    dp = thresholds.get("data parallel")
+    if dp and dp["xla"]:
+        notes.append(
+            "Data parallelism: the book's α/M_X hides the gradient all-reduce behind the backward pass alone "
+            "(8·B·D·F FLOPs, 2 passes of the weights); the roofline here sets it against the whole step's FLOPs "
+            "(12·B·D·F), so the compiled program's crossing is about 2/3 of the book's."
+        )
+    for name, steps in obs.sweep.items():
+        kinds = [c.kind for c in steps[-1].collectives]
         notes.append(
             f"{name}: the compiled step holds "
             f"{', '.join(f'{kinds.count(k)} {k}' for k in dict.fromkeys(kinds)) or 'no collectives'}."

@@ -23,27 +23,32 @@ Only after all of these are ruled out is it worth touching library settings.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
+from functools import partial
 
+import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from matplotlib.figure import Figure
 
 from experiments import kit
 from lab import hlo, theory
-from lab.bench import time_interleaved
+from lab.bench import Timing, time_interleaved
 from lab.devices import DEFAULT_TARGET, devices_for, quiet_native_stderr
-from lab.hardware import profile
 from lab.hlo import schedule
-from lab.mesh import MeshSpec
+from lab.mesh import MeshSpec, slice_local_shape
 from lab.model import preset
 from lab.parallel import bucketing
 from lab.progress import track
-from lab.report import Result, Table, provenance
+from lab.provenance import Setup
+from lab.report import Result, Table
 from lab.units import format_bytes, parse_size
-from lab.verdict import check
+from lab.verdict import Check, Claim, check
 
 QUESTION = "#52"
 CHAIN = 64
+DEFAULT, FUSED = "default compile", "async collective fusion, one all-reduce per tensor"
 # libtpu options that let the gradient all-reduces run asynchronously, overlapped with compute
 # (the flags MaxText passes for data parallelism), plus one all-reduce per gradient tensor.
 ASYNC_ALL_REDUCE = {
@@ -52,6 +57,7 @@ ASYNC_ALL_REDUCE = {
     "xla_enable_async_all_reduce": True,
     "xla_jf_crs_combiner_threshold_in_bytes": 0,
 }
+RTOL = 0.3
 
 
 @dataclass(frozen=True)
@@ -72,28 +78,491 @@ class Config:
     """sequences in each chip's batch for the TPU schedule"""
 
 
-def run(config: Config) -> Result:
+@dataclass(frozen=True)
+class Reduction:
+    """One all-reduce as compiled: the collective and how many tensors its tuple combines."""
+
+    seen: kit.Seen
+    tensors: int
+
+
+@dataclass(frozen=True)
+class Window:
+    """One gradient all-reduce in the TPU schedule, as lab.hlo.schedule simulates it on the chip."""
+
+    collective: str  # kind, S and first result shape, as XLA wrote it
+    is_async: bool
+    compute_s: float  # roofline time of what the schedule runs between its start and done
+    comm_s: float  # its transfer on the chip's network (lab.theory)
+    runs: int  # runs per step (loop trip counts)
+
+
+@dataclass(frozen=True)
+class TpuSchedule:
+    name: str  # DEFAULT or FUSED
+    timeline: str  # the entry computation as letters (lab.hlo.schedule.timeline)
+    windows: tuple[Window, ...]
+    compute_s: float  # the simulated compute of the whole step
+
+
+@dataclass(frozen=True)
+class Tpu:
+    topology: str
+    chip: str
+    chips: int
+    mesh_shape: tuple[int, ...]  # the slice-local mesh shape the replica groups were read with
+    schedules: tuple[TpuSchedule, ...]
+
+    def schedule(self, name: str) -> TpuSchedule:
+        return next(s for s in self.schedules if s.name == name)
+
+
+@dataclass(frozen=True)
+class Observations:
+    setup: Setup
+    devices: int
+    bytes: int  # gradient bytes per device
+    small_buckets: int  # buckets of config.small_bucket the gradients fill
+    chain_length: int
+    timings: dict[str, Timing]  # every program below, timed round-robin
+    compiled: dict[str, tuple[Reduction, ...]]  # the all-reduces of isolation, step, same-axis traffic
+    tpu: Tpu | None = None
+    tpu_unavailable: kit.Unavailable | None = None
+
+
+# ------------------------------------------------------------------ measure
+
+
+def measure(config: Config) -> Observations:
     devices = devices_for(config.target)
     mesh = MeshSpec(data=len(devices)).build(devices)
     problem = bucketing.gradient_problem(replace(preset(config.model), seq=config.seq), mesh)
-    measured = _measure(problem, parse_size(config.small_bucket), config.repeats)
-    tpu = _tpu(config, problem.config)
-    scenarios = _scenarios(measured)
-    return Result(
-        summary=_summary(measured, scenarios, tpu),
-        theory=THEORY,
-        tables=[_scenario_table(scenarios, measured), *_tpu_tables(tpu)],
-        checks=_checks(measured, scenarios, tpu),
-        plots={"slow_allreduce": _plot(scenarios, tpu)},
-        notes=_notes(measured, tpu),
-        provenance=provenance(target=config.target, devices=devices, mesh=f"data={len(devices)}"),
-        data={
-            "scenarios": [{k: (str(v) if hasattr(v, "median") else v) for k, v in s.items()} for s in scenarios],
-            "alpha_AR_s": measured["alpha_AR_s"],
-            "beta_Bps": measured["beta_Bps"],
-            "tpu": tpu,
-        },
+    timings, compiled, small = _measure(problem, parse_size(config.small_bucket), config.repeats)
+    tpu = kit.tpu_chips(config.tpu_topology)
+    return Observations(
+        setup=Setup.of(config.target, devices, f"data={len(devices)}"),
+        devices=mesh.shape[problem.axis],
+        bytes=sum(leaf.size * leaf.dtype.itemsize for leaf in problem.leaves),
+        small_buckets=small,
+        chain_length=CHAIN,
+        timings=timings,
+        compiled=compiled,
+        tpu=_tpu(config, problem.config, tpu) if isinstance(tpu, kit.TpuChips) else None,
+        tpu_unavailable=tpu if isinstance(tpu, kit.Unavailable) else None,
     )
+
+
+def _copy_program(mesh, axis: str):
+    """Every device's gradients read and written once, no communication: one bucket copy's cost on this target."""
+    return jax.jit(jax.shard_map(lambda stacked: [-g for g in stacked], mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+
+
+def _measure(problem, small_bucket: int, repeats: int):
+    """The same gradient all-reduce (per-tensor psums, combined by XLA) alone, in the step, in buckets, with company;
+    and the programs that price its parts: a chain of one-element all-reduces and a copy of the gradients."""
+    mesh, axis = problem.mesh, problem.axis
+    gradients = bucketing.local_gradient_program(problem).lower(problem.params, problem.tokens).compile()
+    stacked = gradients(problem.params, problem.tokens)
+    small = bucketing.plan_buckets(problem.leaves, small_bucket)
+    twice = [*stacked, *stacked]  # a second all-reduce of as many bytes on the same axis
+    calls = {
+        "isolation": (bucketing.reduce_program(None, mesh, axis).lower(stacked).compile(), (stacked,)),
+        "backward": (gradients, (problem.params, problem.tokens)),
+        "step": (
+            bucketing.step_program(problem, None).lower(problem.params, problem.tokens).compile(),
+            (problem.params, problem.tokens),
+        ),
+        "small buckets": (bucketing.reduce_program(small, mesh, axis).lower(stacked).compile(), (stacked,)),
+        "same-axis traffic": (bucketing.reduce_program(None, mesh, axis).lower(twice).compile(), (twice,)),
+        "copy": (_copy_program(mesh, axis).lower(stacked).compile(), (stacked,)),
+        **bucketing.launch_cost_programs(mesh, axis, CHAIN),
+    }
+    compiled = {
+        name: tuple(
+            Reduction(kit.Seen.of(c), len(c.result_shapes))
+            for c in hlo.inspect_compiled(calls[name][0], mesh).collectives
+        )
+        for name in ("isolation", "step", "same-axis traffic")
+    }
+    timings = time_interleaved(dict(track(calls.items(), "slow all-reduce programs")), repeats=repeats)
+    return timings, compiled, small.count
+
+
+# ------------------------------------------------------------------ TPU: exposed position in the schedule
+
+
+def _tpu(config: Config, model_config, tpu: kit.TpuChips) -> Tpu:
+    problem = bucketing.gradient_problem(
+        model_config, tpu.mesh("data"), sequences_per_device=config.tpu_sequences_per_chip, placed=False
+    )
+    compiles = {DEFAULT: {}, FUSED: ASYNC_ALL_REDUCE}
+    shape = slice_local_shape(problem.mesh)  # what one slice's HLO numbers its replica groups by
+    schedules = tuple(
+        _tpu_schedule(name, problem, options, tpu, shape) for name, options in track(compiles.items(), "TPU schedules")
+    )
+    return Tpu(config.tpu_topology, tpu.chip.name, len(tpu), shape, schedules)
+
+
+def _tpu_schedule(name: str, problem, options: dict, tpu: kit.TpuChips, shape) -> TpuSchedule:
+    with quiet_native_stderr():
+        compiled = (
+            bucketing.step_program(problem, None)
+            .lower(problem.params, problem.tokens)
+            .compile(compiler_options=options)
+        )
+    text = compiled.as_text()
+    report = schedule.overlap_report(text, tpu.chip, tpu.dims, shape, problem.mesh.axis_names)
+    windows = tuple(
+        Window(
+            f"{w.collective.kind} {format_bytes(w.collective.size_bytes)} {list(w.collective.result_shapes[0])}",
+            w.is_async,
+            w.compute_s,
+            w.comm_s,
+            w.runs,
+        )
+        for w in report.windows
+    )
+    return TpuSchedule(name, schedule.timeline(text), windows, report.compute_s)
+
+
+# ------------------------------------------------------------------ judge
+
+
+@dataclass(frozen=True)
+class Model:
+    """What one all-reduce costs on this target, from the calibration programs timed with the scenarios."""
+
+    alpha: float  # s: one all-reduce's fixed cost (chain against single)
+    beta: float  # bytes/s busbw: the isolated all-reduce's transfer
+    copy: float  # s: one copy of every device's gradients, less the call that runs it
+
+
+def model(obs: Observations) -> Model:
+    t = {name: timing.min for name, timing in obs.timings.items()}  # fastest round: load only ever adds time
+    alpha = max((t["chain"] - t["single"]) / (obs.chain_length - 1), 0.0)
+    transfer = max(t["isolation"] - alpha, 1e-9)
+    copy = max(t["copy"] - (t["single"] - alpha), 0.0)  # less one program call (a single all-reduce less alpha)
+    return Model(alpha, obs.bytes * theory.bus_bandwidth_factor("all-reduce", obs.devices) / transfer, copy)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    cause: str
+    program: str  # the timing it reads
+    allreduce_s: float  # what the all-reduce took in it (fastest round)
+    model_s: float
+
+
+def _scenarios(obs: Observations, m: Model, config: Config) -> list[Scenario]:
+    t = {name: timing.min for name, timing in obs.timings.items()}
+    iso, n = t["isolation"], obs.devices
+    extra = obs.bytes * theory.bus_bandwidth_factor("all-reduce", n) / m.beta
+    return [
+        Scenario("isolation (nccl-tests style)", "-", "isolation", iso, iso),
+        Scenario(
+            "inside the step (step - backward: a difference of two times)",
+            "none on a synchronous target",
+            "step",
+            t["step"] - t["backward"],
+            iso,
+        ),
+        Scenario(
+            f"{obs.small_buckets} buckets of {format_bytes(parse_size(config.small_bucket))}",
+            "bucket size",
+            "small buckets",
+            t["small buckets"],
+            iso + (obs.small_buckets - 1) * m.alpha + 2 * m.copy,  # packed in, unpacked out: two copies
+        ),
+        Scenario(
+            "+ an equal all-reduce on the same axis",
+            "other traffic on the axis",
+            "same-axis traffic",
+            t["same-axis traffic"],
+            iso + extra,
+        ),
+    ]
+
+
+def judge(obs: Observations, config: Config) -> Result:
+    m = model(obs)
+    scenarios = _scenarios(obs, m, config)
+    checks = _checks(obs, m, scenarios)
+    return Result(
+        summary=_summary(obs, scenarios),
+        theory=THEORY,
+        tables=[_scenario_table(obs, m, scenarios), *_tpu_tables(obs)],
+        checks=checks,
+        claims=_claims(obs, scenarios),
+        plots={"slow_allreduce": partial(_plot, obs, scenarios)},
+        notes=_notes(obs, m),
+    )
+
+
+def _exposed(w: Window) -> float:
+    return w.comm_s - min(w.compute_s, w.comm_s)
+
+
+def _totals(s: TpuSchedule) -> dict[str, float]:
+    comm = sum(w.comm_s * w.runs for w in s.windows)
+    exposed = sum(_exposed(w) * w.runs for w in s.windows)
+    return {"compute_s": s.compute_s, "comm_s": comm, "exposed_s": exposed, "step_s": s.compute_s + exposed}
+
+
+def _checks(obs: Observations, m: Model, scenarios: list[Scenario]) -> list[Check]:
+    step, buckets, traffic = scenarios[1], scenarios[2], scenarios[3]
+    isolation, with_traffic = obs.compiled["isolation"], obs.compiled["same-axis traffic"]
+    members = max((r.tensors for r in with_traffic), default=0)
+    checks = [
+        check(
+            "asynchronous collectives in the CPU step",
+            0,
+            sum(r.seen.is_async for r in obs.compiled["step"]),
+            kind="exact",
+        ),
+        check(
+            "the step pays the all-reduce on top of the backward: step - backward against the isolated all-reduce "
+            "(ms, at least half)",
+            step.model_s * 1e3,
+            step.allreduce_s * 1e3,
+            kind="timing",
+            relation=">=",
+            rtol=0.5,
+            basis=(
+                "on this target every collective is synchronous, so the step cannot hide the all-reduce behind the "
+                "backward; half of it is the margin for a difference of two noisy times"
+            ),
+        ),
+        check(
+            f"{buckets.name}: all-reduce time against isolation + (n-1)·alpha + two copies (ms)",
+            buckets.model_s * 1e3,
+            buckets.allreduce_s * 1e3,
+            kind="model",
+            rtol=RTOL,
+            basis=(
+                "alpha, the copy and the isolated all-reduce are each the fastest of the same round-robin rounds; "
+                "30% for their summed noise on this shared machine, still failing a factor of 1.5"
+            ),
+        ),
+        check(
+            f"{traffic.name}: all-reduce time at least isolation + the extra bytes at busbw (ms)",
+            traffic.model_s * 1e3,
+            traffic.allreduce_s * 1e3,
+            kind="model",
+            relation=">=",
+            rtol=0.2,
+            basis=(
+                "the other traffic's bytes cross the same bus: the all-reduce cannot take less than both transfers "
+                "(contention may add more); 20% for the noise of the two times"
+            ),
+        ),
+        check(
+            "gradients and the other traffic on the same axis: all-reduces in HLO",
+            2 * len(isolation),
+            len(with_traffic),
+            kind="exact",
+            refined=math.ceil(2 * sum(r.tensors for r in isolation) / members) if members else None,
+            why=(
+                f"XLA's all-reduce combiner put {members} tensors in one tuple all-reduce; both programs' "
+                f"{2 * sum(r.tensors for r in isolation)} gradient tensors fit in "
+                f"{math.ceil(2 * sum(r.tensors for r in isolation) / members) if members else 0} such instructions"
+            ),
+        ),
+    ]
+    if obs.tpu is not None:
+        default = obs.tpu.schedule(DEFAULT)
+        checks.append(
+            check(
+                f"tpu:{obs.tpu.topology} default compile: asynchronous gradient all-reduces in the schedule",
+                0,
+                sum(w.is_async for w in default.windows),
+                kind="exact",
+            )
+        )
+    return checks
+
+
+def _claims(obs: Observations, scenarios: list[Scenario]) -> list[Claim]:
+    iso = scenarios[0].allreduce_s
+    slower = {s.cause: s.allreduce_s / iso for s in scenarios[2:]}
+    claims = [
+        Claim(
+            "an all-reduce fast in isolation (nccl-tests) can be slow in training for reasons outside the "
+            "collective library: bucket size, other traffic on the same links",
+            "confirmed" if all(x > 1.2 for x in slower.values()) else "refuted",
+            f"the same {format_bytes(obs.bytes)} took {iso * 1e3:.1f} ms alone; "
+            + ", ".join(f"{cause}: {x:.2f}x" for cause, x in slower.items())
+            + " (fastest rounds, this target)",
+        )
+    ]
+    if obs.tpu is not None:
+        default, fused = (_totals(obs.tpu.schedule(name)) for name in (DEFAULT, FUSED))
+        share = default["exposed_s"] / default["step_s"] if default["step_s"] else 0.0
+        claims.append(
+            Claim(
+                "a collective dragged onto the critical path (not overlapped with compute) makes the step slow",
+                "confirmed" if default["exposed_s"] > 0 and share > 0.2 else "refuted",
+                f"tpu:{obs.tpu.topology} default compile (simulated): {default['exposed_s'] * 1e3:.3f} of "
+                f"{default['comm_s'] * 1e3:.3f} ms of gradient all-reduce exposed, {share:.0%} of the "
+                f"{default['step_s'] * 1e3:.3f} ms step; with async collective fusion "
+                f"{fused['exposed_s'] * 1e3:.3f} ms exposed",
+            )
+        )
+    return claims
+
+
+# ------------------------------------------------------------------ the page
+
+
+def _scenario_table(obs: Observations, m: Model, scenarios: list[Scenario]) -> Table:
+    iso = scenarios[0].allreduce_s
+    rows = [
+        [
+            s.name,
+            s.cause,
+            f"{s.allreduce_s * 1e3:.1f}",
+            f"{s.allreduce_s / iso:.2f}x",
+            f"{s.model_s * 1e3:.1f}",
+            str(obs.timings[s.program]),
+        ]
+        for s in scenarios
+    ]
+    return Table(
+        f"One all-reduce of {format_bytes(obs.bytes)} over data={obs.devices}, alone and in a step",
+        [
+            "scenario",
+            "cause",
+            "all-reduce time (ms, fastest round)",
+            "vs isolation",
+            "model (ms)",
+            "program time (median [min, max])",
+        ],
+        rows,
+        note=f"Model from this run's fastest rounds: α_AR = {m.alpha * 1e6:.0f} µs (chain of {obs.chain_length} "
+        f"one-element all-reduces), busbw β = {m.beta / 1e9:.2f} GB/s (the isolated all-reduce), one copy of the "
+        f"gradients {m.copy * 1e3:.1f} ms. Backward alone: {obs.timings['backward']}.",
+    )
+
+
+def _tpu_tables(obs: Observations) -> list[Table]:
+    if obs.tpu_unavailable:
+        return [obs.tpu_unavailable.table()]
+    if obs.tpu is None:
+        return []
+    tpu = obs.tpu
+    summary = []
+    for s in tpu.schedules:
+        totals = _totals(s)
+        summary.append(
+            [s.name, f"`{s.timeline}`"]
+            + [f"{totals[key] * 1e3:.3f}" for key in ("compute_s", "comm_s", "exposed_s", "step_s")]
+        )
+    tables = [
+        Table(
+            f"The same step scheduled by the TPU compiler, tpu:{tpu.topology} ({tpu.chips} x {tpu.chip}), "
+            "compile-only, priced by lab.hlo.schedule",
+            ["compile", "schedule", "compute (ms)", "gradient all-reduces (ms)", "exposed (ms)", "step (ms)"],
+            summary,
+        )
+    ]
+    for s in tpu.schedules:
+        tables.append(
+            Table(
+                f"Windows, {s.name}",
+                ["collective", "async", "compute in window (µs)", "transfer (µs)", "hidden", "exposed (µs)"],
+                [
+                    [
+                        w.collective,
+                        w.is_async,
+                        f"{w.compute_s * 1e6:.1f}",
+                        f"{w.comm_s * 1e6:.1f}",
+                        f"{min(w.compute_s, w.comm_s) / w.comm_s if w.comm_s else 1.0:.0%}",
+                        f"{_exposed(w) * 1e6:.1f}",
+                    ]
+                    for w in s.windows
+                ],
+            )
+        )
+    return tables
+
+
+def _summary(obs: Observations, scenarios: list[Scenario]) -> str:
+    iso = scenarios[0].allreduce_s
+    parts = ", ".join(f"{s.cause} {s.allreduce_s / iso:.2f}x" for s in scenarios[2:])
+    text = (
+        f"Alone, the all-reduce of {format_bytes(obs.bytes)} took {iso * 1e3:.1f} ms on this target; inside the "
+        f"step it added {scenarios[1].allreduce_s * 1e3:.1f} ms to the backward pass (no overlap is possible here). "
+        f"The causes the lab can see each made the same bytes slower without any change to the collective itself: "
+        f"{parts}."
+    )
+    if obs.tpu is not None:
+        default, fused = (_totals(obs.tpu.schedule(name)) for name in (DEFAULT, FUSED))
+        text += (
+            f" On tpu:{obs.tpu.topology} the default compile leaves the gradient all-reduce synchronous after the "
+            f"whole backward: {default['exposed_s'] * 1e3:.3f} of {default['comm_s'] * 1e3:.3f} ms exposed; with "
+            f"asynchronous collective fusion {fused['exposed_s'] * 1e3:.3f} of {fused['comm_s'] * 1e3:.3f} ms stay "
+            "exposed."
+        )
+    return text
+
+
+def _shapes(reductions) -> str:
+    return str([(r.seen.kind, r.tensors) for r in reductions])
+
+
+def _notes(obs: Observations, m: Model) -> list[str]:
+    notes = [
+        f"The gradients' per-tensor psums compiled to {_shapes(obs.compiled['isolation'])} (kind, tensors) alone "
+        f"and to {_shapes(obs.compiled['step'])} in the step: the same collective, so isolation and step compare "
+        f"like for like. With the other traffic: {_shapes(obs.compiled['same-axis traffic'])}: XLA combined both "
+        "into one collective, whose bytes simply add.",
+        f"Buckets are packed and unpacked: on this target that is two copies of the gradients on every device "
+        f"through one memory bus, timed here as a copy program ({m.copy * 1e3:.1f} ms), part of the bucket "
+        "scenario's model.",
+        "On XLA:CPU the step's all-reduce runs after the backward, never during it: the benchmark's time is what the "
+        "step pays. Whether a collective can hide behind compute is a property of the schedule, so the TPU rows "
+        "read it from the TPU compiler's schedule (simulated, compile-only), not from this machine's clock.",
+    ]
+    if obs.tpu is not None:
+        fused = obs.tpu.schedule(FUSED)
+        hidden = [w for w in fused.windows if w.is_async]
+        notes.append(
+            f"With asynchronous collective fusion only {len(hidden)} of {len(fused.windows)} gradient all-reduces "
+            f"became asynchronous ({', '.join(w.collective for w in hidden)}), and their windows hold "
+            f"{sum(w.compute_s for w in hidden) * 1e6:.1f} µs of compute. The stacked block weights' gradients leave "
+            "the backward scan loop together when it ends, so nothing is left to hide their all-reduces behind: the "
+            "flag does not move an all-reduce that has no compute after it."
+        )
+    return notes
+
+
+def _plot(obs: Observations, scenarios: list[Scenario]):
+    panels = 2 if obs.tpu is not None else 1
+    figure = Figure(figsize=(5.5 * panels, 3.8))
+    axes = figure.subplots(1, panels, squeeze=False)
+    left = axes[0][0]
+    y = np.arange(len(scenarios))
+    left.barh(y - 0.2, [s.allreduce_s * 1e3 for s in scenarios], 0.4, label="measured (fastest round)")
+    left.barh(y + 0.2, [s.model_s * 1e3 for s in scenarios], 0.4, label="model")
+    left.set(
+        yticks=y,
+        yticklabels=["isolation", "in the step", "small buckets", "+ same-axis traffic"][: len(scenarios)],
+        xlabel="ms",
+        title="the same bytes, alone and in a step",
+    )
+    left.invert_yaxis()
+    left.legend(fontsize=8)
+    if panels == 2:
+        right = axes[0][1]
+        totals = [_totals(s) for s in obs.tpu.schedules]
+        labels = ["default", "async collective fusion"][: len(totals)]
+        compute = [t["compute_s"] * 1e3 for t in totals]
+        right.barh(labels, compute, label="compute")
+        right.barh(labels, [t["exposed_s"] * 1e3 for t in totals], left=compute, label="exposed all-reduce")
+        right.set(xlabel="ms (simulated)", title=f"tpu:{obs.tpu.topology} step")
+        right.legend(fontsize=8)
+    figure.tight_layout()
+    return figure
 
 
 # a markdown table keeps each row on one line
@@ -112,331 +581,3 @@ On XLA:CPU every collective is synchronous, so the step is always backward + all
 compiler with asynchronous collectives, here the TPU compiler (compile-only), read through the overlap windows of
 lab.hlo.schedule.
 """  # noqa: E501
-
-
-# ------------------------------------------------------------------ this target
-
-
-def _measure(problem, small_bucket: int, repeats: int) -> dict:
-    """The same gradient all-reduce (per-tensor psums, combined by XLA) alone, in the step, in buckets, with company."""
-    mesh, axis = problem.mesh, problem.axis
-    gradients = bucketing.local_gradient_program(problem).lower(problem.params, problem.tokens).compile()
-    stacked = gradients(problem.params, problem.tokens)
-    small = bucketing.plan_buckets(problem.leaves, small_bucket)
-    twice = [*stacked, *stacked]  # a second all-reduce of as many bytes on the same axis
-    calls = {
-        "isolation": (bucketing.reduce_program(None, mesh, axis).lower(stacked).compile(), (stacked,)),
-        "backward": (gradients, (problem.params, problem.tokens)),
-        "step": (
-            bucketing.step_program(problem, None).lower(problem.params, problem.tokens).compile(),
-            (problem.params, problem.tokens),
-        ),
-        "small buckets": (bucketing.reduce_program(small, mesh, axis).lower(stacked).compile(), (stacked,)),
-        "same-axis traffic": (bucketing.reduce_program(None, mesh, axis).lower(twice).compile(), (twice,)),
-        **bucketing.launch_cost_programs(mesh, axis, CHAIN),
-    }
-    seen = {
-        name: hlo.inspect_compiled(calls[name][0], mesh).collectives
-        for name in ("isolation", "step", "same-axis traffic")
-    }
-    timings = time_interleaved(dict(track(calls.items(), "slow all-reduce programs")), repeats=repeats)
-    n, total = mesh.shape[axis], sum(leaf.size * leaf.dtype.itemsize for leaf in problem.leaves)
-    alpha = (timings["chain"].median - timings["single"].median) / (CHAIN - 1)
-    transfer = max(timings["isolation"].median - alpha, 1e-9)
-    return {
-        "timings": timings,
-        "bytes": total,
-        "devices": n,
-        "small_buckets": small.count,
-        "small_bucket": small_bucket,
-        "alpha_AR_s": alpha,
-        "beta_Bps": total * theory.bus_bandwidth_factor("all-reduce", n) / transfer,
-        "copy_Bps": profile("cpu").hbm_bandwidth,
-        "hlo": {name: [(c.kind, len(c.result_shapes)) for c in found] for name, found in seen.items()},
-        "step_async": sum(c.is_async for c in seen["step"]),
-    }
-
-
-def _scenarios(measured) -> list[dict]:
-    t = measured["timings"]
-    iso, alpha, n, total = t["isolation"].median, measured["alpha_AR_s"], measured["devices"], measured["bytes"]
-    # a bucket is packed and unpacked: two copies of the gradients on each of the N emulated devices,
-    # through one memory bus
-    packing = 2 * n * total / measured["copy_Bps"]
-    return [
-        {
-            "scenario": "isolation (nccl-tests style)",
-            "cause": "-",
-            "allreduce_s": iso,
-            "model_s": iso,
-            "timing": t["isolation"],
-        },
-        {
-            "scenario": "inside the step (step - backward, noisy: a difference of two medians)",
-            "cause": "none on a synchronous target",
-            "allreduce_s": t["step"].median - t["backward"].median,
-            "model_s": iso,
-            "timing": t["step"],
-        },
-        {
-            "scenario": f"{measured['small_buckets']} buckets of {format_bytes(measured['small_bucket'])}",
-            "cause": "bucket size",
-            "allreduce_s": t["small buckets"].median,
-            "model_s": iso + (measured["small_buckets"] - 1) * alpha + packing,
-            "timing": t["small buckets"],
-        },
-        {
-            "scenario": "+ an equal all-reduce on the same axis",
-            "cause": "other traffic on the axis",
-            "allreduce_s": t["same-axis traffic"].median,
-            "model_s": iso + total * theory.bus_bandwidth_factor("all-reduce", n) / measured["beta_Bps"],
-            "timing": t["same-axis traffic"],
-        },
-    ]
-
-
-# ------------------------------------------------------------------ TPU: exposed position in the schedule
-
-
-def _tpu(config: Config, model_config) -> dict | kit.Unavailable | None:
-    tpu = kit.tpu_chips(config.tpu_topology)
-    if not isinstance(tpu, kit.TpuChips):
-        return tpu  # not asked for, or libtpu cannot build it here
-    chip, dims = tpu.chip, tpu.dims
-    problem = bucketing.gradient_problem(
-        model_config, tpu.mesh("data"), sequences_per_device=config.tpu_sequences_per_chip, placed=False
-    )
-    compiles = {"default compile": {}, "async collective fusion, one all-reduce per tensor": ASYNC_ALL_REDUCE}
-    reports = {
-        name: _tpu_schedule(problem, options, chip, dims) for name, options in track(compiles.items(), "TPU schedules")
-    }
-    return {"topology": config.tpu_topology, "chip": chip.name, "chips": len(tpu), "schedules": reports}
-
-
-def _tpu_schedule(problem, options: dict, chip, dims) -> dict:
-    with quiet_native_stderr():
-        compiled = (
-            bucketing.step_program(problem, None)
-            .lower(problem.params, problem.tokens)
-            .compile(compiler_options=options)
-        )
-    text = compiled.as_text()
-    report = schedule.overlap_report(text, chip, dims, problem.mesh.devices.shape, problem.mesh.axis_names)
-    windows = [
-        {
-            "collective": f"{w.collective.kind} {format_bytes(w.collective.size_bytes)} "
-            f"{list(w.collective.result_shapes[0])}",
-            "async": w.is_async,
-            "compute_s": w.compute_s,
-            "comm_s": w.comm_s,
-            "hidden": w.hidden_fraction,
-            "exposed_s": w.exposed_s,
-        }
-        for w in report.windows
-    ]
-    return {
-        "timeline": schedule.timeline(text),
-        "compute_s": report.compute_s,
-        "comm_s": report.communication_s,
-        "exposed_s": report.exposed_s,
-        "step_s": report.step_s,
-        "windows": windows,
-    }
-
-
-# ------------------------------------------------------------------ the page
-
-
-def _checks(measured, scenarios, tpu) -> list:
-    t = measured["timings"]
-    checks = [
-        check(
-            "step = backward + the isolated all-reduce, nothing overlaps here (ms)",
-            (t["backward"].median + t["isolation"].median) * 1e3,
-            t["step"].median * 1e3,
-            rtol=0.5,
-        )
-    ]
-    checks += [
-        check(f"{s['scenario']}: all-reduce time vs model (ms)", s["model_s"] * 1e3, s["allreduce_s"] * 1e3, rtol=0.5)
-        for s in scenarios[2:]
-    ]
-    checks.append(check("asynchronous collectives in the CPU step", 0, measured["step_async"]))
-    checks.append(
-        check(
-            "gradients and the other traffic on the same axis: all-reduces in HLO",
-            len(measured["hlo"]["isolation"]) * 2,
-            len(measured["hlo"]["same-axis traffic"]),
-            explained="XLA's combiner merged the independent all-reduces into "
-            "one tuple all-reduce: the other traffic rides in the same "
-            "collective",
-        )
-    )
-    if isinstance(tpu, dict):
-        default = tpu["schedules"]["default compile"]
-        checks.append(
-            check(
-                f"tpu:{tpu['topology']} default compile: gradient communication exposed (fraction)",
-                1.0,
-                default["exposed_s"] / default["comm_s"],
-                rtol=0.01,
-            )
-        )
-    return checks
-
-
-def _scenario_table(scenarios, measured) -> Table:
-    iso = scenarios[0]["allreduce_s"]
-    rows = [
-        [
-            s["scenario"],
-            s["cause"],
-            f"{s['allreduce_s'] * 1e3:.1f}",
-            f"{s['allreduce_s'] / iso:.2f}x",
-            f"{s['model_s'] * 1e3:.1f}",
-            str(s["timing"]),
-        ]
-        for s in scenarios
-    ]
-    return Table(
-        f"One all-reduce of {format_bytes(measured['bytes'])} over data={measured['devices']}, alone and in a step",
-        ["scenario", "cause", "all-reduce time (ms)", "vs isolation", "model (ms)", "program time (median [min, max])"],
-        rows,
-        note=f"Model from this run: α_AR = {measured['alpha_AR_s'] * 1e6:.0f} "
-        f"µs (chain of {CHAIN} one-element all-reduces), "
-        f"busbw β = {measured['beta_Bps'] / 1e9:.2f} GB/s (the isolated all-reduce). "
-        f"Backward alone: {measured['timings']['backward']}.",
-    )
-
-
-def _tpu_tables(tpu) -> list[Table]:
-    if not isinstance(tpu, dict):
-        return [tpu.table()] if tpu else []
-    summary = [
-        [
-            name,
-            f"`{s['timeline']}`",
-            f"{s['compute_s'] * 1e3:.3f}",
-            f"{s['comm_s'] * 1e3:.3f}",
-            f"{s['exposed_s'] * 1e3:.3f}",
-            f"{s['step_s'] * 1e3:.3f}",
-        ]
-        for name, s in tpu["schedules"].items()
-    ]
-    tables = [
-        Table(
-            f"The same step scheduled by the TPU compiler, tpu:{tpu['topology']} "
-            f"({tpu['chips']} x {tpu['chip']}), compile-only",
-            ["compile", "schedule", "compute (ms)", "gradient all-reduces (ms)", "exposed (ms)", "step (ms)"],
-            summary,
-        )
-    ]
-    for name, s in tpu["schedules"].items():
-        tables.append(
-            Table(
-                f"Windows, {name}",
-                ["collective", "async", "compute in window (µs)", "transfer (µs)", "hidden", "exposed (µs)"],
-                [
-                    [
-                        w["collective"],
-                        w["async"],
-                        f"{w['compute_s'] * 1e6:.1f}",
-                        f"{w['comm_s'] * 1e6:.1f}",
-                        f"{w['hidden']:.0%}",
-                        f"{w['exposed_s'] * 1e6:.1f}",
-                    ]
-                    for w in s["windows"]
-                ],
-            )
-        )
-    return tables
-
-
-def _summary(measured, scenarios, tpu) -> str:
-    iso = scenarios[0]["allreduce_s"]
-    parts = ", ".join(f"{s['cause']} {s['allreduce_s'] / iso:.2f}x" for s in scenarios[2:])
-    text = (
-        f"Alone, the all-reduce of {format_bytes(measured['bytes'])} took "
-        f"{iso * 1e3:.1f} ms on this target; inside the step it added "
-        f"{scenarios[1]['allreduce_s'] * 1e3:.1f} ms to the backward pass "
-        "(no overlap is possible here). The causes the lab can see each "
-        "made the same bytes slower "
-        f"without any change to the collective itself: {parts}."
-    )
-    if isinstance(tpu, dict):
-        default = tpu["schedules"]["default compile"]
-        fused = tpu["schedules"]["async collective fusion, one all-reduce per tensor"]
-        text += (
-            f" On tpu:{tpu['topology']} the default compile leaves the gradient "
-            "all-reduce synchronous after the whole backward: all "
-            f"{default['comm_s'] * 1e3:.3f} ms exposed; with asynchronous "
-            f"collective fusion {fused['exposed_s'] * 1e3:.3f} of {fused['comm_s'] * 1e3:.3f} "
-            "ms stay exposed."
-        )
-    return text
-
-
-def _notes(measured, tpu) -> list[str]:
-    hlo_seen = measured["hlo"]
-    notes = [
-        (
-            f"The gradients' per-tensor psums compiled to {hlo_seen['isolation']} "
-            f"(kind, tensors) alone and to {hlo_seen['step']} in the step: "
-            "the same collective, "
-            "so isolation and step compare like for like. With the other "
-            f"traffic: {hlo_seen['same-axis traffic']}: XLA combined both "
-            "into one collective, whose bytes simply add."
-        ),
-        (
-            f"Buckets are packed and unpacked: on this target that is {2 * measured['devices']} "
-            "copies of the gradients through one memory bus "
-            f"(measured copy bandwidth {measured['copy_Bps'] / 1e9:.1f} GB/s), part of the bucket scenario's model."
-        ),
-        "On XLA:CPU the step's all-reduce runs after the backward, never "
-        "during it: the benchmark's time is what the step pays.",
-    ]
-    if isinstance(tpu, dict):
-        fused = tpu["schedules"]["async collective fusion, one all-reduce per tensor"]
-        hidden = [w for w in fused["windows"] if w["async"]]
-        notes.append(
-            f"With asynchronous collective fusion only {len(hidden)} of {len(fused['windows'])} "
-            "gradient all-reduces became asynchronous "
-            f"({', '.join(w['collective'] for w in hidden)}), and their windows hold "
-            f"{sum(w['compute_s'] for w in hidden) * 1e6:.1f} µs of compute. "
-            "The stacked block weights' gradients leave the backward scan "
-            "loop together when it ends, "
-            "so nothing is left to hide their all-reduces behind: the flag "
-            "does not move an all-reduce that has no compute after it."
-        )
-    return notes
-
-
-def _plot(scenarios, tpu):
-    panels = 2 if isinstance(tpu, dict) else 1
-    figure = Figure(figsize=(5.5 * panels, 3.8))
-    axes = figure.subplots(1, panels, squeeze=False)
-    left = axes[0][0]
-    y = np.arange(len(scenarios))
-    left.barh(y - 0.2, [s["allreduce_s"] * 1e3 for s in scenarios], 0.4, label="measured")
-    left.barh(y + 0.2, [s["model_s"] * 1e3 for s in scenarios], 0.4, label="model")
-    left.set(
-        yticks=y,
-        yticklabels=["isolation", "in the step", "small buckets", "+ same-axis traffic"][: len(scenarios)],
-        xlabel="ms",
-        title="the same bytes, alone and in a step",
-    )
-    left.invert_yaxis()
-    left.legend(fontsize=8)
-    if panels == 2:
-        right = axes[0][1]
-        names = list(tpu["schedules"])
-        compute = [tpu["schedules"][n]["compute_s"] * 1e3 for n in names]
-        labels = ["default", "async collective fusion"][: len(names)]
-        right.barh(labels, compute, label="compute")
-        right.barh(
-            labels, [tpu["schedules"][n]["exposed_s"] * 1e3 for n in names], left=compute, label="exposed all-reduce"
-        )
-        right.set(xlabel="ms (predicted)", title=f"tpu:{tpu['topology']} step")
-        right.legend(fontsize=8)
-    figure.tight_layout()
-    return figure

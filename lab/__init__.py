@@ -1,10 +1,13 @@
 """The sharding lab: distributed-training theory next to what XLA actually did.
 
-Data flows one way: a mesh spec becomes a `jax.sharding.Mesh` (lab.mesh), a
-program is written with `shard_map` and explicit collectives
-(lab.collectives), compiled, and its optimized HLO read back (lab.hlo); the
-closed-form theory (lab.theory, lab.hardware) predicts it, `compare` gives the
-verdicts, and lab.report writes them to results/.
+Data flows one way: a mesh spec becomes a `jax.sharding.Mesh` with the five
+axes (lab.mesh); a strategy's rules tables place each logical axis on them
+(lab.rules, lab.parallel); a program is written with `shard_map` and explicit
+collectives (lab.collectives) or with sharding annotations, compiled, and its
+optimized HLO read back (lab.hlo); the closed forms (lab.theory, lab.hardware,
+lab.topology) predict it; `check` gives the verdicts (lab.verdict) and
+lab.report writes the pages. Training runs are lab.training, their diagnosis
+lab.doctor. tests/test_architecture.py keeps the layers in that order.
 
 The public API is listed here explicitly; everything else is internal.
 """

@@ -9,7 +9,6 @@ from experiments import get
 from experiments.q45_overlap import Config as OverlapConfig
 from experiments.q46_overlap_backfires import Config as BackfiresConfig
 from experiments.q47_bucket_size import Config as BucketConfig
-from experiments.q52_slow_allreduce import Config as SlowConfig
 from lab.cli import main
 from lab.report import render
 
@@ -52,13 +51,6 @@ def test_backfires_page_runs_its_structural_checks(devices):
     rows = structural(result)
     assert all(c.passed for c in rows), [c for c in rows if not c.passed]
     assert {"tiny buckets: all-reduces in HLO", "per-tensor psums: all-reduces in HLO"} <= {c.quantity for c in rows}
-
-
-def test_slow_allreduce_page_runs_its_structural_checks(devices):
-    result = get("slow_allreduce").run(SlowConfig(model="tiny", small_bucket="64K", repeats=1, tpu_topology=""))
-    rows = structural(result)
-    assert all(c.passed for c in rows), [c for c in rows if not c.passed]
-    assert len(result.tables[0].rows) == 4
 
 
 @pytest.mark.parametrize(

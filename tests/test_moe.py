@@ -15,6 +15,7 @@ from lab.moe import (
     balance_loss,
     load_counts,
     load_metrics,
+    parse_capacity_factor,
     router_z_loss,
     switch_aux_loss,
     update_bias,
@@ -28,6 +29,13 @@ def test_capacity_follows_the_switch_example_and_is_capped_by_the_group():
     assert RouterConfig(experts=64, capacity_factor=1.25).capacity(4096) == 80
     assert RouterConfig(experts=2, capacity_factor=4.0).capacity(10) == 10  # 20 slots would exceed the group
     assert RouterConfig(experts=8, top_k=2, capacity_factor=None).capacity(96) == 96
+
+
+def test_a_capacity_factor_is_read_as_a_number_or_none_and_anything_else_is_a_user_error():
+    assert parse_capacity_factor("1.25") == 1.25
+    assert parse_capacity_factor(" None ") is None
+    with pytest.raises(LabError, match="capacity factor 'lots'"):
+        parse_capacity_factor("lots")
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import pytest
 
 from lab.errors import LabError
 from lab.hardware import profile
-from lab.hlo.schedule import flops, overlap_report, parse_schedule, timeline
+from lab.hlo.schedule import flops, flops_in_flight, overlap_report, parse_schedule, timeline, window_flops
 from lab.mesh import MeshSpec
 from lab.parallel.collective_matmul import build_matmul
 
@@ -65,6 +65,63 @@ def test_windows_credit_the_compute_between_start_and_done():
     assert report.exposed_s == pytest.approx(gather.exposed_s + reduce.comm_s)
     assert report.step_s == pytest.approx(dot_s + report.exposed_s)
     assert timeline(SYNTHETIC) == "[M]C"
+
+
+def test_window_flops_and_flops_in_flight_count_the_matmuls_under_a_transfer_once():
+    chip = profile("v5e")
+    report = overlap_report(SYNTHETIC, chip, (4,), (4,), ("data",))
+    schedule = parse_schedule(SYNTHETIC)
+    gather, reduce = report.windows
+    assert window_flops(schedule, gather) == 2 * 256 * 512 * 1024 and window_flops(schedule, reduce) == 0
+    # the same dot inside two windows counts once
+    assert flops_in_flight(schedule, [gather, gather, reduce]) == 2 * 256 * 512 * 1024
+
+
+TPU_SHAPE = (8192, 4096, 65536)  # the overlap page's TPU shape: each block product longer than its transfer
+
+
+@pytest.fixture(scope="module")
+def tpu_reports():
+    """The plain and the ring all-gather matmul compiled for v5e:2x4 (compile-only), with their overlap reports."""
+    import jax.numpy as jnp
+
+    from lab.devices import topology_devices, topology_shape
+    from lab.hlo import inspect
+
+    try:
+        chips = topology_devices("v5e:2x4")
+    except LabError as err:
+        pytest.skip(str(err))
+    mesh, chip = MeshSpec(tensor=len(chips)).build(chips), profile("v5e")
+    reports = {}
+    for name in ("all-gather then matmul", "ring all-gather matmul"):
+        program = build_matmul(name, mesh, "tensor", TPU_SHAPE, jnp.bfloat16)
+        inspection = inspect(program.fn, *program.abstract_inputs(), mesh=mesh)
+        reports[name] = overlap_report(
+            inspection.optimized_hlo, chip, topology_shape("v5e:2x4"), inspection.mesh_shape, inspection.axis_names
+        )
+    return chip, reports
+
+
+def test_a_synchronous_all_gather_hides_nothing_so_the_priced_step_is_matmul_plus_transfer(tpu_reports):
+    """The identity the overlap page used to show as a check: one pricing on both sides."""
+    chip, reports = tpu_reports
+    plain = reports["all-gather then matmul"]
+    m, k, f = TPU_SHAPE
+    assert plain.hidden_s == 0
+    assert plain.compute_s == pytest.approx(2 * m * k * f / 8 / chip.peak_bf16_flops)
+    assert plain.step_s == pytest.approx(plain.compute_s + plain.communication_s, rel=1e-12)
+
+
+def test_the_ring_priced_from_its_schedule_is_the_closed_form_plus_its_output_buffer(tpu_reports):
+    from lab.theory import collective_matmul_time
+
+    chip, reports = tpu_reports
+    ring = reports["ring all-gather matmul"]
+    m, k, f = TPU_SHAPE
+    closed = collective_matmul_time(2 * m * k * f / 8 / chip.peak_bf16_flops, ring.windows[0].comm_s, 8)
+    assert ring.hidden_s == pytest.approx(ring.communication_s)  # every transfer under a block product
+    assert closed <= ring.step_s <= 1.1 * closed  # the zero-filled output buffer and its updates: a few %
 
 
 def test_a_tpu_async_collective_fusion_chain_is_one_window_holding_its_continuation():

@@ -173,3 +173,48 @@ def test_crossover_edge_cases():
     assert crossover_bytes("all-reduce", "ring", "recursive-doubling", 8, alpha=ALPHA, beta=BETA) == 0
     # With two devices recursive doubling sends the ring's bytes (S) in one step instead of two.
     assert crossover_bytes("all-reduce", "recursive-doubling", "ring", 2, alpha=ALPHA, beta=BETA) == math.inf
+
+
+# --- 4. the reduction arithmetic (TRG's gamma term) ---------------------------
+
+
+@pytest.mark.parametrize(
+    "kind, algorithm, reduced",
+    [
+        ("all-reduce", "ring", 7 / 8),  # the reduce-scatter pass adds what it receives; the all-gather only copies
+        ("all-reduce", "bidirectional-ring", 7 / 8),
+        ("all-reduce", "halving-doubling", 7 / 8),  # Rabenseifner: (p-1)/p n gamma
+        ("all-reduce", "recursive-doubling", 3),  # lg p (a + n b + n g)
+        ("all-reduce", "binomial-tree", 3),  # the binomial reduce adds, the broadcast does not
+        ("reduce-scatter", "ring", 7 / 8),
+        ("reduce-scatter", "halving-doubling", 7 / 8),
+        ("reduce", "binomial-tree", 3),
+        ("reduce", "halving-doubling", 7 / 8),
+        ("all-gather", "ring", 0),
+        ("all-to-all", "direct", 0),
+        ("collective-permute", "direct", 0),
+        ("broadcast", "binomial-tree", 0),
+    ],
+)
+def test_bytes_reduced_by_hand(kind, algorithm, reduced):
+    gamma = 2e-10
+    result = collective_cost(kind, 64 * MiB, 8, algorithm=algorithm, alpha=ALPHA, beta=BETA, gamma=gamma)
+    assert result.bytes_reduced == pytest.approx(reduced * 64 * MiB)
+    assert result.reduction_s == pytest.approx(reduced * 64 * MiB * gamma)
+    assert result.seconds == pytest.approx(result.latency_s + result.transfer_s + result.reduction_s)
+    # without gamma the reduction is hidden behind the transfers, as before
+    assert cost(kind, 64 * MiB, 8, algorithm).seconds == pytest.approx(result.latency_s + result.transfer_s)
+
+
+def test_gamma_moves_the_crossover_down():
+    # recursive doubling adds 3 S, the ring 7/8 S: a reduction cost per byte makes doubling lose sooner
+    gamma = 1 / BETA
+    with_gamma = crossover_bytes("all-reduce", "recursive-doubling", "ring", 8, alpha=ALPHA, beta=BETA, gamma=gamma)
+    # S* = alpha (14 - 3) / ((3 - 7/4)/beta + (3 - 7/8) gamma)
+    assert with_gamma == pytest.approx(ALPHA * 11 / ((3 - 7 / 4) / BETA + (3 - 7 / 8) * gamma))
+    assert with_gamma < crossover_bytes("all-reduce", "recursive-doubling", "ring", 8, alpha=ALPHA, beta=BETA)
+
+
+def test_a_negative_gamma_is_refused():
+    with pytest.raises(LabError, match="gamma"):
+        collective_cost("all-reduce", MiB, 8, algorithm="ring", alpha=ALPHA, beta=BETA, gamma=-1)
