@@ -224,7 +224,7 @@ def _checks_table(checks: list[Check]) -> str:
     rows = "".join(
         f"| {c.quantity} | {c.kind} | {c.relation.replace('==', '') + ' ' if c.relation != '==' else ''}"
         f"{_cell(c.theory)} | {_cell(c.observed)} | {c.rtol:g} | **{c.verdict}** | "
-        f"{_cell(c.refined) if c.refined is not None else ''} | {_cell(' '.join(filter(None, (c.why, c.basis))))} |\n"
+        f"{_cell(c.refined) if c.refined is not None else ''} | {_cell('; '.join(filter(None, (c.why, c.basis))))} |\n"
         for c in checks
     )
     return head + "|---|---|---|---|---|---|---|---|\n" + rows

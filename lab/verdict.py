@@ -28,7 +28,6 @@ says: confirmed, refined or refuted, with the numbers that decide it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
@@ -105,7 +104,7 @@ def holds(theory: Value, observed: Value, rtol: float, relation: Relation = "=="
         return observed <= theory * (1 + rtol) + _ABS_TOL
     if relation == ">=":
         return observed >= theory * (1 - rtol) - _ABS_TOL
-    return math.isclose(observed, theory, rel_tol=rtol, abs_tol=_ABS_TOL)
+    return abs(observed - theory) <= rtol * abs(theory) + _ABS_TOL  # relative to the theory, not to the larger
 
 
 def _is_number(value) -> bool:
