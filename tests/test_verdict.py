@@ -75,3 +75,8 @@ def test_a_claim_has_a_status_and_its_numbers():
         Claim("x", "plausible", "1")
     with pytest.raises(ValueError, match="numbers"):
         Claim("x", "refuted", "")
+
+
+def test_the_tolerance_is_relative_to_the_theory():
+    assert holds(100, 150, 0.5) and holds(100, 50, 0.5)
+    assert not holds(100, 190, 0.5)  # math.isclose would accept it: 90 <= 0.5 * max(100, 190)
