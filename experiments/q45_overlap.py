@@ -48,7 +48,7 @@ PLAIN_GATHER, RING_GATHER = "all-gather then matmul", "ring all-gather matmul"
 RING_VARIANTS = (RING_GATHER, "bidirectional all-gather matmul", "ring matmul reduce-scatter")
 GATHER_VARIANTS = (PLAIN_GATHER, RING_GATHER, "bidirectional all-gather matmul")
 ROUNDOFF = {"rtol": 1e-5, "atol": 1e-4}  # float32: the ring adds the same products in another order
-NO_OVERLAP_MARGIN = 0.1  # ring / plain time may read up to 10% below 1 from the clock's noise alone
+NO_OVERLAP_MARGIN = 0.2  # ring / plain time may read up to 20% below 1 from the clock's noise alone
 
 
 @dataclass(frozen=True)
@@ -300,8 +300,8 @@ def _checks_here(obs: Observations, config: Config) -> list[Check]:
             relation=">=",
             rtol=NO_OVERLAP_MARGIN,
             basis="claim here: with every collective synchronous the ring's N-1 permutes and N block products cannot "
-            "beat one all-gather and one matmul; medians of interleaved rounds, 10% margin for the clock's noise "
-            "(committed runs read 1.4)",
+            "beat one all-gather and one matmul; medians of interleaved rounds, 20% margin for the clock's noise "
+            "on a shared 2-core host",
         )
     )
     return checks

@@ -433,14 +433,14 @@ def _sweep_table(obs: Observations, fit: dict) -> Table:
         note += (
             f" Launch model n·α_AR + rest through the two ends of the multi-bucket sweep ({' and '.join(fit['fitted'])}"
             f"): α_AR = {fit['alpha_AR_s'] * 1e6:.0f} µs, rest {fit['rest_s'] * 1e3:.1f} ms. The held-out sizes are "
-            "shown, not judged: each is the difference of medians a few ms apart, and on this 2-core host, shared "
+            "shown, not judged: the model puts them a few ms above the 4 MiB point, and on this 2-core host, shared "
             "with other work, their spread in this run alone ((max - min) / median: "
             + ", ".join(
                 f"{p.key} {obs.times[p.key].spread:.0%}"
                 for p in {q.key: q for q in obs.points}.values()
                 if p.key not in fit["fitted"]
             )
-            + ") is as large as what the model predicts between them, so a verdict would not survive a rerun."
+            + ") is as large as that: a verdict on them would not survive a rerun."
         )
     return Table(
         f"Bucket sweep on this target (backward {backward})",
