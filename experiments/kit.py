@@ -39,7 +39,7 @@ so nothing has to be closed and a long ``lab report`` keeps no figures alive.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from lab import hlo
@@ -105,11 +105,6 @@ def compile_and_inspect(fn, *args: Any, mesh) -> tuple[Any, hlo.Inspection]:
     """Compile the jitted `fn` for `args` once: the executable (to run or time) and what XLA put in it."""
     compiled = fn.lower(*args).compile()
     return compiled, hlo.inspect_compiled(compiled, mesh)
-
-
-def numbers(part) -> dict[str, Any]:
-    """A sub-result's fields for ``result.json``, less its checks (the page lists those once)."""
-    return {name: value for name, value in asdict(part).items() if name != "checks"}
 
 
 @dataclass(frozen=True)

@@ -239,8 +239,3 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value).replace("|", "\\|").replace("\n", " ")
-
-
-# TRANSITIONAL, removed once every experiment measures and judges: the old experiments still import this name.
-def provenance(**_):
-    raise NotImplementedError("this experiment has not been converted to measure/judge yet")

@@ -136,8 +136,3 @@ def tally(checks: Iterable[Check]) -> str:
     """``"5 agree, 1 refined, 0 differ"``."""
     n = counts(checks)
     return f"{n['agrees']} agree, {n['refined']} refined, {n['differs']} differ"
-
-
-# TRANSITIONAL, removed once every experiment measures and judges: the old experiments still import this name.
-def at_most(*_, **__):
-    raise NotImplementedError("this experiment has not been converted to measure/judge yet")

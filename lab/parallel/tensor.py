@@ -180,6 +180,12 @@ class TensorParallel:
         are among them (the backward's matmuls need them), so their bytes per
         device are taken off.
         """
+        saved = self.saved_activations(batch, dtype)
+        return saved.output_bytes - saved.weight_bytes
+
+    def saved_activations(self, batch: int, dtype=jnp.bfloat16) -> SavedActivations:
+        """What one block keeps for its backward pass, for `batch` sequences: XLA's output bytes of
+        ``jit(vjp(block))`` per device, the block's weights among them, and each residual's type and shape."""
         one_block = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(
                 a.shape[1:], dtype, sharding=NamedSharding(self.mesh, P(*a.sharding.spec[1:]))
@@ -190,7 +196,19 @@ class TensorParallel:
         block = self.block_function()
         compiled = jax.jit(lambda w, x: jax.vjp(block, w, x)[1]).lower(one_block, x_BSD).compile()
         weights = sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(one_block))
-        return compiled.memory_analysis().output_size_in_bytes - weights
+        residuals = tuple(
+            (str(a.dtype), tuple(a.sharding.shard_shape(a.shape))) for a in jax.tree.leaves(compiled.out_info)
+        )
+        return SavedActivations(int(compiled.memory_analysis().output_size_in_bytes), int(weights), residuals)
+
+
+@dataclass(frozen=True)
+class SavedActivations:
+    """The residuals of one block's backward pass, per device, as XLA compiled them."""
+
+    output_bytes: int  # XLA's output size of jit(vjp(block)): the residuals, the weights among them
+    weight_bytes: int  # the block's weights per device
+    residuals: tuple[tuple[str, tuple[int, ...]], ...]  # (element type, shape per device) of each output array
 
 
 # --- the math shared by both styles ---------------------------------------------------

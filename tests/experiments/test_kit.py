@@ -1,7 +1,5 @@
 """The experiments' shared kit: the compile-only TPU companion, one compile read by lab.hlo, typed sub-results."""
 
-from dataclasses import dataclass
-
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -9,7 +7,6 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import kit
 from lab.mesh import MeshSpec
-from lab.verdict import check
 
 
 def test_no_topology_asked_for_is_none():
@@ -40,11 +37,15 @@ def test_compile_and_inspect_runs_the_executable_it_read(devices):
     assert [(c.kind, c.axes) for c in inspection.collectives] == [("all-reduce", ("fsdp",))]
 
 
-def test_numbers_keep_a_sub_result_for_json_without_its_checks():
-    @dataclass(frozen=True)
-    class Part:
-        size: int
-        checks: tuple
-
-    part = Part(3, (check("size", 3, 3),))
-    assert kit.numbers(part) == {"size": 3}
+def test_seen_keeps_what_a_judge_reads_of_a_collective(devices):
+    mesh = MeshSpec(fsdp=len(devices)).build(devices)
+    x = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P("fsdp")))
+    _, inspection = kit.compile_and_inspect(jax.jit(lambda a: a.sum(0)), x, mesh=mesh)
+    (seen,) = kit.seen(inspection.collectives)
+    assert (seen.kind, seen.axes, seen.dtypes, seen.size_bytes, seen.group_size) == (
+        "all-reduce",
+        ("fsdp",),
+        ("f32",),
+        16,
+        8,
+    )

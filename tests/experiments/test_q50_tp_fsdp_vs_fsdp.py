@@ -1,0 +1,50 @@
+"""tp_fsdp_vs_fsdp compiled for 8- and 16-chip v5p slices and two slices over DCN (libtpu, no TPU)."""
+
+import pytest
+
+from experiments.q50_tp_fsdp_vs_fsdp import Config
+from lab.registry import get
+from lab.report import render
+from tests.experiments.support import pinned
+
+SMALL = Config(topologies=("2x2x2", "2x2x4"), dcn_topology="2x2x2", global_tokens=16384)
+
+
+@pytest.fixture(scope="module")
+def result():
+    return get("tp_fsdp_vs_fsdp").run(SMALL)
+
+
+def test_the_books_ratio_is_refined_by_what_xla_wrote_and_differs_across_slices(result):
+    ratio = "communication / compute at B/N={b} (book: α/(Y·M_X·B/N) + α·Y/(M_Y·F))"
+    flops = "FLOPs per chip at B/N={b} (12·B·D·F/N)"
+    expected = {}
+    for machine, b, fsdp, mixed in (
+        ("v5p:2x2x2", 2048, ("refined", 0.7262), ("refined", 0.3633)),
+        ("v5p:2x2x4", 1024, ("refined", 1.5559), ("refined", 0.7817)),
+        # across slices the HLO's groups over fsdp hold one slice's share of the axis; nothing refines those
+        ("v5p:2x2x2 x2 slices", 1024, "differs", "differs"),
+    ):
+        for strategy, verdict in (("FSDP", fsdp), ("FSDP x TP (Y=4)", mixed)):
+            expected[f"{machine}: {strategy}: {flops.format(b=b)}"] = "agrees"
+            expected[f"{machine}: {strategy}: {ratio.format(b=b)}"] = verdict
+    assert pinned(result) == expected
+
+
+def test_the_claims_are_judged_from_the_compiled_programs(result):
+    assert [(c.claim.split(" because")[0].split(",")[0], c.status) for c in result.claims] == [
+        ("A very large FSDP stops scaling", "refined"),  # communication-bound, but on bytes, not latency
+        ("Past 64-128 chips", "confirmed"),
+    ]
+
+
+def test_tp_shrinks_what_fsdp_moves_and_the_page_says_where_it_ran(result):
+    machines = result.observations["machines"]
+    fsdp, mixed = machines[0]["fsdp"], machines[0]["mixed"]
+    assert fsdp["chips"] == mixed["chips"] == 8 and mixed["mesh"] == "fsdp=2,tensor=4"
+    fsdp_bytes = sum(c["size_bytes"] for c in fsdp["collectives"] if c["axes"] == ["fsdp"])
+    mixed_bytes = sum(c["size_bytes"] for c in mixed["collectives"] if c["axes"] == ["fsdp"])
+    assert mixed_bytes < fsdp_bytes  # TP shrinks the weights FSDP gathers
+    assert any(c["axes"] == ["tensor"] for c in mixed["collectives"])
+    assert not any(c["axes"] == ["tensor"] for c in fsdp["collectives"])  # pure FSDP moves nothing over tensor
+    assert "Question #50" in render(result) and "crossover" in result.plots

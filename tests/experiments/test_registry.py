@@ -1,0 +1,28 @@
+"""Every experiment is complete: a question, a teaching docstring, a Config, and measure/judge with Observations."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from experiments import get, registry
+from lab.errors import LabError
+from lab.provenance import Setup
+
+
+@pytest.mark.parametrize("name", sorted(registry()))
+def test_every_experiment_measures_then_judges(name):
+    experiment = registry()[name]
+    module = experiment.module
+    assert experiment.question.startswith("#")
+    assert dataclasses.fields(experiment.config)[0].name == "target"
+    assert experiment.title == module.__doc__.splitlines()[0].rstrip(".") and module.__doc__.count("\n") > 3
+    assert dataclasses.is_dataclass(module.Observations) and module.Observations.__dataclass_params__.frozen
+    setup = {f.name: f.type for f in dataclasses.fields(module.Observations)}.get("setup")
+    assert setup in (Setup, "Setup"), f"{name}: Observations has no setup: Setup field"
+    assert list(inspect.signature(module.judge).parameters)[:2] and not hasattr(module, "run")
+
+
+def test_unknown_experiment_lists_the_known_ones():
+    with pytest.raises(LabError, match=r"known: .*collectives"):
+        get("no_such_thing")
