@@ -71,25 +71,39 @@ class Semantics:
 
 @dataclass(frozen=True)
 class Point:
-    """One row of the nccl-tests-style sweep, with what XLA compiled for it."""
+    """One row of the nccl-tests-style sweep."""
 
-    op: str
     size: int  # S per device
     count: int  # elements in S
-    dtype: str
-    group_size: int
     time: Timing
     wrong: int  # elements that differ from the numpy reference, over all devices
-    collectives: tuple[kit.Seen, ...]
+
+
+@dataclass(frozen=True)
+class Swept:
+    """One collective across the sweep, and what XLA compiled at the size nearest 1 MiB and at the largest."""
+
+    op: str
+    dtype: str
+    group_size: int
+    points: tuple[Point, ...]
+    checked_size: int  # the size whose compiled program the checks read
+    checked: tuple[kit.Seen, ...]
+    largest: tuple[kit.Seen, ...]
 
 
 @dataclass(frozen=True)
 class OnAxis:
     """One collective asked for over one axis of the 2x2x2 mesh, as compiled."""
 
-    op: str
     axis: str
     collectives: tuple[kit.Seen, ...]
+
+
+@dataclass(frozen=True)
+class OnAxes:
+    op: str
+    axes: tuple[OnAxis, ...]
 
 
 @dataclass(frozen=True)
@@ -103,8 +117,8 @@ class Observations:
     setup: Setup
     devices: int
     semantics: tuple[Semantics, ...]
-    sweep: tuple[Point, ...]
-    on_axes: tuple[OnAxis, ...]  # empty unless there are 8 devices
+    sweep: tuple[Swept, ...]
+    on_axes: tuple[OnAxes, ...]  # empty unless there are 8 devices
     tpu: tuple[OnTpu, ...]
     tpu_chips: int
     tpu_unavailable: kit.Unavailable | None
@@ -119,8 +133,12 @@ def measure(config: Config) -> Observations:
     devices = devices_for(config.target)
     mesh = MeshSpec(fsdp=len(devices)).build(devices)
     n = len(devices)
-    points = [(op, s) for op in config.ops for s in size_sweep(config.begin, config.end, config.factor)]
-    sweep = tuple(_point(op, mesh, size, config) for op, size in track(points, "collectives sweep"))
+    sizes = size_sweep(config.begin, config.end, config.factor)
+    measured = {
+        point: measure_collective(point[0], mesh, "fsdp", point[1], dtype=config.dtype, repeats=config.repeats)
+        for point in track([(op, s) for op in config.ops for s in sizes], "collectives sweep")
+    }
+    sweep = tuple(_swept(op, [measured[op, s] for s in sizes], config.dtype) for op in config.ops)
     tpu = kit.tpu_chips(config.tpu_topology)
     return Observations(
         setup=Setup.of(config.target, devices, f"fsdp={n}"),
@@ -136,9 +154,17 @@ def measure(config: Config) -> Observations:
     )
 
 
-def _point(op: str, mesh, size: int, config: Config) -> Point:
-    p = measure_collective(op, mesh, "fsdp", size, dtype=config.dtype, repeats=config.repeats)
-    return Point(op, size, p.count, p.dtype, p.group_size, p.timing, p.wrong, kit.seen(p.collectives))
+def _swept(op: str, points, dtype: str) -> Swept:
+    checked = min(points, key=lambda p: abs(p.size - 2**20))
+    return Swept(
+        op,
+        dtype,
+        points[0].group_size,
+        tuple(Point(p.size, p.count, p.timing, p.wrong) for p in points),
+        checked.size,
+        kit.seen(checked.collectives),
+        kit.seen(points[-1].collectives),
+    )
 
 
 def _semantics(mesh) -> tuple[Semantics, ...]:
@@ -153,17 +179,19 @@ def _semantics(mesh) -> tuple[Semantics, ...]:
     return tuple(found)
 
 
-def _on_axes(devices) -> tuple[OnAxis, ...]:
+def _on_axes(devices) -> tuple[OnAxes, ...]:
     """Each primitive over each axis of a 2x2x2 mesh, as XLA compiled it."""
     if len(devices) != 8:
         return ()
     mesh = MeshSpec.parse(AXES_MESH).build(devices)
     found = []
     for op in KINDS:
+        axes = []
         for axis in ("data", "fsdp", "tensor"):
             program = build_program(op, mesh, axis)
             inspection = hlo.inspect(program.fn, program.abstract_input(1024), mesh=mesh)
-            found.append(OnAxis(op, axis, kit.seen(inspection.collectives)))
+            axes.append(OnAxis(axis, kit.seen(inspection.collectives)))
+        found.append(OnAxes(op, tuple(axes)))
     return tuple(found)
 
 
@@ -182,7 +210,8 @@ def _on_tpu(tpu: kit.TpuChips) -> tuple[OnTpu, ...]:
 
 def judge(obs: Observations, config: Config) -> Result:
     checks = _hlo_checks(obs) + _axis_checks(obs) + _tpu_checks(obs, config.tpu_topology)
-    largest_ar = max((p for p in obs.sweep if p.op == "all-reduce"), key=lambda p: p.size, default=None)
+    all_reduce = next((w for w in obs.sweep if w.op == "all-reduce"), None)
+    largest_ar = (all_reduce, all_reduce.points[-1]) if all_reduce else None
     return Result(
         summary=_summary(obs, checks, largest_ar),
         theory=THEORY,
@@ -214,29 +243,34 @@ def _algbw(p: Point) -> float:
     return theory.algorithm_bandwidth(p.size, p.time.median)
 
 
-def _busbw(p: Point) -> float:
-    return theory.bus_bandwidth(p.op, p.size, p.time.median, p.group_size)
+def _busbw(w: Swept, p: Point) -> float:
+    return theory.bus_bandwidth(w.op, p.size, p.time.median, w.group_size)
 
 
 def _hlo_checks(obs: Observations) -> list[Check]:
     """One compiled program per collective (at 1 MiB or the nearest size): kind, axis, S, N; and #wrong."""
     checks = []
-    for op in dict.fromkeys(p.op for p in obs.sweep):
-        row = min((p for p in obs.sweep if p.op == op), key=lambda p: abs(p.size - 2**20))
-        checks.append(check(f"{op}: collectives in the HLO", f"1 {op}", _kinds(row.collectives), kind="exact"))
-        found = row.collectives[0] if row.collectives else None  # the same checks whatever XLA wrote
+    for w in obs.sweep:
+        op, label = w.op, format_bytes(w.checked_size)
+        checks.append(check(f"{op}: collectives in the HLO", f"1 {op}", _kinds(w.checked), kind="exact"))
+        found = w.checked[0] if w.checked else None  # the same checks whatever XLA wrote
         checks += [
             check(f"{op}: mesh axes of its replica groups", "fsdp", _axes(found) if found else "none", kind="exact"),
             check(
-                f"{op}: S per device at {format_bytes(row.size)} (bytes)",
-                row.size,
+                f"{op}: S per device at {label} (bytes)",
+                w.checked_size,
                 found.size_bytes if found else "none",
                 kind="exact",
             ),
             check(f"{op}: group size N", obs.devices, found.group_size if found else "none", kind="exact"),
         ]
     checks.append(
-        check("elements wrong across the whole sweep (#wrong)", 0, sum(p.wrong for p in obs.sweep), kind="exact")
+        check(
+            "elements wrong across the whole sweep (#wrong)",
+            0,
+            sum(p.wrong for w in obs.sweep for p in w.points),
+            kind="exact",
+        )
     )
     return checks
 
@@ -248,8 +282,9 @@ def _spans(found: OnAxis) -> str:
 def _axis_checks(obs: Observations) -> list[Check]:
     """Each primitive over each axis of a 2x2x2 mesh: the replica groups map back to that axis."""
     return [
-        check(f"{a.op} over {a.axis}: axes found from replica groups", a.axis, _spans(a), kind="exact")
-        for a in obs.on_axes
+        check(f"{o.op} over {a.axis}: axes found from replica groups", a.axis, _spans(a), kind="exact")
+        for o in obs.on_axes
+        for a in o.axes
     ]
 
 
@@ -268,9 +303,10 @@ def _claims(obs: Observations) -> list[Claim]:
     }
     claims = []
     for op, claim in said.items():
-        points = [p for p in obs.sweep if p.op == op]
-        if not points:
+        swept = next((w for w in obs.sweep if w.op == op), None)
+        if swept is None:
             continue
+        points = swept.points
         wrong = sum(p.wrong for p in points)
         example = next(s for s in obs.semantics if s.op == op)
         claims.append(
@@ -308,14 +344,15 @@ def _sweep_table(obs: Observations) -> Table:
         [
             format_bytes(p.size),
             p.count,
-            p.dtype,
-            p.op,
+            w.dtype,
+            w.op,
             f"{p.time.median * 1e6:.1f} [{p.time.min * 1e6:.1f}, {p.time.max * 1e6:.1f}]",
             f"{_algbw(p) / 1e9:.2f}",
-            f"{_busbw(p) / 1e9:.2f}",
+            f"{_busbw(w, p) / 1e9:.2f}",
             p.wrong,
         ]
-        for p in obs.sweep
+        for w in obs.sweep
+        for p in w.points
     ]
     return Table(
         "nccl-tests-style sweep",
@@ -326,13 +363,11 @@ def _sweep_table(obs: Observations) -> Table:
 
 
 def _hlo_table(obs: Observations) -> Table:
-    rows = []
-    for p in obs.sweep:
-        if p.size != max(q.size for q in obs.sweep if q.op == p.op):
-            continue
-        for c in p.collectives:
-            sent = c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size or obs.devices)
-            rows.append([p.op, c.kind, c.form, _axes(c), c.group_size, format_bytes(c.size_bytes), format_bytes(sent)])
+    rows = [
+        [w.op, c.kind, c.form, _axes(c), c.group_size, format_bytes(c.size_bytes), format_bytes(_sent(c, obs.devices))]
+        for w in obs.sweep
+        for c in w.largest
+    ]
     return Table(
         "What XLA compiled (largest size)",
         ["program", "HLO collective", "as written", "axes", "N", "S per device", "sent per device (ring theory)"],
@@ -340,10 +375,18 @@ def _hlo_table(obs: Observations) -> Table:
     )
 
 
+def _sent(c: kit.Seen, n: int) -> float:
+    return c.size_bytes * theory.bus_bandwidth_factor(c.kind, c.group_size or n)
+
+
 def _axis_tables(obs: Observations) -> list[Table]:
     if not obs.on_axes:
         return []
-    rows = [[a.op, a.axis, _spans(a), a.collectives[0].group_size if a.collectives else "-"] for a in obs.on_axes]
+    rows = [
+        [o.op, a.axis, _spans(a), a.collectives[0].group_size if a.collectives else "-"]
+        for o in obs.on_axes
+        for a in o.axes
+    ]
     return [
         Table(
             f"Each collective on each axis of a {AXES_MESH} mesh",
@@ -382,9 +425,8 @@ def _tpu_tables(obs: Observations, topology: str) -> list[Table]:
 def _busbw_plot(obs: Observations):
     figure = Figure(figsize=(7, 4.2))
     axes = figure.subplots()
-    for op in dict.fromkeys(p.op for p in obs.sweep):
-        rows = [p for p in obs.sweep if p.op == op]
-        axes.plot([p.size for p in rows], [_busbw(p) / 1e9 for p in rows], marker="o", label=op)
+    for w in obs.sweep:
+        axes.plot([p.size for p in w.points], [_busbw(w, p) / 1e9 for p in w.points], marker="o", label=w.op)
     if obs.copy_bandwidth:
         axes.axhline(obs.copy_bandwidth / 1e9, color="gray", linestyle="--", label="memory-copy bandwidth (measured)")
     axes.set_xscale("log", base=2)
@@ -397,20 +439,20 @@ def _busbw_plot(obs: Observations):
     return figure
 
 
-def _performance_table(obs: Observations, largest_ar: Point | None) -> Table:
+def _performance_table(obs: Observations, largest_ar: tuple[Swept, Point] | None) -> Table:
     rows = [["parse a 100,000-line HLO text (lab.hlo.parse_collectives)", f"{obs.parse_seconds:.2f} s", "under 1 s"]]
     if largest_ar and obs.copy_bandwidth:
         rows.append(
             [
-                f"busbw of the {format_bytes(largest_ar.size)} all-reduce / measured memory-copy bandwidth",
-                f"{_busbw(largest_ar) / obs.copy_bandwidth:.0%}",
+                f"busbw of the {format_bytes(largest_ar[1].size)} all-reduce / measured memory-copy bandwidth",
+                f"{_busbw(*largest_ar) / obs.copy_bandwidth:.0%}",
                 "reported",
             ]
         )
     return Table("Performance", ["what", "measured", "goal"], rows)
 
 
-def _summary(obs: Observations, checks: list[Check], largest_ar: Point | None) -> str:
+def _summary(obs: Observations, checks: list[Check], largest_ar: tuple[Swept, Point] | None) -> str:
     n = obs.devices
     here = [c for c in checks if not c.quantity.startswith("tpu:")]
     text = (
@@ -425,10 +467,11 @@ def _summary(obs: Observations, checks: list[Check], largest_ar: Point | None) -
     )
     if largest_ar:
         text += (
-            f" The {format_bytes(largest_ar.size)} all-reduce reached a busbw of {_busbw(largest_ar) / 1e9:.2f} GB/s"
+            f" The {format_bytes(largest_ar[1].size)} all-reduce reached a busbw of "
+            f"{_busbw(*largest_ar) / 1e9:.2f} GB/s"
         )
         text += (
-            f", {_busbw(largest_ar) / obs.copy_bandwidth:.0%} of this machine's measured memory-copy bandwidth."
+            f", {_busbw(*largest_ar) / obs.copy_bandwidth:.0%} of this machine's measured memory-copy bandwidth."
             if obs.copy_bandwidth
             else "."
         )
@@ -438,9 +481,9 @@ def _summary(obs: Observations, checks: list[Check], largest_ar: Point | None) -
     return text
 
 
-def _notes(obs: Observations, largest_ar: Point | None) -> list[str]:
+def _notes(obs: Observations, largest_ar: tuple[Swept, Point] | None) -> list[str]:
     notes = []
-    forms = {c.kind: c.form for p in obs.sweep for c in p.collectives}
+    forms = {c.kind: c.form for w in obs.sweep for c in w.largest}
     for kind, form in forms.items():
         if form != kind:
             notes.append(f"XLA wrote the {kind} as `{form}`.")
@@ -457,11 +500,10 @@ def _notes(obs: Observations, largest_ar: Point | None) -> list[str]:
                     else "."
                 )
             )
-    small = [p for p in obs.sweep if p.size == min(q.size for q in obs.sweep)]
-    if small:
-        fastest = min(small, key=lambda p: p.time.median)
+    if obs.sweep:
+        op, fastest = min(((w.op, w.points[0]) for w in obs.sweep), key=lambda pair: pair[1].time.median)
         notes.append(
-            f"At {format_bytes(fastest.size)} every collective is latency-bound: the fastest, {fastest.op}, still took "
+            f"At {format_bytes(fastest.size)} every collective is latency-bound: the fastest, {op}, still took "
             f"{fastest.time.median * 1e6:.0f} us, so busbw there measures per-call overhead, not bandwidth."
         )
     if largest_ar and obs.copy_bandwidth:

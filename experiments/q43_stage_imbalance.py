@@ -76,7 +76,7 @@ class Config:
     target: str = DEFAULT_TARGET
     """where to run (cpu:N, gpu, tpu)"""
     split: str = "4,2"
-    """transformer blocks per stage; twice the blocks make a stage twice as slow (the quick-reference's 2 s and 1 s)"""
+    """transformer blocks per stage; twice the blocks: the quick-reference's 2 s and 1 s, on a device per stage"""
     micro_batches: int = 8
     micro_batch_size: int = 2
     """sequences per micro-batch"""
@@ -380,21 +380,14 @@ def _step_ratio(obs: Observations, name: str = "gpipe") -> float:
 
 
 def _timing_checks(obs: Observations) -> list[Check]:
+    """The one thing this host's clock resolves run after run: the uneven split is slower.
+
+    How a stage's tick follows its blocks (each stage timed alone) is shown, not judged: it read 1.10x, 1.26x and
+    1.75x for twice the blocks in successive runs, and nothing at all (every grid no slower than the empty step)
+    on a busier host.
+    """
     uneven, even = obs.runs
-    measured, by_blocks = _heavy_ratio(obs)
     return [
-        check(
-            f"split {_label(uneven.split)}: F+B of the stage with the most blocks over the others' (each alone), "
-            f"at most the blocks' {by_blocks:g}x",
-            by_blocks,
-            measured,
-            kind="timing",
-            relation="<=",
-            basis="claim tested here: every device runs the widest stage's program (the argument bytes), so a light "
-            "stage's tick pays part of the widest one's and the heavy stage's tick stays below the blocks' ratio; "
-            "each stage timed alone, so the host's sharing of cores does not enter. Whether it follows the blocks "
-            "at all is not stable on this host (1.1x to 1.75x in successive runs for 2x the blocks)",
-        ),
         check(
             f"GPipe step, split {_label(uneven.split)} over split {_label(even.split)} (at least)",
             1.0,
@@ -561,14 +554,19 @@ def _summary(obs: Observations, config: Config) -> str:
         f"the simulator predicts GPipe at {up['gpipe']['simulated_s'] * 1e3:.0f} ms from the measured stage times "
         f"against {ep['gpipe']['simulated_s'] * 1e3:.0f} ms after moving blocks to {e}; measured here "
         f"{rr.timing(f'{u} gpipe').median * 1e3:.0f} ms against {rr.timing(f'{e} gpipe').median * 1e3:.0f} ms "
-        f"({_step_ratio(obs):.2f}x; 1F1B {_step_ratio(obs, '1f1b'):.2f}x). On this target a stage's tick does not "
-        f"follow its blocks: the stage with {by_blocks:g}x the blocks took {_times_text(measured)} the others' time, "
-        "since every device holds and loops over the widest stage's blocks (XLA's argument bytes show the padding)."
+        f"({_step_ratio(obs):.2f}x; 1F1B {_step_ratio(obs, '1f1b'):.2f}x). Every device holds the widest stage's "
+        "blocks (XLA's argument bytes show the padding), and a stage's tick alone does not follow its blocks "
+        f"reliably here: the stage with {by_blocks:g}x the blocks took {_times_text(measured)} the others' time "
+        "(not judged: that ratio moves with the host's load)."
     )
 
 
 def _times_text(ratio: float | str) -> str:
-    return f"{ratio:.2f}x" if isinstance(ratio, float) else ratio
+    return (
+        f"{ratio:.2f}x"
+        if isinstance(ratio, float)
+        else "an unresolved multiple of (its grids no slower than the empty step)"
+    )
 
 
 def _notes(obs: Observations) -> list[str]:

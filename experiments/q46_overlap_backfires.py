@@ -18,8 +18,9 @@ target and predicted for a TPU slice next to its model:
    the block's product only when the product takes longer; narrow matrices are
    communication-bound, and the ring's N-1 one-way transfers then cost more
    than the plain all-gather. Shown on the TPU compiler's schedule across
-   widths (what it overlaps, read from the HLO; what that is priced at) and
-   measured on this target.
+   widths (what it overlaps, read from the HLO; what that is priced at). This
+   target runs every collective synchronously, so its clock cannot show it
+   (the #45 page times the ring against the plain program here).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from lab.devices import DEFAULT_TARGET, devices_for
 from lab.hardware import profile
 from lab.mesh import MeshSpec
 from lab.model import preset
-from lab.parallel import bucketing, collective_matmul
+from lab.parallel import bucketing
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
@@ -51,7 +52,6 @@ COMBINER_OPERANDS = 256  # XLA:CPU's all-reduce combiner: no byte threshold, up 
 TPU_M, TPU_K = 8192, 4096  # the TPU collective matmul's M and K (bf16); F is swept
 PLAIN, RING = "all-gather then matmul", "ring all-gather matmul"
 REDUCTIONS = ("per-tensor psums", "tiny buckets", "baseline buckets", "one bucket")
-NO_OVERLAP_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,6 @@ class Config:
     """the bucket the tiny one is compared with (a few all-reduces, each packing a cache-sized piece)"""
     repeats: int = 7
     """timed rounds, after warm-up (the median is reported)"""
-    narrow_shape: tuple[int, int, int] = (512, 512, 512)
-    """M, K, F of a collective matmul too small to hide its transfers, on this target"""
     tpu_topology: str = "v5e:2x4"
     """TPU slice for the schedules and the predictions (compile-only); empty to skip"""
     tpu_widths: tuple[int, ...] = (4096, 65536)
@@ -110,7 +108,6 @@ class Observations:
     reductions: tuple[Reduction, ...]
     chain: Timing  # CHAIN dependent one-element all-reduces
     single: Timing  # one one-element all-reduce of CHAIN elements
-    narrow: dict[str, Timing]  # the narrow collective matmul on this target, by variant
     widths: tuple[Width, ...] = ()
     tpu_chip: str = ""
     tpu_chips: int = 0
@@ -150,21 +147,11 @@ def measure(config: Config) -> Observations:
         reductions=tuple(Reduction(name, sizes[name], *found[name], timings[name]) for name in REDUCTIONS),
         chain=timings["chain"],
         single=timings["single"],
-        narrow=_narrow_matmul(devices, config.narrow_shape, config.repeats),
         widths=_tpu_widths(tpu, config.tpu_widths) if isinstance(tpu, kit.TpuChips) else (),
         tpu_chip=tpu.chip.name if isinstance(tpu, kit.TpuChips) else "",
         tpu_chips=len(tpu) if isinstance(tpu, kit.TpuChips) else 0,
         tpu_unavailable=tpu if isinstance(tpu, kit.Unavailable) else None,
     )
-
-
-def _narrow_matmul(devices, shape, repeats: int) -> dict[str, Timing]:
-    mesh = MeshSpec(tensor=len(devices)).build(devices)
-    calls = {}
-    for name in (PLAIN, RING):
-        program = collective_matmul.build_matmul(name, mesh, "tensor", shape)
-        calls[name] = (program.fn.lower(*program.abstract_inputs()).compile(), program.example_inputs())
-    return time_interleaved(calls, repeats=repeats)
 
 
 def _tpu_widths(tpu: kit.TpuChips, widths) -> tuple[Width, ...]:
@@ -186,7 +173,7 @@ def judge(obs: Observations, config: Config) -> Result:
     return Result(
         summary=_summary(obs, config),
         theory=THEORY,
-        tables=[_bucket_table(obs, config), _narrow_table(obs), *_tpu_tables(obs, config)],
+        tables=[_bucket_table(obs, config), *_tpu_tables(obs, config)],
         checks=checks,
         claims=_claims(obs, config),
         plots={"backfires": partial(_plot, obs, config)},
@@ -272,19 +259,6 @@ def _bucket_checks(obs: Observations, config: Config) -> list[Check]:
             2 * g,
             by["one bucket"].temp_bytes,
             kind="exact",
-        )
-    )
-    plain, ring = obs.narrow[PLAIN].median, obs.narrow[RING].median
-    checks.append(
-        check(
-            "this target, narrow matmul: ring / plain time (synchronous collectives: nothing to gain)",
-            1.0,
-            ring / plain,
-            kind="timing",
-            relation=">=",
-            rtol=NO_OVERLAP_MARGIN,
-            basis="claim here: no collective is asynchronous on XLA:CPU, so the ring's N-1 permutes cannot beat one "
-            "all-gather; medians of interleaved rounds, 10% margin for the clock's noise (committed runs read 2.0)",
         )
     )
     return checks
@@ -380,15 +354,6 @@ def _bucket_table(obs: Observations, config: Config) -> Table:
     )
 
 
-def _narrow_table(obs: Observations) -> Table:
-    plain = obs.narrow[PLAIN].median
-    return Table(
-        "A collective matmul too small to hide anything, on this target",
-        ["variant", "time (median [min, max])", "vs plain"],
-        [[name, str(t), f"{t.median / plain:.2f}x"] for name, t in obs.narrow.items()],
-    )
-
-
 def _tpu_bucket_steps(obs: Observations, config: Config) -> tuple[float, float, dict]:
     """The tiny bucket against DDP's default and one bucket, for the `tpu_model` preset on the slice (overlapped)."""
     chip, model = profile(obs.tpu_chip), preset(config.tpu_model)
@@ -473,9 +438,7 @@ def _summary(obs: Observations, config: Config) -> str:
         f"{format_bytes(base.bucket_bytes)} buckets, each costing about {alpha_s(obs) * 1e6:.0f} µs on its own on "
         f"this target: Δn·α_AR = {predicted * 1e3:.1f} ms predicted, {measured * 1e3:.1f} ms measured "
         f"({tiny.time.median / base.time.median:.2f}x the time). One bucket of everything needed "
-        f"{format_bytes(one.temp_bytes)} of temporary memory, exactly its packed copy and its sum (2G). A collective "
-        f"matmul too small to hide its transfers took {obs.narrow[RING].median / obs.narrow[PLAIN].median:.2f}x the "
-        "plain program here, where nothing overlaps."
+        f"{format_bytes(one.temp_bytes)} of temporary memory, exactly its packed copy and its sum (2G)."
     )
     if len(obs.widths) >= 2:
         narrow, wide = obs.widths[0], obs.widths[-1]
@@ -517,13 +480,13 @@ def _notes(obs: Observations, config: Config) -> list[str]:
                 "itself, wherever it runs, and the FLOPs under a transfer are the same (N-1)/N."
             )
         notes.append(
-            "The ring holds no gathered copy of X, so it needs less temporary memory than the plain program at every "
-            "width here ("
+            "The ring holds no gathered copy of X: its temporary memory against the plain program's ("
             + ", ".join(
                 f"F={w.F}: {format_bytes(w.ring.temp_bytes)} against {format_bytes(w.plain.temp_bytes)}"
                 for w in obs.widths
             )
-            + "): the buffer cost of overlap shows up in bucketing, not here."
+            + "). Collective matmul is an overlap that saves memory; the buffer cost of overlap shows up in "
+            "bucketing, not here."
         )
     return notes
 
