@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from matplotlib.figure import Figure
@@ -113,7 +113,8 @@ class Goal:
 @dataclass(frozen=True)
 class Observations:
     setup: Setup
-    compiled: tuple[Compiled, ...]
+    compiled: tuple[Compiled, ...]  # each strategy on the config's target
+    tpu: tuple[Compiled, ...] = ()  # each strategy compiled for the TPU topology
     goal: Goal | None = None
     tpu_unavailable: kit.Unavailable | None = None
 
@@ -134,22 +135,26 @@ def measure(config: Config) -> Observations:
     if timed:
         start = _host_state(trainers["ddp"])  # every strategy starts from the same weights: one initializer compiled
         compiled = [
-            _with_step(
-                c, trainers[c.strategy].time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start)
+            replace(
+                c,
+                step=trainers[c.strategy].time_step(config.global_batch, repeats=config.repeats, warmup=1, start=start),
             )
             for c in track(compiled, "step time per strategy")
         ]
         goal = _goal(config, devices)
     chips = kit.tpu_chips(config.tpu_topology) if timed else None
+    tpu = []
     if isinstance(chips, kit.TpuChips):
-        tpu = [_trainer(model, s, chips.devices, config.precision) for s in STRATEGIES]
-        compiled += [
-            _compile(t, config.global_batch, chips.target, gradients=False)
-            for t in track(tpu, f"compile every strategy for {chips.target}")
+        tpu = [
+            _compile(
+                _trainer(model, s, chips.devices, config.precision), config.global_batch, chips.target, gradients=False
+            )
+            for s in track(STRATEGIES, f"compile every strategy for {chips.target}")
         ]
     return Observations(
         setup=Setup.of(config.target, devices, f"fsdp={len(devices)}"),
         compiled=tuple(compiled),
+        tpu=tuple(tpu),
         goal=goal,
         tpu_unavailable=chips if isinstance(chips, kit.Unavailable) else None,
     )
@@ -177,20 +182,6 @@ def _compile(trainer: Trainer, global_batch: int, target: str, *, gradients: boo
         collectives=tuple(Wire(kit.Seen.of(c), tuple(c.operand_shapes)) for c in step.collectives if c.axes),
         gradients_memory=None if grads is None else {k: int(v) for k, v in grads.memory.items()},
         gradients_outputs=outputs,
-    )
-
-
-def _with_step(c: Compiled, step: Timing) -> Compiled:
-    return Compiled(
-        c.strategy,
-        c.target,
-        c.devices,
-        c.memory,
-        c.parameters,
-        c.collectives,
-        c.gradients_memory,
-        c.gradients_outputs,
-        step,
     )
 
 
@@ -360,12 +351,11 @@ def _declared(p: Parameter) -> int:
 
 def judge(obs: Observations, config: Config) -> Result:
     model = preset(config.model)
-    everything = list(obs.compiled)
+    everything = [*obs.compiled, *obs.tpu]
     expected = {(c.target, c.strategy): _expected(c.strategy, model, c.devices, config.precision) for c in everything}
     checks = [c for m in everything for c in _checks(m, expected[m.target, m.strategy], model, config)]
     checks += _ratio_checks(everything, expected, model.layers)
-    main = [c for c in everything if c.target == config.target]
-    tpu = [c for c in everything if c.target != config.target]
+    main, tpu = list(obs.compiled), list(obs.tpu)
     return Result(
         summary=_summary(main, tpu, expected, obs.goal, model),
         theory=THEORY,
@@ -695,10 +685,12 @@ def _rows(m: Compiled, layers: int) -> dict[tuple, list]:
 
 
 def _step_bytes(m: Compiled) -> int:
-    """All the step holds at once: XLA:CPU reports buffers (its peak: arguments only), the TPU compiler a peak."""
+    """All the step holds at once: the TPU compiler reports its peak; XLA:CPU's peak counts the arguments only, so
+    there it is the buffers: arguments, temporaries and outputs not aliased to an argument."""
     memory = m.memory
-    buffers = memory["argument_size"] + memory["temp_size"] + memory["output_size"] - memory["alias_size"]
-    return max(buffers, memory.get("peak_memory", 0))
+    if m.target.startswith("tpu") and memory.get("peak_memory"):
+        return memory["peak_memory"]
+    return memory["argument_size"] + memory["temp_size"] + memory["output_size"] - memory["alias_size"]
 
 
 def _kinds(moved: dict[str, float]) -> str:

@@ -88,7 +88,10 @@ class Point:
 class Observations:
     setup: Setup
     devices: int
-    points: tuple[Point, ...]
+    points: dict[str, tuple[Point, ...]]  # remat policy -> its configurations, in micro-batch order
+
+    def all_points(self) -> list[Point]:
+        return [p for points in self.points.values() for p in points]
 
 
 # --------------------------------------------------------------------------- measure
@@ -103,7 +106,9 @@ def measure(config: Config) -> Observations:
     if config.offload and _has_host_memory(devices):
         grid.append(("offload", 1))
     start = _host_state(model, config, mesh) if timed else None
-    points = tuple(_point(model, config, mesh, remat, m, start) for remat, m in track(grid, "remat x micro-batches"))
+    points: dict[str, tuple[Point, ...]] = {}
+    for remat, m in track(grid, "remat x micro-batches"):
+        points[remat] = (*points.get(remat, ()), _point(model, config, mesh, remat, m, start))
     return Observations(
         setup=Setup.of(config.target, devices, f"fsdp={len(devices)}"), devices=len(devices), points=points
     )
@@ -142,7 +147,7 @@ def _point(model: ModelConfig, config: Config, mesh, remat: str, micro: int, sta
 
 def judge(obs: Observations, config: Config) -> Result:
     model = preset(config.model)
-    points = list(obs.points)
+    points = obs.all_points()
     timed = any(p.step is not None for p in points)
     checks = _checks(points, model, config, obs.devices)
     return Result(

@@ -112,3 +112,29 @@ def test_unknown_style_and_busy_axes_are_refused(devices, mesh):
         TensorParallel(MODEL, mesh, style="gspmd")
     with pytest.raises(LabError, match="fsdp=2; set it to 1"):
         TensorParallel(MODEL, MeshSpec.parse("fsdp=2,tensor=4").build(devices))
+
+
+def test_saved_activations_list_the_residuals_and_the_weights_they_include(devices):
+    """The residuals of one block's backward: each array's bytes plus an 8-byte pointer each is XLA's output size,
+    the block's weights among them; sequence parallelism splits what tensor parallelism alone keeps whole."""
+    import math
+
+    import jax.numpy as jnp
+
+    kept = {}
+    for sequence_parallel in (False, True):
+        tp = TensorParallel(MODEL, MeshSpec.parse("tensor=4").build(devices[:4]), sequence_parallel)
+        saved = tp.saved_activations(2)
+        arrays = sum(math.prod(shape) * jnp.dtype(dtype).itemsize for dtype, shape in saved.residuals)
+        assert saved.output_bytes == arrays + 8 * len(saved.residuals)
+        assert saved.weight_bytes == sum(  # one block's weights, each split 4 ways but the two norm scales, in bf16
+            2 * n
+            for n in (
+                4 * MODEL.embed * MODEL.heads * MODEL.head_dim // 4,
+                2 * MODEL.embed * MODEL.mlp // 4,
+                2 * MODEL.embed,
+            )
+        )
+        assert tp.saved_activation_bytes(2) == saved.output_bytes - saved.weight_bytes
+        kept[sequence_parallel] = saved.output_bytes - saved.weight_bytes
+    assert kept[True] < kept[False]
