@@ -111,14 +111,14 @@ class Layout:
     mesh: str
     losses: tuple[float, ...]  # per step
     tokens_per_s: tuple[float, ...]  # per timed step (after the warm-up)
-    totals: tuple[hlo.CollectiveTotal, ...]  # per kind and mesh axes: count per step and S summed
-    all_reduces: tuple[AllReduce, ...]
+    totals: dict[str, hlo.CollectiveTotal]  # "all-gather over fsdp" -> count per step and S summed
+    all_reduces: dict[str, AllReduce]  # by HLO instruction name
 
 
 @dataclass(frozen=True)
 class Observations:
     setup: Setup
-    layouts: tuple[Layout, ...]  # each model's 1-device control (mesh "data=1") first
+    layouts: dict[str, Layout]  # "tiny fsdp=8" -> its run; each model's 1-device control (mesh "data=1") first
 
 
 # --------------------------------------------------------------------------- measure
@@ -129,7 +129,10 @@ def measure(config: Config) -> Observations:
     runs = [(config.dense_model, CONTROL)] + [(config.dense_model, m) for m in config.dense_layouts]
     runs += [(config.moe_model, CONTROL)] + [(config.moe_model, m) for m in config.moe_layouts]
     with tempfile.TemporaryDirectory() as scratch:
-        layouts = tuple(_train(config, model, mesh, devices, Path(scratch)) for model, mesh in track(runs, "layouts"))
+        layouts = {
+            f"{model} {mesh}": _train(config, model, mesh, devices, Path(scratch))
+            for model, mesh in track(runs, "layouts")
+        }
     return Observations(Setup.of(config.target, devices, ", ".join(m for _, m in runs)), layouts)
 
 
@@ -148,17 +151,17 @@ def _train(config: Config, model: str, mesh: str, devices, scratch: Path) -> Lay
     chosen = devices[:1] if mesh == CONTROL else devices
     log = training_run.run(run_config, chosen)
     collectives = training_run.trainer_for(run_config, chosen).inspect_step(config.global_batch).collectives
-    all_reduces = tuple(
-        AllReduce(c.axes, len(c.operand_shapes), c.size_bytes, c.repeats, c.op_name or "")
+    all_reduces = {
+        c.name: AllReduce(c.axes, len(c.operand_shapes), c.size_bytes, c.repeats, c.op_name or "")
         for c in collectives
         if c.kind == "all-reduce"
-    )
+    }
     return Layout(
         model,
         mesh,
         tuple(float(x) for x in log.losses),
         tuple(float(s.tokens_per_s) for s in log.timed_steps),
-        hlo.summarize(collectives),
+        {f"{t.kind} over {','.join(t.axes or ('?',))}": t for t in hlo.summarize(collectives)},
         all_reduces,
     )
 
@@ -171,7 +174,7 @@ def _micro_batches(config: Config, mesh: str) -> int:
 
 
 def judge(obs: Observations, config: Config) -> Result:
-    layouts = obs.layouts
+    layouts = tuple(obs.layouts.values())
     checks = [c for m in layouts if m.mesh != CONTROL for c in _checks(config, m, _control(layouts, m.model))]
     return Result(
         summary=_summary(config, layouts),
@@ -219,7 +222,7 @@ def _parity(m: Layout, control: Layout) -> float:
 
 def _has(m: Layout, kind: str, axis: str) -> str:
     """Whether the step holds a `kind` over `axis` alone (one over several axes, the other's included, is not it)."""
-    return "yes" if any(t.kind == kind and t.axes == (axis,) for t in m.totals) else "no"
+    return "yes" if any(t.kind == kind and t.axes == (axis,) for t in m.totals.values()) else "no"
 
 
 def _sizes(m: Layout) -> dict[str, int]:
@@ -280,7 +283,7 @@ def _activation_bytes(config: Config, m: Layout, sizes: dict[str, int]) -> int:
 def _pipeline_checks(config: Config, m: Layout, sizes: dict[str, int]) -> list[Check]:
     """GPipe as one SPMD loop: M + P - 1 ticks, each shifting one activation down the pipe, and its transpose back."""
     stages, micro_batches = sizes["stage"], _micro_batches(config, m.mesh)
-    permutes = next((t for t in m.totals if t.kind == "collective-permute" and t.axes == ("stage",)), None)
+    permutes = next((t for t in m.totals.values() if t.kind == "collective-permute" and t.axes == ("stage",)), None)
     ticks = micro_batches + stages - 1
     label = f"{m.model} on {m.mesh}, M={micro_batches}"
     return [
@@ -301,7 +304,7 @@ def _pipeline_checks(config: Config, m: Layout, sizes: dict[str, int]) -> list[C
 
 def _activation_all_reduces(m: Layout) -> tuple[AllReduce, ...]:
     """The all-reduces over tensor that carry activations: all but the optimizer's (the gradient norm)."""
-    return tuple(a for a in m.all_reduces if a.axes == ("tensor",) and "optimizer" not in a.op_name)
+    return tuple(a for a in m.all_reduces.values() if a.axes == ("tensor",) and "optimizer" not in a.op_name)
 
 
 def _tp_counts(m: Layout) -> tuple[int, int, int, int]:
@@ -358,7 +361,7 @@ def _megatron_checks(config: Config, m: Layout, sizes: dict[str, int]) -> list[C
 def _fsdp_against_tp(m: Layout) -> tuple[int, int, int, int]:
     """(FSDP collectives, their bytes, TP activation all-reduces, their bytes) per step: all-gathers and
     reduce-scatters over fsdp alone, the tensor all-reduces that carry activations."""
-    fsdp = [t for t in m.totals if t.axes == ("fsdp",) and t.kind in ("all-gather", "reduce-scatter")]
+    fsdp = [t for t in m.totals.values() if t.axes == ("fsdp",) and t.kind in ("all-gather", "reduce-scatter")]
     instructions, _, tp_bytes, _ = _tp_counts(m)
     return sum(t.count for t in fsdp), sum(t.total_bytes for t in fsdp), instructions, tp_bytes
 
@@ -415,7 +418,7 @@ def _collectives(m: Layout) -> str:
     return (
         "; ".join(
             f"{t.kind} over {','.join(t.axes) if t.axes else '-'} x{t.count} ({format_bytes(t.total_bytes)})"
-            for t in m.totals
+            for t in m.totals.values()
         )
         or "none"
     )
