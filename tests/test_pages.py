@@ -13,7 +13,9 @@ pages written elsewhere):
   (a number x1.5 or x0.5, a count +1 or -1, a string or a flag changed, a
   series scaled whole) turns it to "differs". A check no perturbation can move
   reads nothing this run observed: its two sides come from the same code, and
-  it belongs in tests/. Long sequences of records are perturbed at their ends.
+  it belongs in tests/. A field is first perturbed in every record at
+  once; then each leaf alone (of a sequence of more than 8 records, the first
+  and last two).
 """
 
 from __future__ import annotations
@@ -112,6 +114,16 @@ def _mutations(observations):
     for path, value in _leaves(observations):
         if isinstance(value, str):
             alternatives.setdefault(_key(path), set()).add(value)
+    by_field: dict[tuple, list] = {}  # every record's copy of one field, perturbed together first
+    for path, value in _leaves(observations, limit=None):
+        by_field.setdefault(tuple("*" if isinstance(p, int) else p for p in path), []).append((path, value))
+    for leaves in by_field.values():
+        for variant in range(2):
+            mutated = observations
+            for path, value in leaves:
+                changed = _perturbed(value)
+                mutated = _replaced(mutated, path, changed[min(variant, len(changed) - 1)]) if changed else mutated
+            yield mutated
     for path, value in _leaves(observations):
         others = sorted(alternatives.get(_key(path), set()) - {value}) if isinstance(value, str) else []
         for changed in [*others[:2], *_perturbed(value)]:
@@ -123,21 +135,21 @@ def _key(path) -> str:
     return next((part for part in reversed(path) if isinstance(part, str)), "")
 
 
-def _leaves(node, path=()):
+def _leaves(node, path=(), limit=8):
     if dataclasses.is_dataclass(node):
         for f in dataclasses.fields(node):
-            yield from _leaves(getattr(node, f.name), (*path, f.name))
+            yield from _leaves(getattr(node, f.name), (*path, f.name), limit)
     elif isinstance(node, dict):
         for key, value in node.items():
-            yield from _leaves(value, (*path, key))
+            yield from _leaves(value, (*path, key), limit)
     elif isinstance(node, tuple | list):
         if node and all(_number(v) for v in node):
             yield path, node  # a series: perturbed whole, and each of a short one alone
             if len(node) > 8:
                 return
-        ends = range(len(node)) if len(node) <= 8 else (0, 1, len(node) - 2, len(node) - 1)
+        ends = range(len(node)) if limit is None or len(node) <= limit else (0, 1, len(node) - 2, len(node) - 1)
         for index in ends:  # a long sequence of records: its first and last ones stand for the rest
-            yield from _leaves(node[index], (*path, index))
+            yield from _leaves(node[index], (*path, index), limit)
     elif node is not None:
         yield path, node
 

@@ -140,6 +140,9 @@ def _truncate(path):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
+# orbax's failed read of a damaged file leaves a coroutine that is collected after its event loop closed: noise
+# from the library's clean-up, after the lab has already fallen back (what the test checks)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", [_flip, _truncate, lambda path: path.unlink()], ids=["flip", "truncate", "delete"])
 def test_a_damaged_latest_step_is_skipped_for_the_intact_one_which_is_never_deleted(devices, tmp_path, damage):
     mesh = MeshSpec.parse("fsdp=8").build(devices)
