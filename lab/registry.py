@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
 import dacite
 
+from lab import inputs
 from lab.errors import LabError
 from lab.provenance import Setup, code_hash, provenance
 from lab.report import Result
@@ -67,6 +68,7 @@ class Experiment:
     def run(self, config=None) -> Result:
         """Measure on the config's target, then judge."""
         config = config if config is not None else self.module.Config()
+        _check_options(config)
         observations = self.module.measure(config)
         setup: Setup = observations.setup
         where = provenance(target=setup.target, devices=setup.devices, mesh=setup.mesh, module=self.module.__name__)
@@ -105,6 +107,22 @@ class Experiment:
         """The page rebuilt from what `folder`/result.json observed, with today's theory and judge."""
         observations, config, where = self.stored(folder)
         return self.judge(observations, config, where)
+
+
+_MAY_BE_ZERO = ("seed", "prefetch")  # counts where 0 means something (the first seed, no prefetching)
+
+
+def _check_options(config) -> None:
+    """Every count an experiment takes is at least 1 (0 where 0 means something); every number is finite."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        option = f"--{f.name.replace('_', '-')}"
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            inputs.number(option, value, low=0 if f.name in _MAY_BE_ZERO else 1)
+        elif isinstance(value, float):
+            inputs.number(option, value, low=0)
 
 
 @functools.cache

@@ -52,6 +52,9 @@ CASES = [
     (["train", "--name", ""], "--name ''"),
     (["train", "--name", "../../x"], "plain folder name"),
     (["train", "--target", "tpu:v5e:2x2"], "compile-only"),
+    (["run", "collectives", "--repeats", "0"], "--repeats 0: must be at least 1"),
+    (["run", "ring_allreduce", "--group-sizes", "16"], "no ring size in [16] fits on 8 devices"),
+    (["run", "stage_imbalance", "--repeats", "-2"], "--repeats -2: must be at least 1"),
 ]
 
 
