@@ -15,10 +15,6 @@ the ``lab.experiments`` entry point, which is how the command line finds them
 from __future__ import annotations
 
 import importlib
-
-import matplotlib
-
-matplotlib.use("Agg")  # pages are files: no display, for every experiment, before any imports pyplot
 import pkgutil
 
 from lab.registry import Experiment, get
