@@ -25,6 +25,8 @@ from lab.doctor.checks import Finding as Finding
 from lab.doctor.diagnosis import Diagnosis as Diagnosis
 from lab.doctor.diagnosis import diagnose as diagnose
 from lab.errors import LabError as LabError
+from lab.explanation import Explanation as Explanation
+from lab.explanation import explain as explain
 from lab.hardware import ChipProfile as ChipProfile
 from lab.hardware import profile as profile
 from lab.hlo import Collective as Collective

@@ -1,0 +1,417 @@
+"""Explain a compiled program's communication: every collective, where it came from, why, and what it costs.
+
+One report for three ways in: a function and its arguments (`explain`, the
+notebook API, and ``lab inspect --fn``), an executable already compiled, or
+the optimized HLO text of a dump (``lab inspect --dump`` / ``--hlo``). For
+every collective XLA wrote it gives
+
+* what it is: kind, mesh axes (from its replica groups), dtype, bytes per
+  device (S, the nccl-tests size), how many times a step runs it (loop trip
+  counts), whether the schedule runs it asynchronously;
+* where it is: the line of the user's code and the JAX op name
+  (`lab.hlo.sources`), and the link it crosses on the target's machine
+  (`lab.topology`: ICI or DCN on TPUs, NVLink or InfiniBand on GPUs, the host
+  for emulated CPU devices) with the lab's predicted time on that link;
+* why it is there (`lab.hlo.attribution`): the parameter it gathers, the
+  gradient it reduces, the input it reshards, the activations it moves; the
+  ones nothing explains come first, as surprises, each with a hint.
+
+Totals per axis and kind, memory per device and (on TPU and GPU targets) the
+roofline close it. An `Explanation` renders as rich tables in a terminal, as
+HTML in Jupyter, and as one JSON object (`to_json`) for scripts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from lab.errors import LabError
+from lab.hardware import ChipProfile, profile_for_device_kind
+from lab.hlo import Collective, Inspection, Skipped, inspect, parse_collectives
+from lab.hlo.attribution import Input, Origin, attribute, entry_inputs
+from lab.hlo.sources import Frame, source_of, stack_frames
+from lab.hlo.text import computations, module_name, parse_instruction
+from lab.mesh import AXES, axes_of_groups
+from lab.roofline import Roofline, roofline
+from lab.topology import placement, predict
+from lab.units import format_bytes
+
+_HINT = (
+    "pin the layout you want at {where}: jax.lax.with_sharding_constraint on the value, or out_sharding= on the op "
+    "that makes it"
+)
+
+
+@dataclass(frozen=True)
+class Explained:
+    """One collective, explained."""
+
+    collective: Collective
+    origin: Origin
+    source: Frame | None
+    link: str | None  # "ici", "dcn", "nvlink", "infiniband", "host", ...; None when the machine is unknown
+    where: str | None  # the placement in words ("ICI x:4 ring")
+    predicted_s: float | None  # per run, on the target's chip profile
+
+    @property
+    def count(self) -> int | None:
+        return self.collective.repeats
+
+    @property
+    def hint(self) -> str | None:
+        if self.origin.kind != "surprise":
+            return None
+        return _HINT.format(where=self.source or self.collective.op_name or self.collective.name)
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.collective
+        return {
+            "kind": c.kind,
+            "name": c.name,
+            "axes": list(c.axes) if c.axes is not None else None,
+            "dtype": ",".join(c.dtypes),
+            "size_bytes": c.size_bytes,
+            "count": c.repeats,
+            "groups": [list(g) for g in c.replica_groups],
+            "source": str(self.source) if self.source else None,
+            "op_name": c.op_name,
+            "origin": {"kind": self.origin.kind, "name": self.origin.name, "why": self.origin.why},
+            "async": c.is_async,
+            "link": self.link,
+            "where": self.where,
+            "predicted_s": self.predicted_s,
+            "hint": self.hint,
+        }
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """A compiled program's collectives, explained, with totals, memory and roofline."""
+
+    module: str
+    target: str
+    mesh: dict[str, int] | None
+    collectives: tuple[Explained, ...]  # surprises first, then by bytes moved per step
+    skipped: tuple[Skipped, ...]
+    inputs: tuple[Input, ...]
+    memory: dict[str, int]  # bytes per device
+    roofline: Roofline | None
+
+    @property
+    def surprises(self) -> tuple[Explained, ...]:
+        return tuple(e for e in self.collectives if e.origin.kind == "surprise")
+
+    def totals(self) -> list[dict[str, Any]]:
+        """Per (axes, kind): collectives, runs per step, bytes per step (S x runs), predicted seconds per step."""
+        grouped: dict[tuple, list[Explained]] = defaultdict(list)
+        for e in self.collectives:
+            grouped[
+                tuple(e.collective.axes or ()) if e.collective.axes is not None else None, e.collective.kind
+            ].append(e)
+        rows = []
+        for (axes, kind), members in grouped.items():
+            runs = [e.count or 1 for e in members]
+            predicted = [e.predicted_s for e in members]
+            rows.append(
+                {
+                    "axes": list(axes) if axes is not None else None,
+                    "kind": kind,
+                    "collectives": len(members),
+                    "runs": sum(runs),
+                    "bytes": sum(e.collective.size_bytes * r for e, r in zip(members, runs)),
+                    "predicted_s": None
+                    if any(p is None for p in predicted)
+                    else sum(p * r for p, r in zip(predicted, runs)),
+                }
+            )
+        return sorted(rows, key=lambda r: -r["bytes"])
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "module": self.module,
+            "target": self.target,
+            "mesh": self.mesh,
+            "collectives": [e.to_json() for e in self.collectives],
+            "surprises": len(self.surprises),
+            "totals": self.totals(),
+            "skipped": [{"line": s.line_number, "reason": s.reason} for s in self.skipped],
+            "inputs": [
+                {
+                    "name": i.name,
+                    "shape": list(i.global_shape),
+                    "per_device": list(i.local_shape),
+                    "sharding": i.sharding,
+                }
+                for i in self.inputs
+            ],
+            "memory": self.memory,
+            "roofline": _roofline_json(self.roofline),
+        }
+
+    # ----------------------------------------------------------------------- views
+
+    def __rich__(self) -> Group:
+        return Group(*self._renderables())
+
+    def _repr_html_(self) -> str:
+        console = Console(record=True, width=160, file=_Discard())
+        console.print(self)
+        return console.export_html(inline_styles=True)
+
+    def _renderables(self) -> list:
+        mesh = ",".join(f"{a}={s}" for a, s in (self.mesh or {}).items() if s > 1) or "no mesh given"
+        parts: list = [Text(f"{self.module} on {self.target} ({mesh})", style="bold")]
+        if self.surprises:
+            parts.append(Text(f"{len(self.surprises)} surprise(s): collectives nothing in the program declares", "red"))
+        parts.append(self._collectives_table())
+        parts.append(self._totals_table())
+        if self.skipped:
+            first = self.skipped[0]
+            parts.append(Text(f"{len(self.skipped)} line(s) skipped, e.g. line {first.line_number}: {first.reason}"))
+        parts.append(Text(_memory_line(self.memory)))
+        parts.append(Text(_roofline_line(self.roofline)))
+        return parts
+
+    def _collectives_table(self) -> Table:
+        table = Table(title="collectives, surprises first", show_lines=False)
+        for column in ("kind", "axes", "dtype", "S/device", "runs", "async", "link", "predicted", "source", "why"):
+            table.add_column(column, overflow="fold")
+        for e in self.collectives:
+            c = e.collective
+            style = "red" if e.origin.kind == "surprise" else None
+            why = f"{e.origin}: {e.origin.why}" + (f". Hint: {e.hint}" if e.hint else "")
+            table.add_row(
+                c.kind,
+                "?" if c.axes is None else ",".join(c.axes) or "-",
+                ",".join(c.dtypes),
+                format_bytes(c.size_bytes),
+                "?" if c.repeats is None else str(c.repeats),
+                "yes" if c.is_async else "",
+                e.link or "?",
+                _seconds(e.predicted_s),
+                _short_source(e.source, c.op_name),
+                why,
+                style=style,
+            )
+        return table
+
+    def _totals_table(self) -> Table:
+        table = Table(title="per axis and kind, per step")
+        for column in ("axes", "kind", "collectives", "runs", "bytes", "predicted"):
+            table.add_column(column, justify="left" if column in ("axes", "kind") else "right")
+        for row in self.totals():
+            table.add_row(
+                "?" if row["axes"] is None else ",".join(row["axes"]) or "-",
+                row["kind"],
+                str(row["collectives"]),
+                str(row["runs"]),
+                format_bytes(row["bytes"]),
+                _seconds(row["predicted_s"]),
+            )
+        return table
+
+
+# --------------------------------------------------------------------------- building
+
+
+def explain(fn, *args: Any, mesh=None, target: str | None = None, **kwargs: Any) -> Explanation:
+    """Compile ``fn(*args, **kwargs)`` (arrays or ``jax.ShapeDtypeStruct`` with shardings) and explain it."""
+    if not callable(fn):
+        raise LabError(f"explain needs a function, not {type(fn).__name__}")
+    mesh = mesh if mesh is not None else _mesh_of((args, kwargs))
+    found = inspect(fn, *args, mesh=mesh, **kwargs)
+    return explain_inspection(found, mesh, target=target)
+
+
+def explain_inspection(found: Inspection, mesh=None, *, target: str | None = None) -> Explanation:
+    """The explanation of a program already compiled and inspected."""
+    devices = list(mesh.devices.flat) if mesh is not None else []
+    chip = _chip(devices)
+    shown = target or (f"{devices[0].platform}:{len(devices)}" if devices else "?")
+    return explain_text(
+        found.optimized_hlo,
+        found.collectives,
+        found.skipped,
+        mesh_sizes=dict(zip(found.axis_names, found.mesh_shape)) if found.mesh_shape else None,
+        mesh=mesh,
+        chip=chip,
+        memory=found.memory,
+        rooflined=roofline(found, mesh, chip) if chip is not None and found.cost else None,
+        target=shown,
+    )
+
+
+def explain_hlo(
+    hlo_text: str,
+    mesh_shape: Sequence[int] | None = None,
+    *,
+    target: str = "a dump",
+    memory: dict[str, int] | None = None,
+    mesh=None,
+    device_position: dict[int, int] | None = None,
+) -> Explanation:
+    """The explanation of optimized HLO text (a file, a dump), its groups mapped to a mesh of `mesh_shape`.
+
+    `mesh`: the same mesh built on a compile-only target, whose links place the groups; `device_position`: device
+    id -> mesh position, when the module's ids are not in mesh order.
+    """
+    shape = tuple(mesh_shape) if mesh_shape else None
+    collectives, skipped = parse_collectives(hlo_text, None if device_position else shape)
+    if device_position and shape:
+        collectives = tuple(
+            replace(c, axes=axes_of_groups(shape, AXES, [[device_position[d] for d in g] for g in c.replica_groups]))
+            for c in collectives
+        )
+    devices = list(mesh.devices.flat) if mesh is not None else []
+    return explain_text(
+        hlo_text,
+        collectives,
+        skipped,
+        mesh_sizes=dict(zip(AXES, shape)) if shape else None,
+        mesh=mesh,
+        chip=_chip(devices),
+        memory=memory or {},
+        target=target,
+    )
+
+
+def explain_text(
+    hlo_text: str,
+    collectives: Sequence[Collective],
+    skipped: Sequence[Skipped],
+    *,
+    mesh_sizes: dict[str, int] | None,
+    mesh=None,
+    chip: ChipProfile | None = None,
+    memory: dict[str, int],
+    rooflined: Roofline | None = None,
+    target: str,
+) -> Explanation:
+    origins = attribute(hlo_text, collectives)
+    frames = stack_frames(hlo_text)
+    metadata = _metadata(hlo_text, {(c.computation, c.name) for c in collectives})
+    explained = []
+    for c in collectives:
+        link, where, seconds = _placed(c, mesh, chip)
+        source = source_of(metadata.get((c.computation, c.name), {}), frames)
+        explained.append(Explained(c, origins[c.name], source, link, where, seconds))
+    order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
+    explained.sort(key=lambda e: (order[e.origin.kind], -e.collective.size_bytes * (e.count or 1)))
+    return Explanation(
+        module=module_name(hlo_text),
+        target=target,
+        mesh=mesh_sizes,
+        collectives=tuple(explained),
+        skipped=tuple(skipped),
+        inputs=entry_inputs(hlo_text),
+        memory=dict(memory),
+        roofline=rooflined,
+    )
+
+
+def _metadata(hlo_text: str, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, str]]:
+    """The metadata of the instructions that carry the collectives (for their source lines)."""
+    found = {}
+    for computation in computations(hlo_text):
+        for number, line in computation.instruction_lines():
+            instruction = parse_instruction(line, computation.name, number)
+            if instruction is not None and (computation.name, instruction.name) in wanted:
+                found[computation.name, instruction.name] = dict(instruction.metadata)
+    return found
+
+
+def _placed(collective: Collective, mesh, chip: ChipProfile | None) -> tuple[str | None, str | None, float | None]:
+    """The link a collective crosses, the placement in words, and its predicted time per run."""
+    if mesh is None or not collective.axes:
+        return None, None, None
+    if mesh.devices.flat[0].platform == "cpu":
+        return "host", "emulated devices in this process", None
+    where = placement(mesh, collective.axes, chip)
+    cost = predict(collective.kind, collective.size_bytes, where, chip) if chip is not None else None
+    return where.network, str(where), cost.seconds if cost else (0.0 if where.network == "chip" else None)
+
+
+def _chip(devices: list) -> ChipProfile | None:
+    """The chip profile of TPU and GPU devices; none for emulated CPU devices (they share one host)."""
+    if not devices or devices[0].platform == "cpu":
+        return None
+    try:
+        return profile_for_device_kind(devices[0].device_kind)
+    except LabError:
+        return None
+
+
+def _mesh_of(tree):
+    """The mesh of the first argument with a NamedSharding (None: nothing to map groups to)."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+    return None
+
+
+def _roofline_json(r: Roofline | None) -> dict[str, Any] | None:
+    if r is None:
+        return None
+    return {
+        "chip": r.chip,
+        "flops": r.flops,
+        "bytes_accessed": r.bytes_accessed,
+        "compute_s": r.compute_s,
+        "memory_s": r.memory_s,
+        "communication_s": r.communication_s,
+        "bound": r.bound,
+        "overlapped_s": r.overlapped_s,
+        "serial_s": r.serial_s,
+    }
+
+
+def _memory_line(memory: dict[str, int]) -> str:
+    shown = [f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in memory.items() if v]
+    return "memory per device: " + (", ".join(shown) if shown else "not known (no memory analysis for this input)")
+
+
+def _roofline_line(r: Roofline | None) -> str:
+    if r is None:
+        return "roofline: only on TPU and GPU targets (emulated CPU devices share one host; a dump carries no costs)"
+    return (
+        f"roofline on {r.chip}: compute {_seconds(r.compute_s)}, HBM {_seconds(r.memory_s)}, communication "
+        f"{_seconds(r.communication_s)} -> {r.bound}-bound; {_seconds(r.overlapped_s)} if all overlaps, "
+        f"{_seconds(r.serial_s)} if nothing does"
+    )
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if value == 0:
+        return "0"
+    exponent = math.floor(math.log10(abs(value)))
+    return f"{value * 1e6:.1f} us" if exponent < -3 else f"{value * 1e3:.2f} ms" if exponent < 0 else f"{value:.2f} s"
+
+
+def _short_source(source: Frame | None, op_name: str | None) -> str:
+    op = (op_name or "").rsplit("/", 1)[-1]
+    if source is None:
+        return op or "?"
+    return f"{source.file.rsplit('/', 1)[-1]}:{source.line} {op}".strip()
+
+
+class _Discard:
+    """A file that drops what is written (rich records the HTML; nothing goes to the terminal)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass

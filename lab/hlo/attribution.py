@@ -1,0 +1,403 @@
+"""Why each collective is there: follow its data back to the program's inputs, or forward to their update.
+
+The SPMD partitioner inserts a collective where the sharding a value has is
+not the sharding an operation needs. In the optimized HLO the value's history
+is still there, as the instructions that made it. Walking it explains most
+collectives of a training step:
+
+* **parameter**: the operand is an input of the entry computation reached
+  through data movement only (copies, converts, bitcasts, slices, the loop
+  carry of a ``while``, another collective): the gather of a weight sharded
+  over ``fsdp`` (ZeRO-3's all-gather) reads the weight itself;
+* **gradient**: a reduction (all-reduce, reduce-scatter) whose result flows,
+  through elementwise work only, into the update of an input with the same
+  number of elements: the reduction of that weight's gradient over ``data``;
+* **input**: data movement of an input that is not a parameter: its declared
+  sharding differs from the one the computation wants (a reshard);
+* **activation**: a value computed in the step whose shape carries the batch
+  (a dimension equal to the batch of an input that is not a parameter), or a
+  scalar reduced across the batch (the loss): tensor parallelism's all-reduce,
+  MoE's all-to-all, sequence parallelism's gathers;
+* **surprise**: nothing above. These are listed first: a sharding the user did
+  not ask for, a reduction over a sharded dimension of a weight, a layout the
+  partitioner chose; pin the layout at that line with
+  ``jax.lax.with_sharding_constraint`` or an ``out_sharding``.
+
+An input is a *parameter* when a gradient is attributed to it, or when its
+name says so (``params``, ``weight``, ``kernel``, ...); the names are the ones
+JAX writes on the entry computation's parameters (``params['w_up']``).
+Shardy's own record of why a value got its sharding (its
+``debug-sharding-origins`` propagation option) is compiled into jaxlib 0.10
+but reachable neither from JAX's configuration nor from XLA's debug options,
+so this dataflow reading is what the lab uses.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from lab.collectives import KINDS
+from lab.hlo.collectives import Collective
+from lab.hlo.text import Instruction, arrays, base_opcode, computations, parse_instruction
+
+ORIGINS = ("surprise", "parameter", "gradient", "input", "activation")
+
+# data movement: the value is the same numbers, moved, cast or cut
+_MOVES = frozenset(
+    (
+        "bitcast",
+        "bitcast-convert",
+        "broadcast",
+        "collective-permute",
+        "collective-permute-done",
+        "collective-permute-start",
+        "all-gather",
+        "all-gather-done",
+        "all-gather-start",
+        "all-to-all",
+        "convert",
+        "copy",
+        "copy-done",
+        "copy-start",
+        "dynamic-slice",
+        "get-tuple-element",
+        "optimization-barrier",
+        "pad",
+        "reshape",
+        "slice",
+        "transpose",
+        "async-start",
+        "async-done",
+    )
+)
+_NOT_DATA = frozenset(("constant", "iota", "partition-id", "replica-id", "after-all"))
+_PARAMETER_NAME = re.compile(r"param|weight|kernel|bias|scale|embed|\bw_|\['w|lm_head|wq|wk|wv|wo\b", re.IGNORECASE)
+_OPTIMIZER_NAME = re.compile(r"opt|\bmu\b|\bnu\b|mu'|nu'|\.mu|\.nu|moment|count", re.IGNORECASE)
+_REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+@dataclass(frozen=True)
+class Input:
+    """A parameter of the entry computation: one input of the user's function."""
+
+    index: int
+    name: str  # JAX's name for it (params['w_up']), or the HLO name when none was written
+    local_shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    sharding: str  # as XLA wrote it ("" when replicated or unknown)
+
+    @property
+    def elements(self) -> int:
+        return math.prod(self.local_shape)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Why one collective is there."""
+
+    kind: str  # one of ORIGINS
+    name: str | None  # the input it moves or whose gradient it reduces
+    why: str  # the evidence, in words and numbers
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}" if self.name else self.kind
+
+
+@dataclass(frozen=True)
+class _Graph:
+    instructions: dict[tuple[str, str], Instruction]  # (computation, name) -> instruction
+    users: dict[tuple[str, str], list[Instruction]]
+    while_callers: dict[str, tuple[str, Instruction]]  # body computation -> (computation, while instruction)
+    entry: str
+    inputs: dict[int, Input]
+    root: Instruction | None  # the entry computation's ROOT: the step's outputs when it is a tuple
+
+
+def entry_inputs(hlo_text: str) -> tuple[Input, ...]:
+    """The entry computation's parameters, with JAX's names and their global shapes."""
+    return tuple(sorted(_graph(hlo_text).inputs.values(), key=lambda i: i.index))
+
+
+def attribute(hlo_text: str, collectives: Sequence[Collective]) -> dict[str, Origin]:
+    """Collective (by HLO instruction name) -> its `Origin`."""
+    graph = _graph(hlo_text)
+    named = {i.index for i in graph.inputs.values() if _PARAMETER_NAME.search(i.name)}
+    weights = named or set(graph.inputs)  # without names to go by, any input may be a weight
+    members = {c.name: _members(graph, c, weights) for c in collectives}
+    receives_gradient = {m.gradient for ms in members.values() for m in ms if m.gradient is not None}
+    parameters = named | receives_gradient
+    batches = _batch_sizes(graph.inputs.values(), parameters)
+    return {c.name: _origin(c, members[c.name], parameters, batches, graph) for c in collectives}
+
+
+@dataclass(frozen=True)
+class _Member:
+    """One array a collective carries (a combined collective carries several)."""
+
+    shape: tuple[int, ...]
+    moved: int | None  # the entry input it is a moved copy of
+    gradient: int | None  # the input whose update (or returned gradient) it flows into
+
+
+# --------------------------------------------------------------------------- classifying
+
+
+def _origin(
+    collective: Collective, members: list[_Member], parameters: set[int], batches: dict[int, str], graph: _Graph
+) -> Origin:
+    axes = ",".join(collective.axes or ()) or "its groups"
+    kinds = [_member_kind(m, parameters, batches) for m in members]
+    named = [(kind, m) for kind, m in zip(kinds, members) if kind != "scalar"]
+    if not named:
+        return Origin("activation", None, f"a scalar reduced over {axes}: the loss or a statistic of the batch")
+    scalars = len(members) - len(named)
+    also = f" (and {scalars} scalar{'s' * (scalars > 1)}: the loss or its statistics)" if scalars else ""
+    weight = {kind: sum(math.prod(m.shape) for k, m in named if k == kind) for kind in ORIGINS}
+    kind = max(ORIGINS, key=lambda k: weight[k])  # what most of its elements are
+    chosen = [m for k, m in named if k == kind]
+    if kind in ("parameter", "input"):
+        moved = [graph.inputs[i] for i in dict.fromkeys(m.moved for m in chosen)]
+        names = ", ".join(i.name for i in moved)
+        share = _share(collective, moved)
+        if kind == "parameter":
+            return Origin(kind, names, f"moves {names} over {axes}: {share}{also}")
+        declared = moved[0].sharding or "replicated"
+        return Origin(
+            kind,
+            names,
+            f"reshards {names} over {axes} (declared {declared}; the computation wants another layout): {share}{also}",
+        )
+    if kind == "gradient":
+        targets = [graph.inputs[i] for i in dict.fromkeys(m.gradient for m in chosen)]
+        names = ", ".join(i.name for i in targets)
+        elements = sum(i.elements for i in targets)
+        return Origin(
+            kind,
+            names,
+            f"reduces the gradient of {names} over {axes}: the result goes to its update or out of the step, "
+            f"{elements:,} elements per device, the size of the parameter{'s' * (len(targets) > 1)}{also}",
+        )
+    if kind == "activation":
+        size = next(size for size in batches if size > 1 and size in chosen[0].shape)
+        return Origin(
+            kind,
+            None,
+            f"shape {list(chosen[0].shape)} carries the batch ({size} = {batches[size]}): moves activations{also}",
+        )
+    shapes = [list(m.shape) for m in chosen]
+    return Origin(
+        kind,
+        None,
+        f"{'shapes' if len(shapes) > 1 else 'shape'} {', '.join(map(str, shapes))}: neither an input moved, a "
+        "gradient, nor batch-shaped; the partitioner chose a layout here that the program does not declare",
+    )
+
+
+def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str]) -> str:
+    if member.moved is not None:
+        return "parameter" if member.moved in parameters else "input"
+    if math.prod(member.shape) == 1:
+        return "scalar"
+    if any(size > 1 and size in member.shape for size in batches):
+        return "activation"
+    if member.gradient is not None:
+        return "gradient"
+    return "surprise"
+
+
+def _share(collective: Collective, moved: list[Input]) -> str:
+    """How the collective's elements compare with the inputs it moves."""
+    local = sum(i.elements for i in moved)
+    whole = sum(math.prod(i.global_shape) for i in moved)
+    result = sum(math.prod(s) for s in collective.result_shapes)
+    if whole and result == whole:
+        return f"its result is the whole of it ({whole:,} elements)"
+    if local and result == local:
+        return f"as many elements as each device holds ({local:,} of {whole:,})"
+    return f"{result:,} of its {whole:,} elements"
+
+
+def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str]:
+    """Batch sizes of the inputs that are not parameters: dimension 0, global and per device."""
+    found: dict[int, str] = {}
+    for i in inputs:
+        if i.index in parameters or not i.local_shape:
+            continue
+        found.setdefault(i.global_shape[0], f"the batch of {i.name}")
+        found.setdefault(i.local_shape[0], f"the batch of {i.name} per device")
+    return found
+
+
+# --------------------------------------------------------------------------- walking the graph
+
+
+def _graph(hlo_text: str) -> _Graph:
+    instructions, users, whiles, entry, root = {}, defaultdict(list), {}, "", None
+    for computation in computations(hlo_text):
+        entry = computation.name if computation.is_entry else entry
+        for number, line in computation.instruction_lines():
+            instruction = parse_instruction(line, computation.name, number)
+            if instruction is None:
+                continue
+            instructions[computation.name, instruction.name] = instruction
+            if computation.is_entry and instruction.line.lstrip().startswith("ROOT"):
+                root = instruction
+            for operand in instruction.operands:
+                users[computation.name, operand].append(instruction)
+            if instruction.opcode == "while":
+                body = instruction.attr(r"\bbody=%?([\w.\-]+)")
+                if body:
+                    whiles[body] = (computation.name, instruction)
+    inputs = {}
+    for (computation, _), instruction in instructions.items():
+        if computation == entry and instruction.opcode == "parameter":
+            index = _parameter_number(instruction, 0)
+            inputs[index] = _input(instruction, index)
+    return _Graph(instructions, users, whiles, entry, inputs, root if root and root.opcode == "tuple" else None)
+
+
+def _parameter_number(instruction: Instruction, default: int) -> int:
+    match = re.search(r"parameter\((\d+)\)", instruction.line)
+    return int(match[1]) if match else default
+
+
+def _input(instruction: Instruction, index: int) -> Input:
+    shapes = arrays(instruction.shape)
+    local = shapes[0][1] if len(shapes) == 1 else ()
+    sharding = instruction.attr(r"sharding=(\{[^}]*\})") or ""
+    name = instruction.metadata.get("op_name") or instruction.name
+    return Input(index, name, local, _global_shape(local, sharding), sharding)
+
+
+def _global_shape(local: tuple[int, ...], sharding: str) -> tuple[int, ...]:
+    """The declared (global) shape: the local one times the tiles of ``sharding={devices=[a,b,...]...}``."""
+    tiles = re.search(r"devices=\[([\d,]+)\]", sharding)
+    if not tiles:
+        return local
+    counts = [int(t) for t in tiles[1].split(",")]
+    return tuple(d * t for d, t in zip(local, counts))
+
+
+def _members(graph: _Graph, collective: Collective, weights: set[int]) -> list[_Member]:
+    """The arrays the collective carries: each one's shape, the input it moves, the input its result updates."""
+    instruction = graph.instructions.get((collective.computation, collective.name))
+    shapes = list(collective.operand_shapes) or [()]
+    if instruction is None:
+        return [_Member(tuple(s), None, None) for s in shapes]
+    data = [o for o in instruction.operands if not _is_constant(graph, instruction.computation, o)]
+    results = _results(graph, instruction, len(data))
+    total = sum(math.prod(s) for s in collective.result_shapes)
+    return [
+        _Member(
+            tuple(shapes[k]) if k < len(shapes) else (),
+            _trace_back(graph, instruction.computation, operand, None, 0),
+            _gradient_of(graph, results[k], weights, total) if k < len(results) else None,
+        )
+        for k, operand in enumerate(data)
+    ]
+
+
+def _results(graph: _Graph, instruction: Instruction, members: int) -> list[list[Instruction]]:
+    """For each member, the instructions that hold its result: the collective (its -done), or its tuple elements."""
+    holders = [instruction]
+    for user in graph.users.get((instruction.computation, instruction.name), ()):
+        if user.opcode.endswith("-done") or user.opcode == "async-done":
+            holders = [user]
+    if members <= 1:
+        return [holders]
+    per: list[list[Instruction]] = [[] for _ in range(members)]
+    for holder in holders:
+        for user in graph.users.get((holder.computation, holder.name), ()):
+            index = user.attr(r"\bindex=(\d+)") if user.opcode == "get-tuple-element" else None
+            if index is not None and int(index) < members:
+                per[int(index)].append(user)
+    return per
+
+
+def _trace_back(graph: _Graph, computation: str, name: str, index: int | None, depth: int) -> int | None:
+    """The entry input `name` is a moved copy of (element `index` of it when it is a tuple), else None."""
+    instruction = graph.instructions.get((computation, name))
+    if instruction is None or depth > 64:
+        return None
+    opcode = instruction.opcode
+    if opcode == "parameter":
+        if computation == graph.entry:
+            return _parameter_number(instruction, 0)
+        caller = graph.while_callers.get(computation)
+        if caller is None or index is None:
+            return None
+        outer, loop = caller
+        return _trace_back(graph, outer, loop.operands[0], index, depth + 1) if loop.operands else None
+    if opcode == "tuple":
+        if index is None or index >= len(instruction.operands):
+            return None
+        return _trace_back(graph, computation, instruction.operands[index], None, depth + 1)
+    if opcode == "get-tuple-element":
+        element = instruction.attr(r"\bindex=(\d+)")
+        if element is None or not instruction.operands:
+            return None
+        return _trace_back(graph, computation, instruction.operands[0], int(element), depth + 1)
+    data = [o for o in instruction.operands if not _is_constant(graph, computation, o)]
+    if opcode in _MOVES or (opcode == "fusion" and len(data) == 1):
+        return _trace_back(graph, computation, data[0], index, depth + 1) if data else None
+    return None
+
+
+def _is_constant(graph: _Graph, computation: str, name: str) -> bool:
+    """Operands that carry no data of the program: constants, ids, and scalars (offsets, counters)."""
+    instruction = graph.instructions.get((computation, name))
+    if instruction is None:
+        return False
+    shapes = arrays(instruction.shape)
+    return instruction.opcode in _NOT_DATA or (len(shapes) == 1 and not shapes[0][1])
+
+
+def _gradient_of(graph: _Graph, start: list[Instruction], weights: set[int], total: int) -> int | None:
+    """The weight whose update a reduced value flows into (elementwise, or resharded by further collectives), or
+    whose place it takes among the step's outputs."""
+    if not start:
+        return None
+    # a member, or all the collective's members put back together (a concatenate of a combined all-to-all)
+    elements = {*(math.prod(d) for node in start for _, d in arrays(node.shape)), total} - {1}
+    frontier, seen, found = list(start), set(), []
+    while frontier and len(seen) < 512:
+        node = frontier.pop(0)
+        if (node.computation, node.name) in seen:
+            continue
+        seen.add((node.computation, node.name))
+        for user in graph.users.get((node.computation, node.name), ()):
+            if graph.root is not None and user is graph.root:
+                found.append(_returned_gradient(graph, user.operands.index(node.name), weights))
+            for operand in user.operands:
+                if operand != node.name:
+                    source = _trace_back(graph, user.computation, operand, None, 0)
+                    if source in weights and graph.inputs[source].elements in elements:
+                        found.append(source)
+            sizes = [math.prod(d) for _, d in arrays(user.shape)]
+            if base_opcode(user.opcode) in KINDS:  # resharded on its way to the update: follow it
+                elements |= {*sizes, sum(sizes)} - {1}
+            if set(sizes) & elements:  # elementwise: the same elements go on
+                frontier.append(user)
+    found = [i for i in found if i is not None]
+    # the weight, not its optimizer state: AdamW's moments are updated from the same gradient, first
+    return next((i for i in found if not _OPTIMIZER_NAME.search(graph.inputs[i].name)), found[0] if found else None)
+
+
+def _returned_gradient(graph: _Graph, position: int, weights: set[int]) -> int | None:
+    """A gradient returned by the step: the k-th output of a weight's size is the k-th weight of that size
+    (gradients are returned as the same tree as the weights, so their order is the weights' order)."""
+    sizes = [math.prod(d) for _, d in arrays(graph.instructions[graph.entry, graph.root.operands[position]].shape)]
+    if len(sizes) != 1:
+        return None
+    same = [i for i in sorted(weights) if graph.inputs[i].elements == sizes[0]]
+    outputs = [
+        p
+        for p, name in enumerate(graph.root.operands)
+        if [math.prod(d) for _, d in arrays(graph.instructions[graph.entry, name].shape)] == sizes
+    ]
+    rank = outputs.index(position)
+    return same[rank] if rank < len(same) else None

@@ -1,0 +1,136 @@
+"""Where in the user's Python an HLO instruction came from: the stack-frame tables of a module.
+
+JAX records the Python traceback of every operation it stages out. Older XLA
+printed the innermost frame on each instruction
+(``metadata={op_name="..." source_file="train.py" source_line=42}``); current
+XLA prints each instruction's frame by id (``stack_frame_id=9``) and the
+frames once, as four tables between the module header and its first
+computation::
+
+    FileNames
+    1 "/home/me/train.py"
+
+    FunctionNames
+    1 "loss"
+
+    FileLocations
+    1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=21 end_column=21}
+
+    StackFrames
+    1 {file_location_id=1 parent_frame_id=1}
+
+A frame names a location and its caller (``parent_frame_id``; a frame that is
+its own parent, or 0, has none). The line a user wants is the innermost frame
+in *their* code: frames in installed libraries (jax, flax, optax, anything
+under ``site-packages``) are walked past, so a matmul inside ``nnx.Linear``
+points at the line of the model that called the layer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_ROW = re.compile(r"^(\d+)\s+(.*)$")
+_FIELD = re.compile(r"(\w+)=(\d+)")
+_LIBRARY = re.compile(r"(site-packages|dist-packages)/|/lib/python\d|^<frozen |/jax/_src/")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One Python frame: file, line, function."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def in_library(self) -> bool:
+        return bool(_LIBRARY.search(self.file))
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
+class StackFrames:
+    """A module's frame tables: stack-frame id -> the chain of frames, innermost first."""
+
+    files: Mapping[int, str]
+    functions: Mapping[int, str]
+    locations: Mapping[int, tuple[int, int, int]]  # id -> (file id, function id, line)
+    parents: Mapping[int, tuple[int, int]]  # frame id -> (location id, parent frame id)
+
+    def chain(self, frame_id: int) -> tuple[Frame, ...]:
+        """The frames of `frame_id` and its callers, innermost first."""
+        found, seen = [], set()
+        while frame_id in self.parents and frame_id not in seen:
+            seen.add(frame_id)
+            location, parent = self.parents[frame_id]
+            if location in self.locations:
+                file_id, function_id, line = self.locations[location]
+                found.append(Frame(self.files.get(file_id, "?"), line, self.functions.get(function_id, "?")))
+            frame_id = parent
+        return tuple(found)
+
+    def user_frame(self, frame_id: int) -> Frame | None:
+        """The innermost frame outside installed libraries (else the innermost one)."""
+        frames = self.chain(frame_id)
+        return next((f for f in frames if not f.in_library), frames[0] if frames else None)
+
+
+def stack_frames(hlo_text: str) -> StackFrames:
+    """The frame tables of a module's text (empty when it prints none)."""
+    rows: dict[str, dict[int, str]] = {name: {} for name in _TABLES}
+    table = None
+    for line in _table_lines(hlo_text):
+        stripped = line.strip()
+        if stripped in _TABLES:
+            table = stripped
+            continue
+        row = _ROW.match(stripped)
+        if table and row:
+            rows[table][int(row[1])] = row[2]
+    fields = {name: {key: dict(_FIELD.findall(value)) for key, value in rows[name].items()} for name in _TABLES[2:]}
+    return StackFrames(
+        files={key: _unquote(value) for key, value in rows["FileNames"].items()},
+        functions={key: _unquote(value) for key, value in rows["FunctionNames"].items()},
+        locations={
+            key: (int(f.get("file_name_id", 0)), int(f.get("function_name_id", 0)), int(f.get("line", 0)))
+            for key, f in fields["FileLocations"].items()
+        },
+        parents={
+            key: (int(f.get("file_location_id", 0)), int(f.get("parent_frame_id", 0)))
+            for key, f in fields["StackFrames"].items()
+        },
+    )
+
+
+def source_of(metadata: Mapping[str, str], frames: StackFrames) -> Frame | None:
+    """The user's line an instruction came from: its stack frame, or the older source_file/source_line."""
+    frame_id = str(metadata.get("stack_frame_id") or "")
+    if frame_id.isdigit():
+        frame = frames.user_frame(int(frame_id))
+        if frame is not None:
+            return frame
+    file, line = metadata.get("source_file"), str(metadata.get("source_line") or "")
+    if file and line.isdigit():
+        return Frame(str(file), int(line), "?")
+    return None
+
+
+def _table_lines(hlo_text: str):
+    """The lines before the first computation (where the tables are printed)."""
+    for line in hlo_text.splitlines():
+        if line.rstrip().endswith("{") and not line.lstrip()[:1].isdigit():
+            return
+        yield line
+
+
+def _unquote(text: str) -> str:
+    text = text.strip()
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        return bytes(text[1:-1], "utf-8").decode("unicode_escape") if "\\" in text else text[1:-1]
+    return text

@@ -1,0 +1,133 @@
+"""The user's own program for ``lab inspect --fn``: load ``FILE.py:NAME`` or ``package.module:NAME`` and call it.
+
+The one convention: ``NAME(mesh)`` returns ``(fn, args)``, a function and the
+arguments to call it with, where an argument may be abstract
+(``jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(...)))``)
+so that a 70B-parameter step is compiled without allocating it. ``args`` is a
+tuple (or list) of positional arguments; a single non-sequence value is one
+argument. The lab chooses the devices (emulated CPU devices before JAX starts,
+or a compile-only topology) and builds the mesh before it imports the file,
+so the user's module may build arrays at import time on the right devices,
+and it calls ``NAME`` and compiles ``fn`` inside ``jax.set_mesh(mesh)``, as
+the user's own script would (flax's eager sharding needs a mesh in context).
+
+Everything that can go wrong in someone else's code is one line here: a file
+or module that does not exist or raises on import, a NAME that is missing or
+not callable, a builder that does not take a mesh, raises, or returns
+something that is not ``(fn, args)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from lab.errors import LabError
+
+_LAB = str(Path(__file__).resolve().parent)
+_FORMS = "FILE.py:NAME or package.module:NAME, where NAME(mesh) returns (fn, args)"
+
+
+def load(spec: str) -> Callable:
+    """The builder named by ``FILE.py:NAME`` or ``package.module:NAME``."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name.isidentifier():
+        raise LabError(f"--fn {spec!r}: write {_FORMS}")
+    module = _import_file(spec, Path(where)) if where.endswith(".py") else _import_module(spec, where)
+    builder = getattr(module, name, None)
+    if builder is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:8]
+        raise LabError(f"--fn {spec!r}: {where} has no {name!r} (it defines {', '.join(public) or 'no functions'})")
+    if not callable(builder):
+        raise LabError(f"--fn {spec!r}: {name} is a {type(builder).__name__}, not a function of the mesh")
+    return builder
+
+
+def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> tuple[Callable, tuple[Any, ...]]:
+    """Call ``builder(mesh)`` and check that it returned ``(fn, args)``."""
+    try:
+        inspect.signature(builder).bind(mesh)
+    except TypeError:
+        raise LabError(f"--fn {spec!r}: {builder.__name__} must take one argument, the mesh: def NAME(mesh)") from None
+    except ValueError:
+        pass  # a builtin or C function without a signature: just call it
+    with blamed(spec, f"{builder.__name__}(mesh)", compile_only), jax.set_mesh(mesh):  # as the user's script runs it
+        made = builder(mesh)
+    if not (isinstance(made, (tuple, list)) and len(made) == 2 and callable(made[0])):
+        raise LabError(
+            f"--fn {spec!r}: {builder.__name__}(mesh) returned {_kind(made)}; it must return (fn, args), "
+            "a function and its arguments"
+        )
+    fn, args = made
+    return fn, tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+@contextlib.contextmanager
+def blamed(spec: str, doing: str, compile_only: bool = False) -> Iterator[None]:
+    """Any failure inside (the user's code, or JAX tracing it) becomes one line naming what raised it and where."""
+    try:
+        yield
+    except LabError:
+        raise
+    except Exception as err:  # the user's code: any failure is theirs to see, in one line with its place
+        hint = (
+            "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "
+            "jax.eval_shape) and create no arrays"
+            if compile_only
+            else ""
+        )
+        raise LabError(f"--fn {spec!r}: {doing} raised {_one_line(err)}{hint}") from None
+
+
+def _import_file(spec: str, path: Path):
+    if not path.is_file():
+        raise LabError(f"--fn {spec!r}: no file {path}")
+    name = f"_lab_user_{path.stem}"
+    loader = importlib.util.spec_from_file_location(name, path)
+    if loader is None or loader.loader is None:
+        raise LabError(f"--fn {spec!r}: {path} cannot be imported as Python")
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[name] = module  # dataclasses and pickling look modules up by name
+    sys.path.insert(0, str(path.resolve().parent))  # its sibling modules import as they would from a script
+    try:
+        loader.loader.exec_module(module)
+    except Exception as err:  # the user's code failing at import time
+        sys.modules.pop(name, None)
+        raise LabError(f"--fn {spec!r}: importing {path} raised {_one_line(err)}") from None
+    finally:
+        sys.path.remove(str(path.resolve().parent))
+    return module
+
+
+def _import_module(spec: str, dotted: str):
+    try:
+        return importlib.import_module(dotted)
+    except ModuleNotFoundError as err:
+        if err.name and dotted.startswith(err.name):
+            raise LabError(f"--fn {spec!r}: no module {dotted!r} (write {_FORMS})") from None
+        raise LabError(f"--fn {spec!r}: importing {dotted} raised {_one_line(err)}") from None
+    except Exception as err:  # the user's code failing at import time
+        raise LabError(f"--fn {spec!r}: importing {dotted} raised {_one_line(err)}") from None
+
+
+def _one_line(err: BaseException) -> str:
+    """``ValueError: bad shape (model.py:12)``: the error and the innermost line of the user's code."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if not f.filename.startswith(_LAB)]
+    at = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    message = " ".join(str(err).split())[:300]
+    return f"{type(err).__name__}: {message}{at}" if message else f"{type(err).__name__}{at}"
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return "None" if value is None else f"a {type(value).__name__}"
