@@ -18,7 +18,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -32,17 +31,19 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from lab import hlo, inputs, progress
+from lab import hlo, inputs, progress, user_program
 from lab import report as pages
 from lab.bench import measure_collective
 from lab.collectives import build_program
 from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.doctor.diagnosis import diagnose
 from lab.errors import LabError
-from lab.hardware import profile_for_device_kind
-from lab.mesh import AXES, MeshSpec, axes_of_groups, describe, slice_local_shape
+from lab.explanation import explain_hlo, explain_inspection
+from lab.hlo import dumps
+from lab.hlo import text as hlo_text
+from lab.mesh import MeshSpec, describe, slice_local_shape
 from lab.registry import experiments, get
-from lab.topology import describe_axes, placement, predict
+from lab.topology import describe_axes
 from lab.training import page as training_page
 from lab.training import run as training_run
 
@@ -78,25 +79,39 @@ class List:
 
 @dataclass(frozen=True)
 class Inspect:
-    """Compile a sharded program for a mesh and target (or read an HLO dump) and show its collectives."""
+    """Explain every collective of a compiled program: yours (--fn), a dump (--dump, --hlo) or one of the lab's."""
 
-    program: str = "all-reduce"
-    """a collective from lab.collectives (all-reduce, ring-all-reduce, ...)"""
-    axes: tuple[str, ...] = ("tensor",)
-    """mesh axes the collective runs over"""
-    mesh: str = "data=2,fsdp=2,tensor=2"
-    """mesh spec, e.g. data=2,fsdp=2,tensor=2 (one axis may be -1)"""
-    target: str = DEFAULT_TARGET
-    """cpu:N, gpu, tpu, or tpu:<gen>:<topology> (compile-only)"""
-    size: str = "1M"
-    """bytes per device D (nccl-tests size S)"""
-    dtype: str = "float32"
+    fn: str | None = None
+    """your program, FILE.py:NAME or package.module:NAME: NAME(mesh) returns (fn, args); args may be abstract
+    (jax.ShapeDtypeStruct with a NamedSharding), so nothing is allocated"""
+    dump: Path | None = None
+    """a folder XLA_FLAGS=--xla_dump_to=DIR wrote on any machine: lists its optimized modules, explains one"""
+    module: str | None = None
+    """with --dump: the module to explain, by name or id (default: the largest, the step)"""
     hlo: Path | None = None
-    """read this optimized-HLO text file (e.g. from XLA_FLAGS=--xla_dump_to) instead of compiling"""
+    """read one optimized-HLO text file instead of compiling"""
+    program: str = "all-reduce"
+    """without --fn/--dump/--hlo: a collective from lab.collectives (all-reduce, ring-all-reduce, ...)"""
+    axes: tuple[str, ...] = ("tensor",)
+    """with --program: mesh axes the collective runs over"""
+    mesh: str | None = None
+    """mesh spec, e.g. data=2,fsdp=2,tensor=2 (one axis may be -1); default data=2,fsdp=2,tensor=2 when compiling,
+    and for a dump no mesh: raw replica groups"""
+    target: str = DEFAULT_TARGET
+    """cpu:N, gpu, tpu, or a compile-only topology (tpu:<gen>:<topology>); with --dump/--hlo a compile-only target
+    of the module's device count places its groups on that machine's links"""
+    axis_types: Literal["auto", "explicit"] = "auto"
+    """with --fn: the mesh's axis types (auto, as jax.sharding.Mesh makes by default; explicit for sharding in types)"""
+    size: str = "1M"
+    """with --program: bytes per device D (nccl-tests size S)"""
+    dtype: str = "float32"
+    """with --program: the element type"""
     device_order: tuple[int, ...] = ()
     """with --hlo: the replica-group device ids in mesh order (default 0, 1, 2, ...)"""
-    dump: Path | None = None
+    save_hlo: Path | None = None
     """write the HLO before and after optimization to this folder"""
+    json: bool = False
+    """print one JSON object (collectives, totals, memory, roofline) instead of tables"""
 
 
 @dataclass(frozen=True)
@@ -251,104 +266,133 @@ def _dispatch(command) -> int:
 
 
 def inspect(command: Inspect) -> int:
-    """Print the collectives table (kind, form, axes, bytes), memory and cost."""
+    """Explain the collectives of a program (yours, a dump's, or one of the lab's): tables, or --json."""
 
-    if command.hlo is not None:
-        return _inspect_dump(command)
-    element = inputs.dtype("--dtype", command.dtype)
+    chosen = [name for name, value in (("--fn", command.fn), ("--dump", command.dump), ("--hlo", command.hlo)) if value]
+    if len(chosen) > 1:
+        raise LabError(f"{' and '.join(chosen)} exclude each other: inspect one program at a time")
+    if command.save_hlo is not None:
+        inputs.output_folder("--save-hlo", command.save_hlo)
     if command.dump is not None:
-        inputs.output_folder("--dump", command.dump)
+        return _inspect_dump_folder(command)
+    if command.hlo is not None:
+        return _inspect_hlo_file(command)
     devices = devices_for(command.target)
-    mesh = MeshSpec.parse(command.mesh).build(devices)
-    program = build_program(command.program, mesh, command.axes)
-    found = hlo.inspect(program.fn, program.abstract_input(parse_size(command.size), element), mesh=mesh)
-    _out.print(
-        f"{command.program} over {','.join(command.axes)} on {command.target}\n{describe(mesh)}", highlight=False
-    )
-    predicted = None
-    if devices[0].platform == "tpu":
-        _out.print("where each axis runs:\n" + describe_axes(mesh), highlight=False)
+    compile_only = parse_target(command.target).compile_only
+    mesh = MeshSpec.parse(command.mesh or _DEFAULT_MESH).build(devices, explicit=command.axis_types == "explicit")
+    if command.fn is not None:
+        builder = user_program.load(command.fn)
+        fn, args = user_program.build(builder, mesh, command.fn, compile_only=compile_only)
+        title = command.fn
+    else:
+        element = inputs.dtype("--dtype", command.dtype)
+        program = build_program(command.program, mesh, command.axes)
+        fn, args = program.fn, (program.abstract_input(parse_size(command.size), element),)
+        title = f"{command.program} over {','.join(command.axes)}"
+    started = time.perf_counter()
+    with (
+        user_program.blamed(title, "compiling it", compile_only),
+        jax.set_mesh(mesh),
+    ):  # as the user's script compiles it
+        found = hlo.inspect(fn, *args, mesh=mesh)
+    compile_s = time.perf_counter() - started
+    explained = explain_inspection(found, mesh, target=command.target)
+    if command.json:
+        _print_json({"program": title, "compile_s": compile_s, **explained.to_json()})
+    else:
+        _out.print(f"{title} on {command.target}\n{describe(mesh)}", highlight=False)
+        if compile_only:
+            _out.print("where each axis runs:\n" + describe_axes(mesh), highlight=False)
         if slice_local_shape(mesh) != tuple(mesh.devices.shape):
             _out.print(
                 "multi-slice: libtpu compiles the program of one slice, so its HLO numbers devices within a slice "
                 "and holds only the ICI part of a collective; the DCN part across slices is not in this module.",
                 highlight=False,
             )
-        predicted = [_predicted_time(c, mesh) for c in found.collectives]
-    _print_inspection(found.collectives, found.skipped, predicted)
-    _out.print(
-        f"memory per device: {hlo.format_memory(found.memory)}\ncost: {hlo.format_cost(found.cost)}", highlight=False
-    )
-    if command.dump is not None:
-        before, after = found.dump(command.dump)
-        _out.print(f"HLO written: {before}, {after}")
+        _out.print(explained)
+        _out.print(f"cost: {hlo.format_cost(found.cost)}; compiled in {compile_s:.2f} s", highlight=False)
+    if command.save_hlo is not None:
+        before, after = found.dump(command.save_hlo)
+        (_err if command.json else _out).print(f"HLO written: {before}, {after}", highlight=False)
     return 0
 
 
-def _inspect_dump(command: Inspect) -> int:
-    """The collectives table for an HLO text dump from any run."""
+_DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
+
+
+def _inspect_dump_folder(command: Inspect) -> int:
+    """List the optimized modules of an XLA dump folder and explain one (the largest by default)."""
+
+    modules = dumps.find_modules(command.dump)
+    chosen = dumps.pick(modules, command.module)
+    text = inputs.hlo_text(chosen.path)
+    memory = chosen.memory_bytes()
+    explained = _explain_text(command, text, {"total": memory} if memory is not None else {})
+    assignment = chosen.device_assignment()
+    if command.json:
+        listing = [
+            {"id": m.id, "name": m.name, "backend": m.backend, "lines": m.lines, "file": str(m.path)} for m in modules
+        ]
+        _print_json({"modules": listing, "chosen": chosen.id, "device_assignment": assignment, **explained.to_json()})
+        return 0
+    table = Table("id", "module", "backend", "HLO lines", "", title=f"optimized modules in {command.dump}")
+    for m in modules:
+        table.add_row(m.id, m.name, m.backend or "-", f"{m.lines:,}", "<- explained" if m is chosen else "")
+    _out.print(table)
+    if assignment:
+        _out.print(f"device assignment (partition -> device id): {list(assignment)}", highlight=False)
+    _out.print(explained)
+    return 0
+
+
+def _inspect_hlo_file(command: Inspect) -> int:
+    """Explain one optimized-HLO text file."""
 
     text = inputs.hlo_text(command.hlo)
-    header = re.search(r"num_partitions=(\d+)", text)
-    devices = int(header[1]) if header else MeshSpec.parse(command.mesh).size
-    spec = MeshSpec.parse(command.mesh).resolve(devices)
-    if not command.device_order:
-        found, skipped = hlo.parse_collectives(text, spec.shape)
-    else:  # ids are devices, not mesh positions: map them through the order the user gave
-        order = list(command.device_order)
-        if sorted(order) != list(range(spec.size)):
-            raise LabError(
-                f"--device-order must list each of the {spec.size} device ids 0..{spec.size - 1} once, in mesh order"
-            )
-        position = {device: index for index, device in enumerate(order)}
-        found, skipped = hlo.parse_collectives(text)
-        found = tuple(
-            replace(c, axes=axes_of_groups(spec.shape, AXES, [[position[d] for d in g] for g in c.replica_groups]))
-            for c in found
-        )
-    _out.print(f"{command.hlo}: mesh {spec} ({spec.size} devices)", highlight=False)
-    _print_inspection(found, skipped)
+    explained = _explain_text(command, text, {})
+    if command.json:
+        _print_json(explained.to_json())
+    else:
+        _out.print(f"{command.hlo}", highlight=False)
+        _out.print(explained)
     return 0
 
 
-def _predicted_time(collective, mesh) -> str:
-    """Theory's time for one collective on the TPU target's links ('-' where it has no axes)."""
+def _explain_text(command: Inspect, text: str, memory: dict[str, int]):
+    """A dump's module explained, its groups mapped to --mesh (raw groups without one)."""
 
-    if not collective.axes:
-        return "-"
-    chip = profile_for_device_kind(mesh.devices.flat[0].device_kind)
-    where = placement(mesh, collective.axes, chip)
-    cost = predict(collective.kind, collective.size_bytes, where, chip)
-    return f"{cost.seconds * 1e6:.1f} us ({where})" if cost else f"- ({where})"
-
-
-def _print_inspection(collectives, skipped, predicted: list[str] | None = None) -> None:
-
-    columns = ["kind", "as written", "dtype", "S per device", "N", "axes", "op name"] + (
-        ["predicted"] if predicted else []
-    )
-    table = Table(*columns, title="collectives in the optimized HLO")
-    for i, c in enumerate(collectives):
-        axes = "?" if c.axes is None else ",".join(c.axes) or "-"
-        written = ("" if c.form == c.kind else c.form) + (" (async)" if c.is_async else "")
-        cells = [
-            c.kind,
-            written,
-            ",".join(c.dtypes),
-            format_bytes(c.size_bytes),
-            str(c.group_size or "?"),
-            axes,
-            (c.op_name or "").rsplit("/", 1)[-1],
-        ]
-        table.add_row(*cells, *([predicted[i]] if predicted else []))
-    _out.print(table)
-    _out.print(hlo.summary_table(hlo.summarize(collectives)))
-    if skipped:
-        _out.print(
-            f"{len(skipped)} line(s) not understood and skipped, e.g. line "
-            f"{skipped[0].line_number}: {skipped[0].reason}",
-            highlight=False,
+    partitions = hlo_text.module_devices(text)
+    if command.mesh is None:
+        if command.device_order:
+            raise LabError("--device-order needs --mesh: it says which mesh position each device id has")
+        return explain_hlo(text, None, target="a dump (no mesh given: raw groups)", memory=memory)
+    spec = MeshSpec.parse(command.mesh)
+    if partitions is None and -1 in spec.shape:
+        raise LabError("the module's header gives no device count (num_partitions): give every --mesh axis a size")
+    spec = spec.resolve(partitions or spec.size)
+    target = parse_target(command.target)
+    mesh = None
+    if target.compile_only:  # the machine the dump ran on, rebuilt compile-only: its links place the groups
+        devices = devices_for(target)
+        if len(devices) != spec.size:
+            raise LabError(
+                f"--target {command.target} has {len(devices)} devices but the module runs on {spec.size}; "
+                "give a topology of the module's size, or no --target"
+            )
+        mesh = spec.build(devices)
+    if not command.device_order:
+        return explain_hlo(text, spec.shape, target=command.target if mesh else "a dump", memory=memory, mesh=mesh)
+    order = list(command.device_order)
+    if sorted(order) != list(range(spec.size)):
+        raise LabError(
+            f"--device-order must list each of the {spec.size} device ids 0..{spec.size - 1} once, in mesh order"
         )
+    position = {device: index for index, device in enumerate(order)}
+    return explain_hlo(text, spec.shape, target="a dump", memory=memory, device_position=position)
+
+
+def _print_json(payload: dict) -> None:
+    sys.stdout.write(json.dumps(payload, indent=1, default=str) + "\n")
 
 
 def bench(command: Bench) -> int:

@@ -48,7 +48,7 @@ def load(spec: str) -> Callable:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))[:8]
         raise LabError(f"--fn {spec!r}: {where} has no {name!r} (it defines {', '.join(public) or 'no functions'})")
     if not callable(builder):
-        raise LabError(f"--fn {spec!r}: {name} is a {type(builder).__name__}, not a function of the mesh")
+        raise LabError(f"--fn {spec!r}: {name} is of type {type(builder).__name__}, not a function of the mesh")
     return builder
 
 

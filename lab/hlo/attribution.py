@@ -288,7 +288,9 @@ def _members(graph: _Graph, collective: Collective, weights: set[int]) -> list[_
     shapes = list(collective.operand_shapes) or [()]
     if instruction is None:
         return [_Member(tuple(s), None, None) for s in shapes]
-    data = [o for o in instruction.operands if not _is_constant(graph, instruction.computation, o)]
+    data = list(instruction.operands)  # all of them: member k of a combined collective is element k of its result
+    if base_opcode(instruction.opcode) == "collective-permute" and len(data) == 4:
+        data = data[:1]  # the in-place form: (input, output buffer, input offsets, output offsets)
     results = _results(graph, instruction, len(data))
     total = sum(math.prod(s) for s in collective.result_shapes)
     return [

@@ -1,0 +1,191 @@
+"""`lab inspect --fn` and `lab.explain` on the programs in examples/, written the way users write them.
+
+Every collective of every example is attributed to a line of that example and to a parameter, an input, a
+gradient or activations; the one surprise planted in `optax_train_step.py` (a norm over the `fsdp`-sharded
+dimension of a weight) is listed first, at its line, with a hint. The same step read back from the dump XLA wrote
+while compiling it gives the same collectives.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+CASES = {
+    "nnx_fsdp.py:train_step": "data=2,fsdp=4",
+    "shard_map_collectives.py:tensor_parallel_mlp": "data=2,tensor=4",
+    "optax_train_step.py:train_step": "data=2,fsdp=4",
+}
+EXPLAINED = {"parameter", "input", "gradient", "activation"}
+
+
+def inspect_json(capsys, *argv) -> dict:
+    assert main(["inspect", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def line_of(example: str, marker: str) -> int:
+    lines = (EXAMPLES / example).read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if marker in line)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_collective_has_a_line_of_the_example_and_a_reason(capsys, devices, name):
+    found = inspect_json(capsys, "--fn", str(EXAMPLES / name), "--mesh", CASES[name])
+    example = name.split(":")[0]
+    assert found["collectives"], "an example with no collective explains nothing"
+    for c in found["collectives"]:
+        assert c["source"].startswith(str(EXAMPLES / example) + ":"), c
+        assert c["op_name"] and c["link"] == "host" and c["count"] == 1
+        assert set(c) >= {"kind", "axes", "dtype", "size_bytes", "groups", "origin", "async"}
+        if not (example == "optax_train_step.py" and c["origin"]["kind"] == "surprise"):
+            assert c["origin"]["kind"] in EXPLAINED, c
+    totals = {(tuple(t["axes"]), t["kind"]): t["bytes"] for t in found["totals"]}
+    assert sum(totals.values()) == sum(c["size_bytes"] * c["count"] for c in found["collectives"])
+    assert found["memory"]["argument_size"] > 0 and found["roofline"] is None  # no roofline on emulated devices
+
+
+def test_what_each_example_communicates_and_why(capsys, devices):
+    nnx = inspect_json(
+        capsys, "--fn", str(EXAMPLES / "nnx_fsdp.py:train_step"), "--mesh", CASES["nnx_fsdp.py:train_step"]
+    )
+    by_kind = {(c["kind"], tuple(c["axes"])): c["origin"] for c in nnx["collectives"]}
+    # the gradients of both weights are reduced over data (one combined all-reduce)
+    assert by_kind["all-reduce", ("data",)]["kind"] == "gradient"
+    assert set(by_kind["all-reduce", ("data",)]["name"].split(", ")) == {
+        "params['w_down']['kernel'].value",
+        "params['w_up']['kernel'].value",
+    }
+    # the weight that moves is named, and moves over fsdp, where the program sharded it
+    moved = [o for (kind, axes), o in by_kind.items() if o["kind"] == "parameter"]
+    assert moved and all("kernel" in o["name"] for o in moved)
+
+    mlp = inspect_json(
+        capsys, "--fn", str(EXAMPLES / "shard_map_collectives.py:tensor_parallel_mlp"), "--mesh", "data=2,tensor=4"
+    )
+    kinds = {(c["kind"], tuple(c["axes"])): c for c in mlp["collectives"]}
+    assert set(kinds) == {
+        ("all-gather", ("tensor",)),
+        ("all-reduce", ("tensor",)),
+        ("collective-permute", ("data",)),
+        ("all-reduce", ("data",)),
+    }
+    assert kinds["all-gather", ("tensor",)]["origin"] == {
+        **kinds["all-gather", ("tensor",)]["origin"],
+        "kind": "input",
+        "name": "x",
+    }
+    assert kinds["all-reduce", ("tensor",)]["origin"]["kind"] == "activation"
+    assert kinds["all-reduce", ("data",)]["size_bytes"] == 4  # the loss, a scalar
+    example = "shard_map_collectives.py"
+    assert kinds["collective-permute", ("data",)]["source"].endswith(f":{line_of(example, 'ppermute(')}")
+
+
+def test_the_planted_surprise_comes_first_at_its_line_with_a_hint(capsys, devices):
+    found = inspect_json(capsys, "--fn", str(EXAMPLES / "optax_train_step.py:train_step"), "--mesh", "data=2,fsdp=4")
+    surprises = [c for c in found["collectives"] if c["origin"]["kind"] == "surprise"]
+    assert found["surprises"] == len(surprises) == 1
+    surprise = found["collectives"][0]
+    assert surprise is not None and surprise == surprises[0]
+    assert (surprise["kind"], surprise["axes"]) == ("all-reduce", ["fsdp"])
+    assert surprise["source"].endswith(f":{line_of('optax_train_step.py', 'the surprise')}")
+    assert "with_sharding_constraint" in surprise["hint"]
+    gradients = [c for c in found["collectives"] if c["origin"]["kind"] == "gradient"]
+    named = {n for c in gradients for n in c["origin"]["name"].split(", ")}
+    assert named == {"params['embed']", "params['w_up']", "params['w_down']"}  # the weights, not AdamW's moments
+
+
+def test_a_tpu_topology_compile_only_places_each_collective_on_ici_and_prices_it(capsys):
+    found = inspect_json(
+        capsys, "--fn", str(EXAMPLES / "nnx_fsdp.py:train_step"), "--mesh", "data=2,fsdp=4", "--target", "tpu:v5e:2x4"
+    )
+    assert found["collectives"] and all(c["link"] == "ici" and c["predicted_s"] > 0 for c in found["collectives"])
+    assert all(c["origin"]["kind"] in EXPLAINED for c in found["collectives"])
+    assert found["roofline"]["chip"] == "v5e" and found["roofline"]["compute_s"] > 0
+
+
+def test_the_python_api_renders_as_tables_html_and_json(devices):
+    import lab
+    from lab.mesh import MeshSpec
+    from lab.user_program import build, load
+
+    mesh = MeshSpec.parse("data=2,fsdp=4").build(devices, explicit=False)
+    fn, args = build(load(str(EXAMPLES / "nnx_fsdp.py:train_step")), mesh, "nnx_fsdp")
+    import jax
+
+    with jax.set_mesh(mesh):
+        explained = lab.explain(fn, *args)
+    assert isinstance(explained, lab.Explanation) and len(explained.collectives) == 3
+    html = explained._repr_html_()
+    assert "<html" in html.lower() and "all-reduce" in html and "gradient" in html
+    assert json.loads(json.dumps(explained.to_json()))["collectives"][0]["kind"]
+
+
+def _dump(tmp_path: Path, *target: str) -> Path:
+    """Compile an example in a fresh process with XLA_FLAGS=--xla_dump_to, as a user would on their machine."""
+    folder = tmp_path / "dump"
+    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={folder}"}
+    argv = ["inspect", "--fn", str(EXAMPLES / "nnx_fsdp.py:train_step"), "--mesh", "data=2,fsdp=4", "--json", *target]
+    done = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return folder, json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("target", [(), ("--target", "tpu:v5e:2x4")], ids=["cpu", "tpu-compile-only"])
+def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
+    folder, compiled = _dump(tmp_path, *target)
+    found = inspect_json(capsys, "--dump", str(folder), "--mesh", "data=2,fsdp=4", *target)
+    assert any(m["name"] == "jit_step" for m in found["modules"])
+    assert max(found["modules"], key=lambda m: m["lines"])["id"] == found["chosen"]
+
+    def essentials(c):
+        return (c["kind"], c["axes"], c["size_bytes"], c["source"], c["origin"]["kind"])
+
+    assert sorted(map(essentials, found["collectives"])) == sorted(map(essentials, compiled["collectives"]))
+    # a dump holds no machine: its links are known only on a compile-only target of its size
+    assert {c["link"] for c in found["collectives"]} == ({"ici"} if target else {None})
+    assert found["memory"]["total"] > 0
+    # without a mesh the groups stay raw: no axes, the device ids as XLA wrote them
+    raw = inspect_json(capsys, "--dump", str(folder))
+    assert all(c["axes"] is None and c["groups"] for c in raw["collectives"])
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--fn", "no_such_file.py:step"], "no file no_such_file.py"),
+        (["--fn", "examples/nnx_fsdp.py"], "write FILE.py:NAME"),
+        (["--fn", "examples/nnx_fsdp.py:nope"], "has no 'nope'"),
+        (["--fn", "examples/nnx_fsdp.py:D_MODEL"], "is of type int, not a function"),
+        (["--fn", "examples/nnx_fsdp.py:loss_fn"], "must take one argument, the mesh"),
+        (["--fn", "examples/nnx_fsdp.py:MLP"], "raised"),
+        (["--fn", "no.such.module:step"], "no module 'no.such.module'"),
+        (["--fn", "math:pi"], "is of type float, not a function"),
+        (["--fn", "examples/nnx_fsdp.py:train_step", "--mesh", "data=3"], "uses 3 devices"),
+        (["--fn", "examples/nnx_fsdp.py:train_step", "--dump", "x"], "exclude each other"),
+        (["--dump", "{tmp}/empty"], "holds no optimized HLO module"),
+        (["--dump", "{tmp}/no_such_folder"], "no such folder"),
+        (["--dump", "{tmp}/two", "--module", "jit_step"], "matches 2 modules"),
+        (["--dump", "{tmp}/two", "--module", "jit_other"], "is not in the dump"),
+        (["--dump", "{tmp}/two", "--mesh", "data=3"], "uses 3 devices but the target has 8"),
+    ],
+)
+def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):
+    monkeypatch.chdir(EXAMPLES.parent)
+    (tmp_path / "empty").mkdir()
+    two = tmp_path / "two"
+    two.mkdir()
+    module = "HloModule jit_step, num_partitions=8\n\nENTRY %main (p: f32[8]) -> f32[8] {\n  ROOT %p = f32[8] parameter(0)\n}"
+    for number in ("0001", "0002"):
+        (two / f"module_{number}.jit_step.cpu_after_optimizations.txt").write_text(module)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["inspect", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
