@@ -181,7 +181,9 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
     (tmp_path / "empty").mkdir()
     two = tmp_path / "two"
     two.mkdir()
-    module = "HloModule jit_step, num_partitions=8\n\nENTRY %main (p: f32[8]) -> f32[8] {\n  ROOT %p = f32[8] parameter(0)\n}"
+    module = (
+        "HloModule jit_step, num_partitions=8\nENTRY %main (p: f32[8]) -> f32[8] {\n  ROOT %p = f32[8] parameter(0)\n}"
+    )
     for number in ("0001", "0002"):
         (two / f"module_{number}.jit_step.cpu_after_optimizations.txt").write_text(module)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
