@@ -14,6 +14,11 @@ A target is named by a short string:
   an optional `` slices=K`` for several slices joined by DCN: compile-only.
   libtpu builds devices for that topology with no TPU present; programs are
   lowered and compiled by the TPU compiler but never executed.
+* ``gpu:<chip>:<nodes>x<gpus per node>`` such as ``gpu:h100:4x8``: compile-only
+  NVIDIA GPU clusters. The CUDA plugin builds devices from a target config
+  written from the chip's public specification (`lab.gpu_targets`), one NVLink
+  domain per node, nodes joined by InfiniBand; XLA:GPU compiles for them with
+  no GPU present.
 """
 
 from __future__ import annotations
@@ -32,22 +37,26 @@ from dataclasses import dataclass
 import jax
 from jax.experimental import topologies
 
+from lab import gpu_targets
 from lab.errors import LabError
 
 DEFAULT_TARGET = "cpu:8"
 MAX_CPU_DEVICES = 512  # XLA:CPU compiles for every emulated device in one process: thousands never finish
 
 _TOPOLOGY = re.compile(r"^tpu:(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$", re.ASCII)
-_TARGET_FORMS = "cpu:N (e.g. cpu:8), gpu, tpu, or tpu:<gen>:<topology>[ slices=K] (e.g. tpu:v5e:4x4, tpu:v5p:8x8x16)"
+_TARGET_FORMS = (
+    "cpu:N (e.g. cpu:8), gpu, tpu, tpu:<gen>:<topology>[ slices=K] (e.g. tpu:v5e:4x4, tpu:v5p:8x8x16), "
+    f"or {gpu_targets.GPU_TARGET_FORM}"
+)
 
 
 @dataclass(frozen=True)
 class Target:
-    """A parsed target: platform, emulated device count, or TPU topology."""
+    """A parsed target: platform, emulated device count, or a compile-only TPU topology or GPU cluster."""
 
     platform: str  # "cpu", "gpu" or "tpu"
     count: int | None = None  # cpu:N only
-    topology: str | None = None  # "v5e:4x4": compile-only
+    topology: str | None = None  # "v5e:4x4" (TPU) or "h100:4x8" (GPU: nodes x GPUs per node): compile-only
     slices: int = 1
 
     @property
@@ -57,21 +66,26 @@ class Target:
     @property
     def generation(self) -> str | None:
         """TPU generation of a topology target ("v5e"), else None."""
-        return self.topology.split(":")[0] if self.topology else None
+        return self.topology.split(":")[0] if self.topology and self.platform == "tpu" else None
 
     def __str__(self) -> str:
         if self.count is not None:
             return f"cpu:{self.count}"
+        if self.topology and self.platform == "gpu":
+            return f"gpu:{self.topology}"
         if self.topology:
             return f"tpu:{self.topology}" + (f" slices={self.slices}" if self.slices > 1 else "")
         return self.platform
 
 
 def parse_target(spec: str) -> Target:
-    """Parse ``cpu:8``, ``gpu``, ``tpu``, ``tpu:v5e:4x4 slices=2`` into a Target."""
+    """Parse ``cpu:8``, ``gpu``, ``tpu``, ``tpu:v5e:4x4 slices=2``, ``gpu:h100:4x8`` into a Target."""
     text = spec.strip().lower()
     if text in ("gpu", "tpu"):
         return Target(platform=text)
+    if text.startswith("gpu:"):
+        chip, nodes, per_node = gpu_targets.parse_cluster(text)
+        return Target("gpu", topology=f"{chip}:{nodes}x{per_node}")
     if text.startswith("cpu:"):
         count = text[4:]
         if not (count.isascii() and count.isdigit()) or int(count) < 1:
@@ -94,6 +108,8 @@ def parse_target(spec: str) -> Target:
 def devices_for(target: Target | str) -> tuple:
     """Prepare JAX for `target` and return its devices, in JAX's order."""
     target = parse_target(target) if isinstance(target, str) else target
+    if target.compile_only and target.platform == "gpu":
+        return gpu_cluster_devices(target.topology)
     if target.compile_only:
         return topology_devices(target.topology, target.slices)
     if target.platform == "cpu":
@@ -151,6 +167,35 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
             detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
             raise LabError(
                 f"libtpu does not know topology {topology!r} ({detail}); use a form like v5e:4x4, v5p:4x4x4, v6e:16x16"
+            ) from None
+    del noise
+    return tuple(description.devices)
+
+
+@functools.cache
+def gpu_cluster_devices(cluster: str) -> tuple:
+    """Compile-only devices of a GPU cluster ("h100:4x8": 4 nodes of 8 GPUs), built by the CUDA plugin."""
+    chip, nodes, per_node = gpu_targets.parse_cluster(f"gpu:{cluster}")
+    with contextlib.suppress(RuntimeError):
+        jax.config.update("jax_platforms", "cpu")  # the host backend; the GPUs are compile-only
+    if not gpu_targets.cuda_plugin_installed():
+        raise LabError(
+            f"target gpu:{cluster} needs JAX's CUDA plugin (no GPU); install it with: pip install 'jax[cuda12]' "
+            "(or pip install -e '.[gpu]')"
+        )
+    # The plugin checks the CUDA libraries against a driver only when CUDA is a platform to run on; say so anyway
+    # in case the host's JAX_PLATFORMS asks for it: nothing here runs on a GPU.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    config = gpu_targets.target_config(gpu_targets.spec(chip))
+    with quiet_native_stderr() as noise:
+        try:
+            description = topologies.get_topology_desc(
+                platform="cuda", target_config=config, topology=gpu_targets.xla_topology(nodes, per_node)
+            )
+        except (NotImplementedError, RuntimeError) as err:  # JaxRuntimeError is a RuntimeError
+            detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+            raise LabError(
+                f"the CUDA plugin could not build gpu:{cluster} ({detail}); reinstall it with pip install -e '.[gpu]'"
             ) from None
     del noise
     return tuple(description.devices)

@@ -12,6 +12,11 @@ use, cross-checked against Google Cloud's system-architecture pages; GPU
 figures are NVIDIA's datasheets and the book's GPU chapter (Part 12). The local
 CPU is measured, not looked up.
 
+On a GPU the two networks are NVLink and InfiniBand: `link_bandwidth` is one
+GPU's NVLink egress to the other GPUs of its node (through the NVSwitches, any
+GPU one hop away), `dcn_bandwidth` its share of the network between nodes (one
+400 Gb/s NDR InfiniBand NIC per GPU on DGX/HGX H100 and H200).
+
 Wraparound decides whether a torus axis is a ring or a line, which halves or
 doubles collective time (scaling book, Part 2, "TPU Networking"): v4 and v5p
 wrap every axis when the slice is made of whole 4x4x4 cubes (the optical
@@ -48,7 +53,7 @@ class ChipProfile:
     peak_bf16_flops: float  # dense bf16 FLOP/s per chip
     hbm_bytes: float  # memory capacity per chip
     hbm_bandwidth: float  # bytes/s between memory and compute
-    link_bandwidth: float  # bytes/s per link per direction: one ICI link; a GPU's whole NVLink egress
+    link_bandwidth: float  # bytes/s per link per direction: one ICI link; a GPU's whole NVLink egress (to its node)
     torus_dims: int  # 3 (v4, v5p), 2 (v5e, v6e), 0 for a switched network (GPU node, this CPU)
     dcn_bandwidth: float | None  # bytes/s per chip to other slices or nodes (DCN, InfiniBand); None: no such network
     hop_latency_s: float  # latency of one hop on the chip-to-chip network
@@ -57,6 +62,7 @@ class ChipProfile:
     wrap_axis: int = 0  # an axis of exactly this length wraps (v5e, v6e)
     sources: tuple[str, ...] = ()
     note: str = ""
+    peak_fp8_flops: float | None = None  # dense fp8 FLOP/s per chip where the chip has fp8 units (H100, H200)
 
     @property
     def links_per_chip(self) -> int:
@@ -142,6 +148,10 @@ TPU_V6E = ChipProfile(
 )
 
 _NCCL_LATENCY = "NVIDIA/nccl src/graph/tuning.cc hwLat, NVLink ring LL (2020-era table: 0.47 us)"
+_DGX_H100 = (
+    "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html "
+    "(8 single-port ConnectX-7 NICs, 400 Gb/s InfiniBand each, one per GPU; NVLink 4 through 4 NVSwitches)"
+)
 
 H100 = ChipProfile(
     name="h100",
@@ -153,7 +163,8 @@ H100 = ChipProfile(
     dcn_bandwidth=5e10,  # one 400 Gb/s ConnectX-7 InfiniBand NIC per GPU (book: DGX H100 SuperPod)
     hop_latency_s=0.47e-6,  # _NCCL_LATENCY
     chips_per_host=8,  # DGX/HGX H100 node
-    sources=("https://www.nvidia.com/en-us/data-center/h100/", SCALING_BOOK_GPUS, _NCCL_LATENCY),
+    sources=("https://www.nvidia.com/en-us/data-center/h100/", SCALING_BOOK_GPUS, _NCCL_LATENCY, _DGX_H100),
+    peak_fp8_flops=1.979e15,  # H100 SXM datasheet: 3,958 TFLOPS fp8 with 2:4 sparsity, dense is half
 )
 
 H200 = ChipProfile(
@@ -165,8 +176,9 @@ H200 = ChipProfile(
     torus_dims=0,
     dcn_bandwidth=5e10,  # one 400 Gb/s InfiniBand NIC per GPU, as the H100 reference architecture
     hop_latency_s=0.47e-6,  # _NCCL_LATENCY
-    chips_per_host=8,
-    sources=("https://www.nvidia.com/en-us/data-center/h200/", SCALING_BOOK_GPUS, _NCCL_LATENCY),
+    chips_per_host=8,  # HGX H200 8-GPU board
+    sources=("https://www.nvidia.com/en-us/data-center/h200/", SCALING_BOOK_GPUS, _NCCL_LATENCY, _DGX_H100),
+    peak_fp8_flops=1.979e15,  # H200 datasheet: 3,958 TFLOPS fp8 with sparsity, dense is half (as H100 SXM)
 )
 
 PROFILES: dict[str, ChipProfile] = {chip.name: chip for chip in (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, H100, H200)}

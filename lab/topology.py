@@ -1,4 +1,4 @@
-"""Mesh axes on a TPU torus: which physical links a collective uses, and how long it takes.
+"""Mesh axes on a TPU torus or a GPU cluster: which physical links a collective uses, and how long it takes.
 
 A mesh axis is a logical name; what a collective over it costs depends on
 where its devices sit. Every TPU device (real or compile-only) knows its
@@ -14,6 +14,24 @@ an axis, the groups of devices that differ only along it either
   (DCN), orders of magnitude slower per chip than ICI;
 * or share a chip (TPU v4's two TensorCores appear as two devices): no link.
 
+On a GPU cluster (`gpu:<chip>:<nodes>x<gpus>`) the GPUs of a node meet
+through NVSwitches, all one hop apart, and nodes meet over InfiniBand, one NIC
+per GPU (a "rail"). Each GPU device names its node by ``process_index`` (the
+host; compile-only devices report it too, see `lab.gpu_targets`), so for an
+axis's groups
+
+* all in one node: the collective runs on NVLink (``"nvlink"``), a ring at one
+  GPU's NVLink egress (scaling book Part 12; NCCL's ring all-reduce moves
+  2(N-1)/N·S per GPU);
+* across nodes: on InfiniBand (``"infiniband"``). A group with k GPUs in each
+  of M nodes runs hierarchically (NCCL: reduce-scatter inside the node, the
+  M-node collective of S/k on each GPU's own NIC, all-gather inside), both
+  tiers pipelined, so the slower tier bounds it: max(NVLink part over k,
+  IB part over M of S/k). All-to-all and permutes are priced flat on IB.
+
+Devices without a network model (this host's emulated CPU devices) get
+``"host"``: the placement exists, and nothing is predicted for it.
+
 `placement` finds which case holds for a set of mesh axes; `predict` turns a
 `lab.hlo.Collective` into a `lab.theory.CollectiveCost` on a chip profile.
 """
@@ -21,7 +39,7 @@ an axis, the groups of devices that differ only along it either
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,12 +56,25 @@ class Placement:
 
     axes: tuple[str, ...]
     devices: int  # N: devices in each group
-    network: str  # "ici", "dcn" or "chip" (same chip)
+    network: str  # "ici", "dcn" or "chip" (same chip); GPUs: "nvlink", "infiniband"; CPU devices: "host"
     torus_dims: tuple[int, ...] = ()  # ICI: the torus dimensions the group varies along
     extents: tuple[int, ...] = ()  # chips the group spans along each of them
     wraps: tuple[bool, ...] = ()  # whether each is a full ring with wraparound
+    nodes: int = 1  # GPUs: nodes each group spans (M)
+
+    @property
+    def per_node(self) -> int:
+        """GPUs of each group inside one node (k = N / M)."""
+        return self.devices // self.nodes
 
     def __str__(self) -> str:
+        if self.network == "nvlink":
+            return f"NVLink within one node ({self.devices} GPUs)"
+        if self.network == "infiniband":
+            each = f"{self.per_node} GPUs each, NVLink among them" if self.per_node > 1 else "1 GPU each"
+            return f"InfiniBand across {self.nodes} nodes ({each})"
+        if self.network == "host":
+            return f"this host's memory ({self.devices} emulated devices)"
         if self.network == "dcn":
             return f"DCN across {self.devices} slices" if self.devices else "DCN"
         if self.network == "chip":
@@ -62,13 +93,18 @@ def slice_shape(devices: Sequence) -> tuple[int, ...]:
 
 
 def placement(mesh, axes: Sequence[str], chip: ChipProfile | None = None) -> Placement:
-    """Where a collective over mesh `axes` runs: ICI dimensions, DCN, or one chip."""
+    """Where a collective over mesh `axes` runs: ICI dimensions, DCN, one chip; NVLink or InfiniBand; the host."""
     axes = tuple(axes)
     flat = list(mesh.devices.flat)
-    chip = chip or profile_for_device_kind(flat[0].device_kind)
     indices = [mesh.axis_names.index(a) for a in axes]
     group = [flat[p] for p in device_groups(mesh.devices.shape, indices)[0]]
     n = len(group)
+    if flat[0].platform == "cpu":
+        return Placement(axes, n, "host")
+    if flat[0].platform == "gpu":
+        nodes = len({d.process_index for d in group})
+        return Placement(axes, n, "nvlink" if nodes == 1 else "infiniband", nodes=nodes)
+    chip = chip or profile_for_device_kind(flat[0].device_kind)
     if len({getattr(d, "slice_index", None) or 0 for d in group}) > 1:
         return Placement(axes, n, "dcn")
     coords = np.asarray([d.coords for d in group])
@@ -83,12 +119,30 @@ def placement(mesh, axes: Sequence[str], chip: ChipProfile | None = None) -> Pla
 
 
 def predict(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -> theory.CollectiveCost | None:
-    """Predicted time of a collective of nccl-tests size S placed as `where`; None within one chip."""
-    if where.network == "chip" or where.devices < 2:
+    """Predicted time of a collective of nccl-tests size S placed as `where`; None within one chip or on the host."""
+    if where.network in ("chip", "host") or where.devices < 2:
         return None
+    if where.network == "nvlink":
+        return theory.predict_on_switch(kind, size_bytes, chip, where.devices, network="link")
+    if where.network == "infiniband":
+        return _across_nodes(kind, size_bytes, where, chip)
     if where.network == "dcn":
         return theory.predict_on_switch(kind, size_bytes, chip, where.devices, network="dcn")
     return theory.predict_on_rings(kind, size_bytes, chip, where.extents, where.wraps)
+
+
+def _across_nodes(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -> theory.CollectiveCost:
+    """A collective over M nodes with k GPUs each: the slower of the NVLink tier and the IB tier (rails)."""
+    k = where.per_node
+    if kind not in ("all-reduce", "all-gather", "reduce-scatter"):
+        return theory.predict_on_switch(kind, size_bytes, chip, where.devices, network="dcn")
+    infiniband = theory.predict_on_switch(kind, size_bytes / k, chip, where.nodes, network="dcn")
+    if k == 1:
+        return infiniband
+    nvlink = theory.predict_on_switch(kind, size_bytes, chip, k, network="link")
+    slower = infiniband if infiniband.seconds >= nvlink.seconds else nvlink
+    tier = "IB" if slower is infiniband else "NVLink"
+    return replace(slower, algorithm=f"hierarchical ring ({tier} tier bounds)", devices=where.devices)
 
 
 def describe_axes(mesh, chip: ChipProfile | None = None) -> str:

@@ -52,7 +52,7 @@ def test_inspect_prints_the_collectives_with_their_axes(capsys, devices, tmp_pat
                 "fsdp",
                 "--mesh",
                 "fsdp=4,tensor=2",
-                "--dump",
+                "--save-hlo",
                 str(tmp_path),
             ]
         )

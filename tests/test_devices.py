@@ -75,3 +75,17 @@ def test_multislice_topology_has_slice_indices():
 def test_unknown_topology_is_a_lab_error():
     with pytest.raises(LabError, match="does not know topology"):
         topology_devices("v5e:banana")
+
+
+@pytest.mark.parametrize("text, cluster", [("gpu:h100:4x8", "h100:4x8"), ("gpu:h200:32x8", "h200:32x8")])
+def test_gpu_cluster_targets_are_compile_only(text, cluster):
+    target = parse_target(text)
+    assert target == Target("gpu", topology=cluster) and str(target) == text
+    assert target.compile_only and target.generation is None  # not a TPU generation
+    assert not parse_target("gpu").compile_only
+
+
+@pytest.mark.parametrize("text", ["gpu:b200:1x8", "gpu:h100:4x9", "gpu:h100:4x"])
+def test_bad_gpu_cluster_targets_say_what_is_wrong(text):
+    with pytest.raises(LabError, match=r"target|GPU"):
+        parse_target(text)

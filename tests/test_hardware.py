@@ -114,3 +114,18 @@ def test_cpu_probe_measures_positive_finite_numbers():
 def test_cpu_probe_rejects_nonsense_arguments():
     with pytest.raises(LabError, match="positive"):
         measure_cpu_profile(copy_bytes=0)
+
+
+def test_hopper_fp8_is_twice_bf16_and_the_two_networks_are_nvlink_over_infiniband():
+    for name in ("h100", "h200"):
+        chip = profile(name)
+        assert chip.peak_fp8_flops == pytest.approx(2 * chip.peak_bf16_flops, rel=1e-3)  # datasheets: 1979 vs 989
+        assert chip.link_bandwidth / chip.dcn_bandwidth == 9  # 450 GB/s NVLink against one 400 Gb/s NIC
+    assert profile("v5e").peak_fp8_flops is None
+
+
+def test_compile_only_gpu_kinds_map_to_their_profile():
+    from lab.gpu_targets import SPECS
+
+    for name, gpu in SPECS.items():
+        assert profile_for_device_kind(gpu.device_kind).name == name

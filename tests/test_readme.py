@@ -33,6 +33,6 @@ def test_ci_pins_the_ruff_the_test_extra_installs():
     assert f'"{pin}"' in pyproject
 
 
-def test_report_command_installs_the_tpu_extra_and_runs_the_report():
+def test_report_command_installs_the_tpu_and_gpu_extras_and_runs_the_report():
     command = _command_after("report-command")
-    assert '".[tpu]"' in command and command.endswith("lab report")
+    assert '".[tpu,gpu]"' in command and command.endswith("lab report")

@@ -75,3 +75,26 @@ def test_a_256_chip_slice_compiles_and_maps_its_axes():
     program = build_program("all-gather", mesh, ("tensor",))
     found = inspect(program.fn, program.abstract_input(2**20), mesh=mesh).collectives
     assert [(c.axes, c.group_size) for c in found] == [(("tensor",), 16)]
+
+
+def test_cpu_devices_get_a_host_placement_and_no_prediction(mesh222):
+    where = placement(mesh222, ("fsdp",))
+    assert (where.network, where.devices) == ("host", 2)
+    assert predict("all-reduce", 2**20, where, profile("h100")) is None
+
+
+def test_a_collective_across_nodes_is_bounded_by_its_slower_tier():
+    from lab.topology import Placement
+
+    chip, size = profile("h100"), 64 * 2**20
+    one_per_node = Placement(("fsdp",), 4, "infiniband", nodes=4)
+    assert predict("all-gather", size, one_per_node, chip) == theory.predict_on_switch(
+        "all-gather", size, chip, 4, network="dcn"
+    )
+    # 8 GPUs in each of 32 nodes: IB carries (M-1)/M of S/8 per NIC, NVLink (8-1)/8 of S; IB is slower here
+    full = predict("all-reduce", size, Placement(("fsdp",), 256, "infiniband", nodes=32), chip)
+    ib = theory.predict_on_switch("all-reduce", size / 8, chip, 32, network="dcn")
+    assert full.seconds == ib.seconds and full.devices == 256 and "IB tier" in full.algorithm
+    within = predict("all-reduce", size, Placement(("tensor",), 8, "nvlink"), chip)
+    assert within == theory.predict_on_switch("all-reduce", size, chip, 8, network="link")
+    assert within.bytes_sent == pytest.approx(2 * 7 / 8 * size)  # NCCL's ring: 2(N-1)/N·S per GPU

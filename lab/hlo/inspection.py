@@ -79,7 +79,7 @@ def inspect(fn, *args: Any, mesh=None, **kwargs: Any) -> Inspection:
         raise LabError(f"inspect needs a function (or a jax.jit-ed one), not {type(fn).__name__}")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     mesh = mesh if mesh is not None else _mesh_of((args, kwargs))
-    with _quiet_on_tpu(mesh):
+    with _quiet_on_accelerators(mesh):
         lowered = jitted.lower(*args, **kwargs)
         compiled = lowered.compile()
     return inspect_compiled(compiled, mesh, unoptimized_hlo=lowered.as_text(dialect="hlo"))
@@ -111,10 +111,11 @@ def _mesh_of(tree):
     return None
 
 
-def _quiet_on_tpu(mesh):
-    """libtpu writes start-up noise to fd 2 when it compiles; hide it for TPU meshes only."""
-    on_tpu = mesh is not None and getattr(mesh.devices.flat[0], "platform", "") == "tpu"
-    return quiet_native_stderr() if on_tpu else contextlib.nullcontext()
+def _quiet_on_accelerators(mesh):
+    """libtpu and XLA:GPU write start-up noise and C++ warnings to fd 2 when they compile; hide it for their meshes
+    (the CPU compiler writes nothing there)."""
+    platform = getattr(mesh.devices.flat[0], "platform", "") if mesh is not None else ""
+    return quiet_native_stderr() if platform in ("tpu", "gpu", "cuda") else contextlib.nullcontext()
 
 
 def _memory(compiled) -> dict[str, int]:
