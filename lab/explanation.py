@@ -246,7 +246,7 @@ def explain_inspection(found: Inspection, mesh=None, *, target: str | None = Non
         mesh=mesh,
         chip=chip,
         memory=found.memory,
-        rooflined=roofline(found, mesh, chip) if chip is not None and found.cost else None,
+        rooflined=roofline(found, mesh, chip) if chip is not None else None,
         target=shown,
     )
 
@@ -320,14 +320,27 @@ def explain_text(
 
 
 def _metadata(hlo_text: str, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, str]]:
-    """The metadata of the instructions that carry the collectives (for their source lines)."""
-    found = {}
+    """The metadata of the instructions that carry the collectives (for their source lines); where a collective
+    carries none (XLA:GPU's combiner writes a concatenated buffer without it), its nearest producer's."""
+    every = {}
     for computation in computations(hlo_text):
         for number, line in computation.instruction_lines():
             instruction = parse_instruction(line, computation.name, number)
-            if instruction is not None and (computation.name, instruction.name) in wanted:
-                found[computation.name, instruction.name] = dict(instruction.metadata)
-    return found
+            if instruction is not None:
+                every[computation.name, instruction.name] = instruction
+    return {key: _nearest_metadata(every, key) for key in wanted if key in every}
+
+
+def _nearest_metadata(every: dict, key: tuple[str, str], depth: int = 0) -> dict[str, str]:
+    instruction = every[key]
+    metadata = dict(instruction.metadata)
+    if metadata.get("stack_frame_id") is not None or metadata.get("source_file") or depth >= 4:
+        return metadata
+    for operand in instruction.operands:
+        found = _nearest_metadata(every, (key[0], operand), depth + 1) if (key[0], operand) in every else {}
+        if found.get("stack_frame_id") is not None or found.get("source_file"):
+            return {**found, **{k: v for k, v in metadata.items() if v is not None}}
+    return metadata
 
 
 def _placed(collective: Collective, mesh, chip: ChipProfile | None) -> tuple[str | None, str | None, float | None]:
@@ -365,6 +378,7 @@ def _roofline_json(r: Roofline | None) -> dict[str, Any] | None:
         return None
     return {
         "chip": r.chip,
+        "counted_from": r.counted_from,
         "flops": r.flops,
         "bytes_accessed": r.bytes_accessed,
         "compute_s": r.compute_s,
@@ -385,7 +399,8 @@ def _roofline_line(r: Roofline | None) -> str:
     if r is None:
         return "roofline: only on TPU and GPU targets (emulated CPU devices share one host; a dump carries no costs)"
     return (
-        f"roofline on {r.chip}: compute {_seconds(r.compute_s)}, HBM {_seconds(r.memory_s)}, communication "
+        f"roofline on {r.chip} (FLOPs and bytes from {r.counted_from}): compute {_seconds(r.compute_s)}, "
+        f"HBM {_seconds(r.memory_s)}, communication "
         f"{_seconds(r.communication_s)} -> {r.bound}-bound; {_seconds(r.overlapped_s)} if all overlaps, "
         f"{_seconds(r.serial_s)} if nothing does"
     )

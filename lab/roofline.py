@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.hlo import Collective, Inspection
+from lab.hlo.schedule import bytes_accessed, parse_schedule
+from lab.hlo.schedule import flops as schedule_flops
 from lab.topology import Placement, placement, predict
 
 
@@ -36,6 +38,7 @@ class Roofline:
     """Predicted times of one compiled step on one chip profile."""
 
     chip: str
+    counted_from: str  # "cost analysis" (XLA's), or "the HLO" (dots and bytes counted where XLA reports none)
     flops: float
     bytes_accessed: float
     compute_s: float
@@ -66,9 +69,11 @@ class Roofline:
 def roofline(inspection: Inspection, mesh, chip: ChipProfile | None = None) -> Roofline:
     """Predict compute, HBM and communication time for a program compiled over `mesh`."""
     chip = chip or profile_for_device_kind(mesh.devices.flat[0].device_kind)
-    flops = inspection.cost.get("flops", 0.0)
-    accessed = inspection.cost.get("bytes accessed", 0.0)
+    flops, accessed, counted = inspection.cost.get("flops"), inspection.cost.get("bytes accessed"), "cost analysis"
+    if flops is None:  # XLA:GPU reports no cost analysis: count the matmuls and the bytes in the HLO itself
+        flops, accessed, counted = _counted(inspection.optimized_hlo)
     return Roofline(
+        counted_from=counted,
         chip=chip.name,
         flops=flops,
         bytes_accessed=accessed,
@@ -76,6 +81,16 @@ def roofline(inspection: Inspection, mesh, chip: ChipProfile | None = None) -> R
         memory_s=accessed / chip.hbm_bandwidth,
         collectives=tuple(_predicted(c, mesh, chip) for c in inspection.collectives),
     )
+
+
+def _counted(hlo_text: str) -> tuple[float, float, str]:
+    """FLOPs of the entry computation's matmuls (loops times their trip counts) and the bytes its kernels touch."""
+    schedule = parse_schedule(hlo_text)
+    entry = schedule.entry
+    body = schedule.computations.get(entry, ())
+    flops = sum(schedule_flops(schedule, entry, i) for i in body)
+    accessed = sum(bytes_accessed(schedule, entry, i) for i in body)
+    return float(flops), float(accessed), "the HLO"
 
 
 def _predicted(collective: Collective, mesh, chip: ChipProfile) -> PredictedCollective:

@@ -128,7 +128,7 @@ def attribute(hlo_text: str, collectives: Sequence[Collective]) -> dict[str, Ori
     named = {i.index for i in graph.inputs.values() if _PARAMETER_NAME.search(i.name)}
     weights = named or set(graph.inputs)  # without names to go by, any input may be a weight
     members = {c.name: _members(graph, c, weights) for c in collectives}
-    receives_gradient = {m.gradient for ms in members.values() for m in ms if m.gradient is not None}
+    receives_gradient = {i for ms in members.values() for m in ms for i in m.gradient}
     parameters = named | receives_gradient
     batches = _batch_sizes(graph.inputs.values(), parameters)
     return {c.name: _origin(c, members[c.name], parameters, batches, graph) for c in collectives}
@@ -140,7 +140,7 @@ class _Member:
 
     shape: tuple[int, ...]
     moved: int | None  # the entry input it is a moved copy of
-    gradient: int | None  # the input whose update (or returned gradient) it flows into
+    gradient: tuple[int, ...]  # the inputs whose update (or returned gradient) it flows into
 
 
 # --------------------------------------------------------------------------- classifying
@@ -172,7 +172,7 @@ def _origin(
             f"reshards {names} over {axes} (declared {declared}; the computation wants another layout): {share}{also}",
         )
     if kind == "gradient":
-        targets = [graph.inputs[i] for i in dict.fromkeys(m.gradient for m in chosen)]
+        targets = [graph.inputs[i] for i in dict.fromkeys(i for m in chosen for i in m.gradient)]
         names = ", ".join(i.name for i in targets)
         elements = sum(i.elements for i in targets)
         return Origin(
@@ -204,7 +204,7 @@ def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str])
         return "scalar"
     if any(size > 1 and size in member.shape for size in batches):
         return "activation"
-    if member.gradient is not None:
+    if member.gradient:
         return "gradient"
     return "surprise"
 
@@ -287,7 +287,7 @@ def _members(graph: _Graph, collective: Collective, weights: set[int]) -> list[_
     instruction = graph.instructions.get((collective.computation, collective.name))
     shapes = list(collective.operand_shapes) or [()]
     if instruction is None:
-        return [_Member(tuple(s), None, None) for s in shapes]
+        return [_Member(tuple(s), None, ()) for s in shapes]
     data = list(instruction.operands)  # all of them: member k of a combined collective is element k of its result
     if base_opcode(instruction.opcode) == "collective-permute" and len(data) == 4:
         data = data[:1]  # the in-place form: (input, output buffer, input offsets, output offsets)
@@ -297,7 +297,7 @@ def _members(graph: _Graph, collective: Collective, weights: set[int]) -> list[_
         _Member(
             tuple(shapes[k]) if k < len(shapes) else (),
             _trace_back(graph, instruction.computation, operand, None, 0),
-            _gradient_of(graph, results[k], weights, total) if k < len(results) else None,
+            _gradient_of(graph, results[k], weights, total) if k < len(results) else (),
         )
         for k, operand in enumerate(data)
     ]
@@ -358,11 +358,11 @@ def _is_constant(graph: _Graph, computation: str, name: str) -> bool:
     return instruction.opcode in _NOT_DATA or (len(shapes) == 1 and not shapes[0][1])
 
 
-def _gradient_of(graph: _Graph, start: list[Instruction], weights: set[int], total: int) -> int | None:
+def _gradient_of(graph: _Graph, start: list[Instruction], weights: set[int], total: int) -> tuple[int, ...]:
     """The weight whose update a reduced value flows into (elementwise, or resharded by further collectives), or
     whose place it takes among the step's outputs."""
     if not start:
-        return None
+        return ()
     # a member, or all the collective's members put back together (a concatenate of a combined all-to-all)
     elements = {*(math.prod(d) for node in start for _, d in arrays(node.shape)), total} - {1}
     frontier, seen, found = list(start), set(), []
@@ -380,13 +380,16 @@ def _gradient_of(graph: _Graph, start: list[Instruction], weights: set[int], tot
                     if source in weights and graph.inputs[source].elements in elements:
                         found.append(source)
             sizes = [math.prod(d) for _, d in arrays(user.shape)]
-            if base_opcode(user.opcode) in KINDS:  # resharded on its way to the update: follow it
-                elements |= {*sizes, sum(sizes)} - {1}
+            only_this = [o for o in user.operands if not _is_constant(graph, user.computation, o)] == [node.name]
+            if base_opcode(user.opcode) in KINDS or only_this:  # resharded, or cut into pieces (a combiner's
+                elements |= {*sizes, sum(sizes)} - {1}  # concatenated buffer sliced back): follow every piece
             if set(sizes) & elements:  # elementwise: the same elements go on
                 frontier.append(user)
-    found = [i for i in found if i is not None]
-    # the weight, not its optimizer state: AdamW's moments are updated from the same gradient, first
-    return next((i for i in found if not _OPTIMIZER_NAME.search(graph.inputs[i].name)), found[0] if found else None)
+    found = list(dict.fromkeys(i for i in found if i is not None))
+    # the weights, not their optimizer state (AdamW's moments are updated from the same gradient, first); several
+    # when the collective carries several gradients in one buffer (XLA:GPU's combiner concatenates them)
+    weights_found = tuple(i for i in found if not _OPTIMIZER_NAME.search(graph.inputs[i].name))
+    return weights_found or tuple(found[:1])
 
 
 def _returned_gradient(graph: _Graph, position: int, weights: set[int]) -> int | None:
