@@ -38,9 +38,10 @@ from rich.text import Text
 from lab.errors import LabError
 from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.hlo import Collective, Inspection, Skipped, inspect, parse_collectives
-from lab.hlo.attribution import Input, Origin, attribute, entry_inputs
+from lab.hlo.attribution import Dataflow, Input, Origin, attribute
+from lab.hlo.schedule import overlap_report
 from lab.hlo.sources import Frame, source_of, stack_frames
-from lab.hlo.text import computations, module_name, parse_instruction
+from lab.hlo.text import module_name
 from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
 from lab.topology import placement, predict
@@ -62,6 +63,14 @@ class Explained:
     link: str | None  # "ici", "dcn", "nvlink", "infiniband", "host", ...; None when the machine is unknown
     where: str | None  # the placement in words ("ICI x:4 ring")
     predicted_s: float | None  # per run, on the target's chip profile
+    overlap_s: float | None = None  # compute the schedule runs while it is in flight (async pairs), per run
+
+    @property
+    def exposed_s(self) -> float | None:
+        """What the step waits for: its predicted time less the compute scheduled under it."""
+        if self.predicted_s is None or self.overlap_s is None:
+            return None
+        return self.predicted_s - min(self.predicted_s, self.overlap_s)
 
     @property
     def count(self) -> int | None:
@@ -90,6 +99,8 @@ class Explained:
             "link": self.link,
             "where": self.where,
             "predicted_s": self.predicted_s,
+            "overlap_s": self.overlap_s,
+            "exposed_s": self.exposed_s,
             "hint": self.hint,
         }
 
@@ -184,7 +195,19 @@ class Explanation:
 
     def _collectives_table(self) -> Table:
         table = Table(title="collectives, surprises first", show_lines=False)
-        for column in ("kind", "axes", "dtype", "S/device", "runs", "async", "link", "predicted", "source", "why"):
+        for column in (
+            "kind",
+            "axes",
+            "dtype",
+            "S/device",
+            "runs",
+            "async",
+            "link",
+            "predicted",
+            "exposed",
+            "source",
+            "why",
+        ):
             table.add_column(column, overflow="fold")
         for e in self.collectives:
             c = e.collective
@@ -199,6 +222,7 @@ class Explanation:
                 "yes" if c.is_async else "",
                 e.link or "?",
                 _seconds(e.predicted_s),
+                _seconds(e.exposed_s),
                 _short_source(e.source, c.op_name),
                 why,
                 style=style,
@@ -297,14 +321,16 @@ def explain_text(
     rooflined: Roofline | None = None,
     target: str,
 ) -> Explanation:
-    origins = attribute(hlo_text, collectives)
+    graph = Dataflow.of(hlo_text)
+    origins = attribute(graph, collectives)
     frames = stack_frames(hlo_text)
-    metadata = _metadata(hlo_text, {(c.computation, c.name) for c in collectives})
+    overlaps = _overlaps(hlo_text, chip, mesh_sizes) if chip is not None else {}
     explained = []
     for c in collectives:
         link, where, seconds = _placed(c, mesh, chip)
-        source = source_of(metadata.get((c.computation, c.name), {}), frames)
-        explained.append(Explained(c, origins[c.name], source, link, where, seconds))
+        key = (c.computation, c.name)
+        source = source_of(_nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
+        explained.append(Explained(c, origins[c.name], source, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(key=lambda e: (order[e.origin.kind], -e.collective.size_bytes * (e.count or 1)))
     return Explanation(
@@ -313,25 +339,24 @@ def explain_text(
         mesh=mesh_sizes,
         collectives=tuple(explained),
         skipped=tuple(skipped),
-        inputs=entry_inputs(hlo_text),
+        inputs=graph.entry_inputs,
         memory=dict(memory),
         roofline=rooflined,
     )
 
 
-def _metadata(hlo_text: str, wanted: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, str]]:
-    """The metadata of the instructions that carry the collectives (for their source lines); where a collective
-    carries none (XLA:GPU's combiner writes a concatenated buffer without it), its nearest producer's."""
-    every = {}
-    for computation in computations(hlo_text):
-        for number, line in computation.instruction_lines():
-            instruction = parse_instruction(line, computation.name, number)
-            if instruction is not None:
-                every[computation.name, instruction.name] = instruction
-    return {key: _nearest_metadata(every, key) for key in wanted if key in every}
+def _overlaps(hlo_text: str, chip: ChipProfile, mesh_sizes: dict[str, int] | None) -> dict[tuple[str, str], float]:
+    """(computation, collective) -> seconds of compute the schedule places between its start and done."""
+    if "is_scheduled=true" not in hlo_text[:4096]:
+        return {}
+    shape = tuple(mesh_sizes.values()) if mesh_sizes else None
+    report = overlap_report(hlo_text, chip, mesh_shape=shape, axis_names=tuple(mesh_sizes) if mesh_sizes else None)
+    return {(w.collective.computation, w.collective.name): w.compute_s for w in report.windows}
 
 
 def _nearest_metadata(every: dict, key: tuple[str, str], depth: int = 0) -> dict[str, str]:
+    """An instruction's metadata; where it carries no source (XLA:GPU's combiner writes its concatenated buffer
+    without one), its nearest producer's."""
     instruction = every[key]
     metadata = dict(instruction.metadata)
     if metadata.get("stack_frame_id") is not None or metadata.get("source_file") or depth >= 4:

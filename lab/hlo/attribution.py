@@ -108,7 +108,9 @@ class Origin:
 
 
 @dataclass(frozen=True)
-class _Graph:
+class Dataflow:
+    """A module's instructions, who uses each, and its entry computation's inputs and outputs: read once."""
+
     instructions: dict[tuple[str, str], Instruction]  # (computation, name) -> instruction
     users: dict[tuple[str, str], list[Instruction]]
     while_callers: dict[str, tuple[str, Instruction]]  # body computation -> (computation, while instruction)
@@ -116,15 +118,18 @@ class _Graph:
     inputs: dict[int, Input]
     root: Instruction | None  # the entry computation's ROOT: the step's outputs when it is a tuple
 
+    @classmethod
+    def of(cls, hlo_text: str) -> Dataflow:
+        return _dataflow(hlo_text)
 
-def entry_inputs(hlo_text: str) -> tuple[Input, ...]:
-    """The entry computation's parameters, with JAX's names and their global shapes."""
-    return tuple(sorted(_graph(hlo_text).inputs.values(), key=lambda i: i.index))
+    @property
+    def entry_inputs(self) -> tuple[Input, ...]:
+        """The entry computation's parameters, with JAX's names and their global shapes."""
+        return tuple(sorted(self.inputs.values(), key=lambda i: i.index))
 
 
-def attribute(hlo_text: str, collectives: Sequence[Collective]) -> dict[str, Origin]:
+def attribute(graph: Dataflow, collectives: Sequence[Collective]) -> dict[str, Origin]:
     """Collective (by HLO instruction name) -> its `Origin`."""
-    graph = _graph(hlo_text)
     named = {i.index for i in graph.inputs.values() if _PARAMETER_NAME.search(i.name)}
     weights = named or set(graph.inputs)  # without names to go by, any input may be a weight
     members = {c.name: _members(graph, c, weights) for c in collectives}
@@ -147,7 +152,7 @@ class _Member:
 
 
 def _origin(
-    collective: Collective, members: list[_Member], parameters: set[int], batches: dict[int, str], graph: _Graph
+    collective: Collective, members: list[_Member], parameters: set[int], batches: dict[int, str], graph: Dataflow
 ) -> Origin:
     axes = ",".join(collective.axes or ()) or "its groups"
     kinds = [_member_kind(m, parameters, batches) for m in members]
@@ -235,7 +240,7 @@ def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str
 # --------------------------------------------------------------------------- walking the graph
 
 
-def _graph(hlo_text: str) -> _Graph:
+def _dataflow(hlo_text: str) -> Dataflow:
     instructions, users, whiles, entry, root = {}, defaultdict(list), {}, "", None
     for computation in computations(hlo_text):
         entry = computation.name if computation.is_entry else entry
@@ -257,7 +262,7 @@ def _graph(hlo_text: str) -> _Graph:
         if computation == entry and instruction.opcode == "parameter":
             index = _parameter_number(instruction, 0)
             inputs[index] = _input(instruction, index)
-    return _Graph(instructions, users, whiles, entry, inputs, root if root and root.opcode == "tuple" else None)
+    return Dataflow(instructions, users, whiles, entry, inputs, root if root and root.opcode == "tuple" else None)
 
 
 def _parameter_number(instruction: Instruction, default: int) -> int:
@@ -282,7 +287,7 @@ def _global_shape(local: tuple[int, ...], sharding: str) -> tuple[int, ...]:
     return tuple(d * t for d, t in zip(local, counts))
 
 
-def _members(graph: _Graph, collective: Collective, weights: set[int]) -> list[_Member]:
+def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list[_Member]:
     """The arrays the collective carries: each one's shape, the input it moves, the input its result updates."""
     instruction = graph.instructions.get((collective.computation, collective.name))
     shapes = list(collective.operand_shapes) or [()]
@@ -303,7 +308,7 @@ def _members(graph: _Graph, collective: Collective, weights: set[int]) -> list[_
     ]
 
 
-def _results(graph: _Graph, instruction: Instruction, members: int) -> list[list[Instruction]]:
+def _results(graph: Dataflow, instruction: Instruction, members: int) -> list[list[Instruction]]:
     """For each member, the instructions that hold its result: the collective (its -done), or its tuple elements."""
     holders = [instruction]
     for user in graph.users.get((instruction.computation, instruction.name), ()):
@@ -320,7 +325,7 @@ def _results(graph: _Graph, instruction: Instruction, members: int) -> list[list
     return per
 
 
-def _trace_back(graph: _Graph, computation: str, name: str, index: int | None, depth: int) -> int | None:
+def _trace_back(graph: Dataflow, computation: str, name: str, index: int | None, depth: int) -> int | None:
     """The entry input `name` is a moved copy of (element `index` of it when it is a tuple), else None."""
     instruction = graph.instructions.get((computation, name))
     if instruction is None or depth > 64:
@@ -349,7 +354,7 @@ def _trace_back(graph: _Graph, computation: str, name: str, index: int | None, d
     return None
 
 
-def _is_constant(graph: _Graph, computation: str, name: str) -> bool:
+def _is_constant(graph: Dataflow, computation: str, name: str) -> bool:
     """Operands that carry no data of the program: constants, ids, and scalars (offsets, counters)."""
     instruction = graph.instructions.get((computation, name))
     if instruction is None:
@@ -358,7 +363,7 @@ def _is_constant(graph: _Graph, computation: str, name: str) -> bool:
     return instruction.opcode in _NOT_DATA or (len(shapes) == 1 and not shapes[0][1])
 
 
-def _gradient_of(graph: _Graph, start: list[Instruction], weights: set[int], total: int) -> tuple[int, ...]:
+def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], total: int) -> tuple[int, ...]:
     """The weight whose update a reduced value flows into (elementwise, or resharded by further collectives), or
     whose place it takes among the step's outputs."""
     if not start:
@@ -392,7 +397,7 @@ def _gradient_of(graph: _Graph, start: list[Instruction], weights: set[int], tot
     return weights_found or tuple(found[:1])
 
 
-def _returned_gradient(graph: _Graph, position: int, weights: set[int]) -> int | None:
+def _returned_gradient(graph: Dataflow, position: int, weights: set[int]) -> int | None:
     """A gradient returned by the step: the k-th output of a weight's size is the k-th weight of that size
     (gradients are returned as the same tree as the weights, so their order is the weights' order)."""
     sizes = [math.prod(d) for _, d in arrays(graph.instructions[graph.entry, graph.root.operands[position]].shape)]
