@@ -61,9 +61,10 @@ def test_inspect_prints_the_collectives_with_their_axes(capsys, devices, tmp_pat
     out = capsys.readouterr().out
     assert "collective-permute" in out and "fsdp" in out and "memory per device" in out
     after = next(tmp_path.glob("*.after_optimizations.hlo"))
-    # the dump reads back through --hlo to the same table
-    assert main(["inspect", "--hlo", str(after), "--mesh", "fsdp=4,tensor=2"]) == 0
-    assert "│ collective-permute │ fsdp │     6 │" in capsys.readouterr().out
+    # the dump reads back through --hlo to the same collectives
+    assert main(["inspect", "--hlo", str(after), "--mesh", "fsdp=4,tensor=2", "--json"]) == 0
+    totals = json.loads(capsys.readouterr().out)["totals"]
+    assert [(t["kind"], t["axes"], t["collectives"]) for t in totals] == [("collective-permute", ["fsdp"], 6)]
 
 
 def test_inspect_dump_with_a_device_order(capsys, tmp_path):
@@ -76,11 +77,13 @@ def test_inspect_dump_with_a_device_order(capsys, tmp_path):
     )
     path = tmp_path / "dump.txt"
     path.write_text(text)
-    assert main(["inspect", "--hlo", str(path), "--mesh", "data=2,tensor=2"]) == 0
-    assert "│ all-reduce │ data │" in capsys.readouterr().out
+    def axes(*argv):
+        assert main(["inspect", "--hlo", str(path), "--mesh", "data=2,tensor=2", "--json", *argv]) == 0
+        return [c["axes"] for c in json.loads(capsys.readouterr().out)["collectives"]]
+
+    assert axes() == [["data"]]
     # with devices 0,2,1,3 in mesh order, the groups {0,2},{1,3} are tensor neighbours
-    assert main(["inspect", "--hlo", str(path), "--mesh", "data=2,tensor=2", "--device-order", "0", "2", "1", "3"]) == 0
-    assert "│ all-reduce │ tensor │" in capsys.readouterr().out
+    assert axes("--device-order", "0", "2", "1", "3") == [["tensor"]]
 
 
 def test_bench_prints_an_nccl_tests_table(capsys, devices):

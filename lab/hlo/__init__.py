@@ -5,12 +5,15 @@ compiler will run. This package reads it, in one direction::
 
     text         one HLO instruction reader: computations, instruction lines, shapes and bytes
       |
+    sources      the stack-frame tables: which line of the user's Python made an instruction
     groups       replica groups in XLA's three notations (explicit, iota, mesh) -> device groups -> mesh axes
       |
     collectives  every collective as one `Collective` (async pairs, fusions, combined tuples), `summarize`
       |
     schedule     the window each collective's transfer has in the schedule, priced: what overlap hides
+    attribution  why each collective is there: the parameter, gradient, input or activations it moves
     inspection   compile a program and collect it all: `inspect` -> `Inspection` (HLO, collectives, memory, cost)
+    dumps        the folder XLA_FLAGS=--xla_dump_to writes: its optimized modules, memory and device assignment
 
 `lab.hlo.text` is the only module that knows what an HLO line looks like;
 the others are built on its `Instruction`. Nothing here imports `lab.bench`
@@ -32,7 +35,13 @@ from lab.hlo.inspection import format_memory as format_memory
 from lab.hlo.inspection import inspect as inspect
 from lab.hlo.inspection import inspect_compiled as inspect_compiled
 from lab.hlo.inspection import summary_table as summary_table
+from lab.hlo.sources import source_of as source_of
+from lab.hlo.sources import stack_frames as stack_frames
 from lab.hlo.text import HEADER as HEADER
 from lab.hlo.text import INSTRUCTION as INSTRUCTION
 from lab.hlo.text import OP_NAME as OP_NAME
+from lab.hlo.text import Instruction as Instruction
+from lab.hlo.text import computations as computations
+from lab.hlo.text import module_devices as module_devices
 from lab.hlo.text import op_names as op_names
+from lab.hlo.text import parse_instruction as parse_instruction

@@ -14,7 +14,11 @@ The same collective takes several forms: synchronous; an async ``-start`` /
 (the TPU compiler writes a reduce-scatter as an ``all-reduce-scatter`` fusion
 of all-reduce + dynamic-slice, and an overlapped collective as an "async
 collective fusion" chain: start, continuations, done); or *combined*: one
-tuple-shaped instruction carrying several arrays. `parse_collectives` makes
+tuple-shaped instruction carrying several arrays. XLA:GPU also writes a
+pipelined permute as ``send`` / ``recv`` instructions on one channel, their
+pairs in ``frontend_attributes={_xla_send_recv_source_target_pairs=...}``; a
+send/recv pair is one collective-permute here (a host transfer,
+``is_host_transfer=true``, is none). `parse_collectives` makes
 each of them one `Collective`, and lists the lines it could not read
 (`Skipped`) instead of raising; `summarize` totals them per kind and axes,
 counting loop bodies by their trip counts.
@@ -22,7 +26,17 @@ counting loop bodies by their trip counts.
 Sizes follow the nccl-tests convention for S, the size one quotes for a
 collective (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
 all-gather: the gathered result; reduce-scatter: the full input; all-reduce,
-all-to-all, collective-permute: the operand. Bytes are per device.
+all-to-all, collective-permute: the operand; an in-place permute
+(``collective-permute(in, out, in_offsets, out_offsets), slice_sizes={{..}}``)
+sends only its slices, so its S is theirs. Bytes are per device.
+
+Each collective carries the JAX op name and source line of the instruction
+that holds it (the -start of an async pair, the collective inside a fusion,
+else the fusion), read from its metadata or the module's stack frames.
+
+It is one concept in one module, though above 500 lines: every form above must
+become the same `Collective` through one path (groups, sizes, loop counts,
+source): forms built apart would drift apart.
 """
 
 from __future__ import annotations
@@ -36,18 +50,20 @@ from dataclasses import dataclass, field, replace
 from lab.collectives import KINDS
 from lab.errors import LabError
 from lab.hlo.groups import Groups, collective_axes, expand_replica_groups, groups_of_pairs, replica_groups_text
+from lab.hlo.sources import StackFrames, source_of, stack_frames
 from lab.hlo.text import (
     ASYNC_SUFFIX,
-    CALLEE,
-    OP_NAME,
+    STRING,
     Instruction,
     Shape,
     arrays,
     base_opcode,
+    compact,
     computations,
     module_devices,
     nbytes,
     parse_instruction,
+    statement_is_open,
 )
 from lab.mesh import AXES
 
@@ -76,6 +92,8 @@ class Collective:
     axes: tuple[str, ...] | None = None  # mesh axes the groups span; None: unknown or no set of axes
     op_name: str | None = None  # JAX op name from metadata
     repeats: int | None = 1  # runs per program call: product of loop trip counts; None if unknown
+    source_file: str | None = None  # the Python file that made it (metadata, or the module's stack frames)
+    source_line: int | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -108,6 +126,11 @@ class CollectiveTotal:
 _KEYWORDS = re.compile(  # a cheap test before a line is parsed: does it mention a collective at all?
     r"all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|collective-broadcast|AsyncCollective"
 )
+_POINT_TO_POINT_OPCODE = re.compile(r"\b(?:send|recv)(?:-done)?\s*\(")  # tried only on lines saying send or recv
+# a computation a fusion, async wrapper, loop or call runs: read on the line with its strings removed
+_CALLEE_ON_LINE = re.compile(r",\s*(?:calls|body|to_apply)\s*=\s*%?([\w.\-]+)")
+_POINT_TO_POINT = ("send", "recv", "send-done", "recv-done")
+_PAIRS_ATTRIBUTE = "_xla_send_recv_source_target_pairs"
 _UNMODELLED = {
     "ragged-all-to-all": "ragged-all-to-all: its sizes depend on offsets known only at run time",
     "collective-broadcast": "collective-broadcast is not one of the modelled kinds",
@@ -124,10 +147,13 @@ class _Scan:
     callers: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # callee -> (computation, line number, line)
     markers: dict[str, str] = field(default_factory=dict)  # computation -> "start"/"done" of an async collective fusion
     skipped: list[Skipped] = field(default_factory=list)
+    point_to_point: list[Instruction] = field(default_factory=list)  # send, recv (their -done: bookkeeping)
+    recv_pairs: dict[tuple[str, str], str] = field(default_factory=dict)  # (computation, send) -> its recv's pairs
+    frames: StackFrames = field(default_factory=lambda: stack_frames(""))
 
 
 def _scan(hlo_text: str) -> _Scan:
-    scan = _Scan(num_devices=module_devices(hlo_text))
+    scan = _Scan(num_devices=module_devices(hlo_text), frames=stack_frames(hlo_text))
     for computation in computations(hlo_text):
         scan.entry = computation.name if computation.is_entry else scan.entry
         for number, line in computation.instruction_lines():
@@ -137,10 +163,10 @@ def _scan(hlo_text: str) -> _Scan:
 
 def _scan_line(scan: _Scan, computation: str, number: int, line: str) -> None:
     """Note who calls whom, and keep `line` if it is a collective."""
-    if "calls=" in line or "body=" in line or "to_apply=" in line:
-        for callee in CALLEE.findall(line):
+    if "calls" in line or "body" in line or "to_apply" in line:
+        for callee in _callees_on_line(line):
             scan.callers.setdefault(callee, (computation, number, line))
-    if not _KEYWORDS.search(line):
+    if not _KEYWORDS.search(line) and not (("send" in line or "recv" in line) and _POINT_TO_POINT_OPCODE.search(line)):
         return
     if "AsyncCollectiveStart" in line or "AsyncCollectiveDone" in line:
         scan.markers[computation] = "start" if "AsyncCollectiveStart" in line else "done"
@@ -153,8 +179,24 @@ def _scan_line(scan: _Scan, computation: str, number: int, line: str) -> None:
                 "mentions a collective but is not an HLO instruction this parser can read",
             )
         )
+    elif statement_is_open(line):
+        scan.skipped.append(
+            Skipped(number, line.strip()[:240], "a quote, bracket or brace is never closed: the instruction is cut")
+        )
     elif base_opcode(instruction.opcode) in KINDS or instruction.opcode in _UNMODELLED:
         scan.instructions.append(instruction)
+    elif instruction.opcode in ("send", "recv"):
+        scan.point_to_point.append(instruction)
+
+
+def _callees_on_line(line: str) -> list[str]:
+    """The computations an instruction line names in calls=, body= or to_apply=, never text quoted in it."""
+    found = _CALLEE_ON_LINE.findall(line)
+    if not found or '"' not in line:
+        return found
+    # XLA prints these attributes before any quoted one: the line up to its first quote is usually the answer
+    head = _CALLEE_ON_LINE.findall(line[: line.index('"')])
+    return head if head == found else _CALLEE_ON_LINE.findall(STRING.sub("", line))
 
 
 # --------------------------------------------------------------------------- building collectives
@@ -193,14 +235,14 @@ def parse_collectives(
     contexts: dict[str, _Context] = {}
     skipped = list(scan.skipped)
     found: list[tuple[Collective, str | None]] = []
-    for instruction, result, form, is_async in _logical_collectives(scan, skipped):
+    for instruction, result, form, is_async in (*_logical_collectives(scan, skipped), *_send_recv(scan, skipped)):
         try:
             if instruction.opcode in _UNMODELLED:
                 raise _Unreadable(_UNMODELLED[instruction.opcode])
             if instruction.computation not in contexts:
                 contexts[instruction.computation] = _context(instruction.computation, scan)
             context = contexts[instruction.computation]
-            collective = _build(instruction, result, form, is_async, context, num_devices, mesh, scan.markers)
+            collective = _build(instruction, result, form, is_async, context, num_devices, mesh, scan)
             found.append((collective, instruction.attr(r'chain_id="(\d+)"') if context.fusion else None))
         except (
             ValueError,
@@ -243,9 +285,50 @@ def _logical_collectives(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[
                     )
                 )
                 continue
-            yield start, instruction.shape, f"{start.opcode}/{instruction.opcode}", True
+            if _runs_synchronously(start):
+                yield start, instruction.shape, f"{start.opcode}/{instruction.opcode} (is_sync: run in place)", False
+            else:
+                yield start, instruction.shape, f"{start.opcode}/{instruction.opcode}", True
     for start in starts.values():
         skipped.append(Skipped(start.line_number, start.line.strip()[:240], f"{start.opcode} without a matching done"))
+
+
+def _runs_synchronously(start: Instruction) -> bool:
+    """XLA:GPU keeps the start/done pair of a collective it decided not to overlap, and marks it
+    ``backend_config={"collective_backend_config":{"is_sync":true,...}}``: NCCL runs it on the compute stream."""
+    return '"is_sync":true' in start.attrs.replace(" ", "")
+
+
+def _send_recv(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[Instruction, str, str, bool]]:
+    """(send, its shape, "send/recv", True) per send/recv pair on one channel: XLA:GPU's pipelined permute.
+
+    A send's shape is ``(data, u32[] context, token[])``; its pairs are the
+    ``_xla_send_recv_source_target_pairs`` frontend attribute of the send (or
+    of its recv). Host transfers and unpaired halves are skipped.
+    """
+    channels: dict[str, dict[str, list[Instruction]]] = defaultdict(lambda: {"send": [], "recv": []})
+    for instruction in scan.point_to_point:
+        if instruction.attribute("is_host_transfer") == "true":
+            skipped.append(_skip(instruction, f"{instruction.opcode} is a host transfer, not a collective"))
+            continue
+        channel = instruction.attribute("channel_id")
+        if channel is None:
+            skipped.append(_skip(instruction, f"{instruction.opcode} without channel_id: its other half is unknown"))
+            continue
+        channels[channel][instruction.opcode].append(instruction)
+    for channel, halves in channels.items():
+        for send, recv in zip(halves["send"], halves["recv"]):
+            if _PAIRS_ATTRIBUTE in recv.frontend_attributes:
+                scan.recv_pairs[(send.computation, send.name)] = recv.frontend_attributes[_PAIRS_ATTRIBUTE]
+            yield send, send.shape, "send/recv", True
+        count = min(len(halves["send"]), len(halves["recv"]))
+        for unpaired in (*halves["send"][count:], *halves["recv"][count:]):
+            other = "recv" if unpaired.opcode == "send" else "send"
+            skipped.append(_skip(unpaired, f"{unpaired.opcode} without a matching {other} on channel_id={channel}"))
+
+
+def _skip(instruction: Instruction, reason: str) -> Skipped:
+    return Skipped(instruction.line_number, instruction.line.strip()[:240], reason)
 
 
 def _context(computation: str, scan: _Scan) -> _Context:
@@ -278,13 +361,16 @@ def _build(
     context: _Context,
     num_devices: int | None,
     mesh,
-    markers: dict[str, str],
+    scan: _Scan,
 ) -> Collective:
-    kind = base_opcode(instruction.opcode)
+    markers = scan.markers
+    kind = "collective-permute" if instruction.opcode == "send" else base_opcode(instruction.opcode)
     results = arrays(result_shape)
+    if instruction.opcode == "send":
+        results = _sent_arrays(results, result_shape)
     if not results:
         raise _Unreadable(f"no array shape in {result_shape[:80]!r}")
-    groups, pairs = _groups_and_pairs(kind, instruction, num_devices)
+    groups, pairs = _groups_and_pairs(kind, instruction, num_devices, scan)
     group_size = max(map(len, groups), default=None)
     operands = _operand_arrays(kind, results, instruction, group_size)
     name, computation, fused = instruction.name, instruction.computation, context.fusion is not None
@@ -296,6 +382,11 @@ def _build(
             name, computation = context.fusion.name, context.fusion.computation
     elif context.async_wrapper is not None:
         form = f"async-start %{context.async_wrapper.name} wrapping {form}"
+    metadata = instruction.metadata
+    if metadata["op_name"] is None and context.fusion is not None:
+        metadata = context.fusion.metadata
+    source = source_of(metadata, scan.frames)
+    source_file, source_line = (source.file, source.line) if source is not None else (None, None)
     return Collective(
         kind=kind,
         name=name,
@@ -313,40 +404,77 @@ def _build(
         replica_groups=groups,
         source_target_pairs=pairs,
         axes=collective_axes(kind, groups, pairs, mesh),
-        op_name=instruction.attr(OP_NAME) or (context.fusion.attr(OP_NAME) if context.fusion else None),
+        op_name=instruction.metadata["op_name"] or (context.fusion.metadata["op_name"] if context.fusion else None),
         repeats=context.repeats,
+        source_file=source_file,
+        source_line=source_line,
     )
 
 
+def _sent_arrays(arrays_: list[tuple[str, Shape]], shape: str) -> list[tuple[str, Shape]]:
+    """The data a send carries: its shape is (data..., u32[] context, token[])."""
+    if len(arrays_) < 3 or arrays_[-1] != ("token", ()) or arrays_[-2] != ("u32", ()):
+        raise _Unreadable(f"send shape {shape[:80]!r} is not (data, u32[], token[])")
+    return arrays_[:-2]
+
+
 def _groups_and_pairs(
-    kind: str, instruction: Instruction, num_devices: int | None
+    kind: str, instruction: Instruction, num_devices: int | None, scan: _Scan
 ) -> tuple[Groups, tuple[tuple[int, int], ...]]:
     """Replica groups (for a permute: the devices its pairs link) and a permute's source-target pairs."""
     if kind == "collective-permute":
-        pairs = _source_target_pairs(instruction)
+        pairs = _source_target_pairs(instruction, scan)
         return groups_of_pairs(pairs), pairs
-    return expand_replica_groups(replica_groups_text(instruction.attrs) or "{}", num_devices), ()
+    return expand_replica_groups(replica_groups_text(instruction.attributes) or "{}", num_devices), ()
 
 
-def _source_target_pairs(instruction: Instruction) -> tuple[tuple[int, int], ...]:
-    text = instruction.attr(r"source_target_pairs=(\{(?:\{\d+,\d+\},?)*\})")
+_PAIRS = re.compile(r"\{(?:\{\d+,\d+\},?)*\}")
+
+
+def _source_target_pairs(instruction: Instruction, scan: _Scan) -> tuple[tuple[int, int], ...]:
+    if instruction.opcode == "send":
+        text = instruction.frontend_attributes.get(_PAIRS_ATTRIBUTE) or scan.recv_pairs.get(
+            (instruction.computation, instruction.name)
+        )
+        missing = f"send/recv without {_PAIRS_ATTRIBUTE} in frontend_attributes"
+    else:
+        text, missing = instruction.attribute("source_target_pairs"), "collective-permute without source_target_pairs"
     if text is None:
-        raise _Unreadable("collective-permute without source_target_pairs")
+        raise _Unreadable(missing)
+    text = compact(text)
+    if not _PAIRS.fullmatch(text):
+        raise _Unreadable(f"unreadable source-target pairs {text[:80]!r}")
     return tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", text))
 
 
 def _operand_arrays(
     kind: str, results: list[tuple[str, Shape]], instruction: Instruction, group_size: int | None
 ) -> list[tuple[str, Shape]]:
-    """Operand shapes from result shapes (operands are printed by name only in current HLO text)."""
+    """Operand shapes from result shapes (operands are printed by name only in current HLO text); an in-place
+    permute's operands are the slices it sends."""
+    if kind == "collective-permute" and instruction.attribute("slice_sizes") is not None:
+        return _permute_slices(results, instruction.attribute("slice_sizes"))
     if kind not in ("all-gather", "reduce-scatter"):
         return results
-    dimension = instruction.attr(r"dimensions=\{(\d+)\}")
+    dimension = instruction.attr(r"\bdimensions=\{(\d+)\}")
     if dimension is None or not group_size:
         raise _Unreadable(f"{kind} without dimensions={{..}} or without a known group size")
     d = int(dimension)
     scale = (lambda n: n // group_size) if kind == "all-gather" else (lambda n: n * group_size)
-    return [(dtype, (*dims[:d], scale(dims[d]), *dims[d + 1 :])) for dtype, dims in results]
+    # a rank-0 member of a combined tuple (a scalar) has no dimension d: it is moved whole, as printed
+    return [(dtype, (*dims[:d], scale(dims[d]), *dims[d + 1 :]) if d < len(dims) else dims) for dtype, dims in results]
+
+
+def _permute_slices(results: list[tuple[str, Shape]], text: str) -> list[tuple[str, Shape]]:
+    """The slices an in-place permute sends (``slice_sizes={{128,32},...}``), each of its buffer's dtype.
+
+    The slices are listed buffer by buffer, so with a tuple of k buffers and
+    m slices, slice i belongs to buffer i * k // m.
+    """
+    if not re.fullmatch(r"\{(?:\{[\d,]*\},?)+\}", text):
+        raise _Unreadable(f"unreadable slice_sizes {text[:80]!r}")
+    slices = [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"\{([\d,]*)\}", text[1:-1])]
+    return [(results[i * len(results) // len(slices)][0], dims) for i, dims in enumerate(slices)]
 
 
 def _is_reduce_scatter_fusion(context: _Context) -> bool:

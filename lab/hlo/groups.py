@@ -29,11 +29,11 @@ import functools
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from lab.hlo.text import Shape
+from lab.hlo.text import Shape, compact, split_attributes
 from lab.mesh import axes_of_groups
 
 Groups = tuple[tuple[int, ...], ...]
@@ -60,16 +60,23 @@ _AXIS_REF = re.compile(r"^(?P<name>[^:]+?)(?::\((?P<pre>\d+)\)(?P<size>\d+))?$")
 # --------------------------------------------------------------------------- reading the value
 
 
-def replica_groups_text(attrs: str) -> str | None:
-    """The replica_groups value in an instruction's attributes, in any notation (a mesh value holds commas, spaces
-    and braces); None when there is none. Raises ValueError on a value it cannot delimit."""
-    start = attrs.find("replica_groups=")
-    if start < 0:
+def replica_groups_text(attrs: str | Mapping[str, str]) -> str | None:
+    """The replica_groups value in an instruction's attributes (their text, or `Instruction.attributes`), in any
+    notation (a mesh value holds commas, spaces and braces); None when there is none. Only a top-level attribute
+    counts (text quoted in metadata is none), and blanks are allowed around ``=`` and inside explicit and iota
+    lists. Raises ValueError on a value it cannot delimit."""
+    found = split_attributes(attrs) if isinstance(attrs, str) else attrs
+    value = found.get("replica_groups")
+    if value is None:
         return None
-    value = attrs[start + len("replica_groups=") :]
+    if not value.startswith(("mesh", "@mesh")):
+        value = compact(value)
     if value.startswith("{"):
-        return value[: _closing_brace(value)]
-    match = _GROUPS_VALUE.match(value)
+        end = _closing_brace(value)
+        if value[end:].strip():
+            raise ValueError(f"unknown replica_groups notation {value[:80]!r}")
+        return value[:end]
+    match = _GROUPS_VALUE.fullmatch(value)
     if not match:
         raise ValueError(f"unknown replica_groups notation {value[:80]!r}")
     return match.group()

@@ -32,9 +32,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lab.hlo.text import parse_metadata, unescape
+
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _ROW = re.compile(r"^(\d+)\s+(.*)$")
-_FIELD = re.compile(r"(\w+)=(\d+)")
 _LIBRARY = re.compile(r"(site-packages|dist-packages)/|/lib/python\d|^<frozen |/jax/_src/")
 
 
@@ -85,7 +86,7 @@ def stack_frames(hlo_text: str) -> StackFrames:
     """The frame tables of a module's text (empty when it prints none)."""
     rows: dict[str, dict[int, str]] = {name: {} for name in _TABLES}
     table = None
-    for line in _table_lines(hlo_text):
+    for line in _table_lines(hlo_text) if "StackFrames" in hlo_text else ():
         stripped = line.strip()
         if stripped in _TABLES:
             table = stripped
@@ -93,17 +94,17 @@ def stack_frames(hlo_text: str) -> StackFrames:
         row = _ROW.match(stripped)
         if table and row:
             rows[table][int(row[1])] = row[2]
-    fields = {name: {key: dict(_FIELD.findall(value)) for key, value in rows[name].items()} for name in _TABLES[2:]}
+    locations = {key: parse_metadata(value) for key, value in rows["FileLocations"].items()}
+    frames = {key: parse_metadata(value) for key, value in rows["StackFrames"].items()}
     return StackFrames(
         files={key: _unquote(value) for key, value in rows["FileNames"].items()},
         functions={key: _unquote(value) for key, value in rows["FunctionNames"].items()},
         locations={
-            key: (int(f.get("file_name_id", 0)), int(f.get("function_name_id", 0)), int(f.get("line", 0)))
-            for key, f in fields["FileLocations"].items()
+            key: (int(f.get("file_name_id") or 0), int(f.get("function_name_id") or 0), int(f.get("line") or 0))
+            for key, f in locations.items()
         },
         parents={
-            key: (int(f.get("file_location_id", 0)), int(f.get("parent_frame_id", 0)))
-            for key, f in fields["StackFrames"].items()
+            key: (int(f.get("file_location_id") or 0), int(f.get("parent_frame_id") or 0)) for key, f in frames.items()
         },
     )
 
@@ -124,13 +125,12 @@ def source_of(metadata: Mapping[str, str], frames: StackFrames) -> Frame | None:
 def _table_lines(hlo_text: str):
     """The lines before the first computation (where the tables are printed)."""
     for line in hlo_text.splitlines():
-        if line.rstrip().endswith("{") and not line.lstrip()[:1].isdigit():
+        stripped = line.strip()
+        if stripped.endswith("{") and not stripped[:1].isdigit() and not stripped.startswith("HloModule"):
             return
         yield line
 
 
 def _unquote(text: str) -> str:
     text = text.strip()
-    if len(text) >= 2 and text[0] == text[-1] == '"':
-        return bytes(text[1:-1], "utf-8").decode("unicode_escape") if "\\" in text else text[1:-1]
-    return text
+    return unescape(text[1:-1]) if len(text) >= 2 and text[0] == text[-1] == '"' else text

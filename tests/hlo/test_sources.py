@@ -1,0 +1,63 @@
+"""The stack-frame tables: an instruction's line in the user's code, past the libraries that called it."""
+
+from pathlib import Path
+
+from lab.hlo import parse_collectives
+from lab.hlo.sources import Frame, source_of, stack_frames
+
+DATA = Path(__file__).parents[1] / "data" / "hlo"
+
+TABLES = """HloModule jit_step, entry_computation_layout={()->f32[]}
+
+FileNames
+1 "/home/me/train.py"
+2 "/usr/lib/python3.11/site-packages/flax/nnx/nn/linear.py"
+3 "/home/me/caf\\303\\251 \\"model\\".py"
+
+FunctionNames
+1 "loss"
+2 "__call__"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=10 end_line=10 column=4 end_column=9}
+2 {file_name_id=2 function_name_id=2 line=388 end_line=388 column=8 end_column=20}
+3 {file_name_id=3 function_name_id=1 line=7 end_line=7 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+3 {file_location_id=3 parent_frame_id=0}
+
+ENTRY %main () -> f32[] {
+  ROOT %c = f32[] constant(0), metadata={op_name="x" stack_frame_id=2}
+}
+"""
+
+
+def test_a_frame_inside_a_library_points_at_the_users_line_that_called_it():
+    frames = stack_frames(TABLES)
+    assert frames.chain(2) == (
+        Frame("/usr/lib/python3.11/site-packages/flax/nnx/nn/linear.py", 388, "__call__"),
+        Frame("/home/me/train.py", 10, "loss"),
+    )
+    assert source_of({"stack_frame_id": 2}, frames) == Frame("/home/me/train.py", 10, "loss")
+    # escaped names are unescaped: octal UTF-8 and quotes
+    assert str(source_of({"stack_frame_id": 3}, frames)) == '/home/me/café "model".py:7'
+
+
+def test_the_older_source_file_metadata_is_read_when_there_are_no_frames():
+    frames = stack_frames(TABLES)
+    assert source_of({"source_file": "own.py", "source_line": 2}, frames) == Frame("own.py", 2, "?")
+    assert source_of({"op_name": "x"}, frames) is None
+    assert source_of({"stack_frame_id": 99}, frames) is None
+    assert stack_frames("HloModule m\nENTRY %e () -> f32[] {\n}\n").chain(1) == ()
+
+
+def test_the_recorded_fixture_names_its_lines():
+    text = (DATA / "cpu_scan_fsdp.hlo").read_text()
+    frames = stack_frames(text)
+    assert frames.chain(1)[0] == Frame("tests/test_hlo.py", 482, "<module>")
+    collectives, _ = parse_collectives(text, (1, 1, 8, 1, 1))
+    assert collectives and all(
+        c.source_file == "tests/test_hlo.py" and c.source_line in (113, 114, 116) for c in collectives
+    )
