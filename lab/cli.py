@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import signal
 import sys
@@ -369,6 +370,12 @@ def _explain_text(command: Inspect, text: str, memory: dict[str, int]):
     spec = MeshSpec.parse(command.mesh)
     if partitions is None and -1 in spec.shape:
         raise LabError("the module's header gives no device count (num_partitions): give every --mesh axis a size")
+    known = math.prod(size for size in spec.shape if size != -1)
+    if partitions is not None and (partitions % known if -1 in spec.shape else spec.size != partitions):
+        raise LabError(
+            f"--mesh {spec} does not fit the module, which runs on {partitions} devices (num_partitions x "
+            f"replica_count in its header); give axes whose sizes multiply to {partitions}"
+        )
     spec = spec.resolve(partitions or spec.size)
     target = parse_target(command.target)
     mesh = None

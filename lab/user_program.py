@@ -129,5 +129,5 @@ def _one_line(err: BaseException) -> str:
 
 def _kind(value: Any) -> str:
     if isinstance(value, (tuple, list)):
-        return f"a {type(value).__name__} of {len(value)}"
-    return "None" if value is None else f"a {type(value).__name__}"
+        return f"a {type(value).__name__} of {len(value)} items"
+    return "None" if value is None else f"a value of type {type(value).__name__}"

@@ -173,7 +173,12 @@ def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
         (["--dump", "{tmp}/no_such_folder"], "no such folder"),
         (["--dump", "{tmp}/two", "--module", "jit_step"], "matches 2 modules"),
         (["--dump", "{tmp}/two", "--module", "jit_other"], "is not in the dump"),
-        (["--dump", "{tmp}/two", "--mesh", "data=3"], "uses 3 devices but the target has 8"),
+        (["--dump", "{tmp}/two", "--mesh", "data=3"], "runs on 8 devices"),
+        (["--dump", "{tmp}/two", "--mesh", "data=3,fsdp=-1"], "runs on 8 devices"),
+        (["--fn", "{tmp}/user.py:returns_a_number"], "returned a value of type int; it must return (fn, args)"),
+        (["--fn", "{tmp}/user.py:returns_three"], "returned a tuple of 3 items"),
+        (["--fn", "{tmp}/user.py:fails"], "raised ZeroDivisionError: division by zero (user.py:10)"),
+        (["--fn", "{tmp}/broken.py:step"], "importing"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):
@@ -186,6 +191,11 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
     )
     for number in ("0001", "0002"):
         (two / f"module_{number}.jit_step.cpu_after_optimizations.txt").write_text(module)
+    (tmp_path / "user.py").write_text(
+        "def returns_a_number(mesh):\n    return 3\n\n\ndef returns_three(mesh):\n    return 1, 2, 3\n\n\n"
+        "def fails(mesh):\n    return 1 / 0\n"
+    )
+    (tmp_path / "broken.py").write_text("import no_such_module_anywhere\n")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["inspect", *argv]) == 2
     err = capsys.readouterr().err
