@@ -43,6 +43,8 @@ from lab.explanation import explain_hlo, explain_inspection
 from lab.hlo import dumps
 from lab.hlo import text as hlo_text
 from lab.mesh import MeshSpec, describe, slice_local_shape
+from lab.plan.command import Plan, plan
+from lab.predict.command import Predict, predict
 from lab.registry import experiments, get
 from lab.topology import describe_axes
 from lab.training import page as training_page
@@ -168,11 +170,13 @@ def _commands():
         Annotated[Bench, tyro.conf.subcommand("bench")],
         Annotated[RunConfig, tyro.conf.subcommand("train")],
         Annotated[Doctor, tyro.conf.subcommand("doctor")],
+        Annotated[Predict, tyro.conf.subcommand("predict")],
+        Annotated[Plan, tyro.conf.subcommand("plan")],
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``lab`` console script."""
+    """The ``lab`` command, called by `lab.entry` (which answers Ctrl-C and SIGTERM while this module imports)."""
     argv = sys.argv[1:] if argv is None else argv
     _stop_on_sigterm()
     if argv in (["--version"], ["-V"]):
@@ -259,6 +263,10 @@ def _dispatch(command) -> int:
         return inspect(command)
     if isinstance(command, Bench):
         return bench(command)
+    if isinstance(command, Predict):
+        return predict(command)
+    if isinstance(command, Plan):
+        return plan(command)
     if isinstance(command, Doctor):
         return doctor(command)
     if isinstance(command, RunConfig):

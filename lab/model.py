@@ -28,15 +28,32 @@ projection, ``mlp`` in W_out: Megatron's row-parallel matmuls) says where its
 result goes, ``out_sharding=layout.activation_sharding(logical axes)``; on an
 Explicit mesh that is the all-reduce over ``tensor``.
 
+The family covers today's open decoders, declared by `ModelConfig` fields
+whose defaults give the original model above: grouped-query attention
+(``kv_heads`` G < H shared K/V heads; Ainslie et al. 2023, GQA), a gated MLP
+(``feed_forward="swiglu"``: silu(x W_gate) * (x W_in) W_out, Shazeer 2020; or
+``"geglu"``) or a plain one with its activation named (``"gelu"``, ``"relu"``,
+``"silu"``), a parallel block (``block="parallel"``: attention and MLP read
+one norm and add to the residual together, GPT-J / PaLM), tied embeddings
+(``tied=True``: the unembedding is the embedding table transposed), and the
+attention as XLA's dot product (``attention="xla"``) or the Pallas TPU flash
+kernel (``attention="flash"``, `jax.experimental.pallas.ops.tpu.flash_attention`,
+per device under ``shard_map``; TPU targets only). In general
+    Ψ = (2 - tied) VD + L (2DK(H + G) + (2 + gated) DF + n_norms D) + D.
+
 An MoE model (``experts > 0``) replaces every MLP by E expert MLPs of width F
 and a top-k router (GShard, Lepikhin et al. 2020; the routing, balancing loss
 and load counts of `lab.moe`, the buffers of
 `lab.parallel.expert`): Ψ = 2VD + L (4DHK + DE + 2EDF + 2D) + D, of which a
 token uses the k experts it is routed to.
+
+Over 500 lines, and one concept: the decoder family, each variant a few lines of
+the same blocks (attention, MLP, MoE, norm) that share one parameter formula.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -69,12 +86,36 @@ class ModelConfig:
     top_k: int = 2
     capacity_factor: float | None = 1.25  # slots per expert per sequence: ceil(S·k/E · factor); None drops nothing
     aux_loss: float = 0.01  # α of the Switch load-balancing loss added to the training loss
+    kv_heads: int | None = None  # G key/value heads shared by H/G query heads each (GQA); None: G = H (multi-head)
+    feed_forward: str = "gelu"  # plain MLP with this activation (gelu, relu, silu) or a gated one (swiglu, geglu)
+    block: str = "sequential"  # sequential (Llama: attention, then MLP) or parallel (GPT-J/PaLM: both from one norm)
+    tied: bool = False  # the unembedding is the embedding table, transposed
+    attention: str = "xla"  # xla (dot product, scores materialized) or flash (the Pallas TPU kernel; TPU only)
 
     def __post_init__(self) -> None:
         if self.experts < 0:
             raise LabError(f"experts={self.experts}: use 0 for a dense model or a positive number of experts")
         if self.experts:
             self.router  # noqa: B018 - RouterConfig refuses a bad top-k or capacity factor
+        if self.feed_forward not in FEED_FORWARDS:
+            raise LabError(f"feed_forward={self.feed_forward!r}: use one of {', '.join(FEED_FORWARDS)}")
+        if self.block not in BLOCKS:
+            raise LabError(f"block={self.block!r}: use one of {', '.join(BLOCKS)}")
+        if self.attention not in ATTENTIONS:
+            raise LabError(f"attention={self.attention!r}: use one of {', '.join(ATTENTIONS)}")
+        if self.kv_heads is not None and (self.kv_heads < 1 or self.heads % self.kv_heads):
+            raise LabError(
+                f"kv_heads={self.kv_heads} must divide heads={self.heads} (each K/V head serves heads/kv_heads queries)"
+            )
+
+    @property
+    def groups(self) -> int:
+        """G: the key/value heads (H for multi-head attention)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def gated(self) -> bool:
+        return self.feed_forward in _GATED
 
     @property
     def router(self) -> RouterConfig:
@@ -84,14 +125,14 @@ class ModelConfig:
     @property
     def parameters(self) -> int:
         """Ψ = 2VD + L(4DHK + 2DF + 2D) + D, or, in an MoE model, DE + 2EDF for the MLP (see the module docstring)."""
-        return 2 * self.vocab * self.embed + self.block_parameters + self.embed
+        return (1 if self.tied else 2) * self.vocab * self.embed + self.block_parameters + self.embed
 
     @property
     def block_parameters(self) -> int:
-        """The weights inside the layer scan (attention, MLP or experts and router, the two norms)."""
-        return self.layers * (
-            4 * self.embed * self.heads * self.head_dim + self._feed_forward_parameters + 2 * self.embed
-        )
+        """The weights inside the layer scan (attention, MLP or experts and router, the norms)."""
+        norms = 1 if self.block == "parallel" else 2
+        attention = 2 * self.embed * self.head_dim * (self.heads + self.groups)
+        return self.layers * (attention + self._feed_forward_parameters + norms * self.embed)
 
     @property
     def active_parameters(self) -> int:
@@ -102,10 +143,17 @@ class ModelConfig:
 
     @property
     def _feed_forward_parameters(self) -> int:
-        """2DF for the MLP; DE + 2EDF for the router and the experts."""
-        return (
-            2 * self.embed * self.mlp if not self.experts else self.experts * (self.embed + 2 * self.embed * self.mlp)
-        )
+        """2DF for the MLP (3DF gated); DE + 2EDF for the router and the experts."""
+        if self.experts:
+            return self.experts * (self.embed + 2 * self.embed * self.mlp)
+        return (3 if self.gated else 2) * self.embed * self.mlp
+
+
+FEED_FORWARDS = ("gelu", "relu", "silu", "swiglu", "geglu")
+_GATED = {"swiglu": "silu", "geglu": "gelu"}  # gated MLPs and the activation of their gate
+_ACTIVATIONS = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
+BLOCKS = ("sequential", "parallel")
+ATTENTIONS = ("xla", "flash")
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -200,39 +248,121 @@ def rotary(x_BSHK: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Causal multi-head self-attention."""
+    """Causal self-attention: H query heads, G key/value heads (G = H: multi-head; G < H: grouped-query)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        d, h, k = config.embed, config.heads, config.head_dim
+        d, h, g, k = config.embed, config.heads, config.groups, config.head_dim
         self.query = _param(rngs, _fan_in(0, (1, 2)), (d, h, k), ("embed", "heads", "head_dim"))
-        self.key = _param(rngs, _fan_in(0, (1, 2)), (d, h, k), ("embed", "heads", "head_dim"))
-        self.value = _param(rngs, _fan_in(0, (1, 2)), (d, h, k), ("embed", "heads", "head_dim"))
+        # G heads carry the logical axis `heads` too: a tensor axis splits the K/V heads as it splits the queries
+        self.key = _param(rngs, _fan_in(0, (1, 2)), (d, g, k), ("embed", "heads", "head_dim"))
+        self.value = _param(rngs, _fan_in(0, (1, 2)), (d, g, k), ("embed", "heads", "head_dim"))
         self.out = _param(rngs, _fan_in((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"))
+        self.kernel = config.attention
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         q_BSHK = rotary(jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query)))
-        k_BSHK = rotary(jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.key)))
-        v_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.value))
-        scores_BHST = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK).astype(jnp.float32) / jnp.sqrt(q_BSHK.shape[-1])
-        seq = x_BSD.shape[1]
-        causal_ST = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        weights_BHST = jax.nn.softmax(jnp.where(causal_ST, scores_BHST, -1e30), axis=-1).astype(x_BSD.dtype)
-        mixed_BSHK = jnp.einsum("bhst,bthk->bshk", weights_BHST, v_BSHK)
+        k_BSGK = rotary(jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.key)))
+        v_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.value))
+        if self.kernel == "flash":
+            mixed_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK)
+        elif k_BSGK.shape[2] == q_BSHK.shape[2]:
+            mixed_BSHK = _dot_attention(q_BSHK, k_BSGK, v_BSGK)
+        else:
+            mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout)
         # row-parallel: heads may be split, so each device may hold a partial sum; out_sharding completes it
         return jnp.einsum(
             "bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), out_sharding=activation_sharding(layout, _BSD)
         )
 
 
+def _causal_softmax(scores: jax.Array, dtype) -> jax.Array:
+    """Softmax over the last axis (keys) of scores [..., S, T] with future keys masked, in fp32."""
+    seq = scores.shape[-1]
+    causal_ST = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    return jax.nn.softmax(jnp.where(causal_ST, scores, -1e30), axis=-1).astype(dtype)
+
+
+def _dot_attention(q_BSHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array) -> jax.Array:
+    """XLA's dot-product attention: the [B, H, S, S] scores are materialized."""
+    scores_BHST = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK).astype(jnp.float32) / jnp.sqrt(q_BSHK.shape[-1])
+    weights_BHST = _causal_softmax(scores_BHST, q_BSHK.dtype)
+    return jnp.einsum("bhst,bthk->bshk", weights_BHST, v_BSHK)
+
+
+def _grouped_dot_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, layout: Parallelism) -> jax.Array:
+    """Grouped-query attention: query head g·R + r reads key/value head g (R = H/G queries per K/V head)."""
+    b, s, h, k = q_BSHK.shape
+    g = k_BSGK.shape[2]
+    grouped = activation_sharding(layout, ("batch", "sequence", "heads", None, "head_dim"))
+    q_BSGRK = jnp.reshape(q_BSHK, (b, s, g, h // g, k), out_sharding=grouped)  # a split over tensor stays on G
+    scores_BGRST = jnp.einsum("bsgrk,btgk->bgrst", q_BSGRK, k_BSGK).astype(jnp.float32) / jnp.sqrt(k)
+    weights_BGRST = _causal_softmax(scores_BGRST, q_BSHK.dtype)
+    mixed_BSGRK = jnp.einsum("bgrst,btgk->bsgrk", weights_BGRST, v_BSGK)
+    return jnp.reshape(mixed_BSGRK, (b, s, h, k), out_sharding=activation_sharding(layout, _BSHK))
+
+
+FLASH_BLOCK = 512  # query and key block of the flash kernel (its default 128 makes a long sequence slow to compile)
+_FLASH_BLOCK_NAMES = (
+    "block_q",
+    "block_k_major",
+    "block_k",
+    "block_q_major_dkv",
+    "block_k_major_dkv",
+    "block_k_dkv",
+    "block_q_dkv",
+    "block_k_major_dq",
+    "block_k_dq",
+    "block_q_dq",
+)
+
+
+def flash_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> jax.Array:
+    """Causal attention by the Pallas TPU flash kernel (Dao et al. 2022), one device's heads at a time.
+
+    The kernel sees local arrays, so it runs under ``shard_map`` over whatever the inputs are split on (batch
+    over the data axes, heads over ``tensor``); G < H K/V heads are repeated to H on each device first (the
+    kernel wants equal head counts; the repeat is local because a split over ``tensor`` keeps whole groups).
+    """
+    # local: Pallas kernels are imported only by models that use them (TPU targets); CPU-only runs never load them
+    from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
+
+    specs = tuple(jax.typeof(a).sharding.spec for a in (q_BSHK, k_BSGK, v_BSGK))
+    scale = 1.0 / math.sqrt(q_BSHK.shape[-1])
+
+    def local(q_bshk, k_bsgk, v_bsgk):
+        repeats = q_bshk.shape[2] // k_bsgk.shape[2]
+        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_bshk, k_bsgk, v_bsgk))  # the kernel's [b, h, s, k]
+        if repeats > 1:
+            k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
+        block = min(FLASH_BLOCK, q.shape[2])
+        blocks = pallas_flash.BlockSizes(block_b=1, **dict.fromkeys(_FLASH_BLOCK_NAMES, block))
+        return jnp.swapaxes(
+            pallas_flash.flash_attention(q, k, v, causal=True, sm_scale=scale, block_sizes=blocks), 1, 2
+        )
+
+    if jax.typeof(q_BSHK).sharding.mesh.empty:  # one device, no mesh: the kernel sees the whole arrays
+        return local(q_BSHK, k_BSGK, v_BSGK)
+    # check_vma off: pallas_call does not track which mesh axes its outputs vary over
+    return jax.shard_map(local, in_specs=specs, out_specs=specs[0], check_vma=False)(q_BSHK, k_BSGK, v_BSGK)
+
+
 class MLP(nnx.Module):
-    """GELU feed-forward: D -> F -> D."""
+    """Feed-forward D -> F -> D: act(x W_in) W_out, or gated, (act(x W_gate) * x W_in) W_out (SwiGLU, GeGLU)."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.w_in = _param(rngs, _fan_in(0, 1), (config.embed, config.mlp), ("embed", "mlp"))
+        if config.gated:
+            self.w_gate = _param(rngs, _fan_in(0, 1), (config.embed, config.mlp), ("embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(0, 1), (config.mlp, config.embed), ("mlp", "embed"))
+        self.gated = config.gated
+        self.activation = _ACTIVATIONS[_GATED.get(config.feed_forward, config.feed_forward)]
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
-        hidden_BSF = jax.nn.gelu(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in)))  # column-parallel
+        hidden_BSF = jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in))  # column-parallel
+        if self.gated:
+            hidden_BSF = self.activation(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_gate))) * hidden_BSF
+        else:
+            hidden_BSF = self.activation(hidden_BSF)
         return jnp.einsum(
             "bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BSD)
         )  # row-parallel
@@ -287,12 +417,15 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)) (or x + moe(norm(x)))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)) (or x + moe(norm(x)));
+    parallel: x + attention(norm(x)) + mlp(norm(x)) with one norm."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.attention_norm = RMSNorm(config, rngs)
         self.attention = Attention(config, rngs)
-        self.mlp_norm = RMSNorm(config, rngs)
+        self.parallel = config.block == "parallel"
+        if not self.parallel:
+            self.mlp_norm = RMSNorm(config, rngs)
         if config.experts:
             self.moe = MoE(config, rngs)
         else:
@@ -304,6 +437,8 @@ class Block(nnx.Module):
 
     def forward(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
         """The block's output and, for an MoE block, its `MoEStats`."""
+        if self.parallel:
+            return self._parallel(x_BSD, layout)
         with jax.named_scope("attention"):
             x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD, layout), layout)
         if self.experts:
@@ -313,9 +448,21 @@ class Block(nnx.Module):
         with jax.named_scope("mlp"):
             return x_BSD + self.mlp(self.mlp_norm(x_BSD, layout), layout), None
 
+    def _parallel(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
+        normed_BSD = self.attention_norm(x_BSD, layout)
+        with jax.named_scope("attention"):
+            mixed_BSD = self.attention(normed_BSD, layout)
+        if self.experts:
+            with jax.named_scope("moe"):
+                y_BSD, stats = self.moe(normed_BSD, layout)
+                return x_BSD + mixed_BSD + y_BSD, stats
+        with jax.named_scope("mlp"):
+            return x_BSD + mixed_BSD + self.mlp(normed_BSD, layout), None
+
 
 _LAYERS = {nnx.PARTITION_NAME: "layers"}  # nnx.vmap/scan add and remove this logical axis on the stacked weights
 _BSD = ("batch", "sequence", "embed")
+_BSHK = ("batch", "sequence", "heads", "head_dim")
 _BECD_AT_HOME = ("batch", "routing", "capacity", "embed")  # each device: its sequences' slots for every expert
 _BECD_AT_EXPERTS = (
     "batch",
@@ -339,7 +486,8 @@ class Transformer(nnx.Module):
 
         self.blocks = stacked_blocks(rngs)
         self.final_norm = RMSNorm(config, rngs)
-        self.unembed = _param(rngs, _fan_in(0, 1), (config.embed, config.vocab), ("embed", "vocab"))
+        if not config.tied:
+            self.unembed = _param(rngs, _fan_in(0, 1), (config.embed, config.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens_BS: jax.Array, layout: Parallelism) -> jax.Array:
         return self.forward(tokens_BS, layout)[0]
@@ -359,6 +507,8 @@ class Transformer(nnx.Module):
     def head(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         """The last block's output -> logits [B, S, V] (fp32): final norm and unembedding."""
         x_BSD = self.final_norm(x_BSD, layout)
+        if self.config.tied:
+            return jnp.einsum("bsd,vd->bsv", x_BSD, layout.use(self.embedding)).astype(jnp.float32)
         return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)
 
 

@@ -27,13 +27,13 @@ LAB = Path(__file__).resolve().parents[1] / "lab"
 # The data flow, bottom to top: a module may import its own layer and those below, never above.
 LAYERS = (
     ("lab.errors", "lab.units", "lab.progress", "lab.verdict", "lab.inputs", "lab.provenance"),
-    ("lab.mesh", "lab.devices", "lab.gpu_targets", "lab.hardware", "lab.collectives"),
+    ("lab.mesh", "lab.devices", "lab.native", "lab.gpu_targets", "lab.hardware", "lab.collectives"),
     ("lab.rules", "lab.topology", "lab.theory"),
     ("lab.hlo", "lab.moe", "lab.model", "lab.roofline", "lab.bench", "lab.explanation"),
     ("lab.parallel",),
     ("lab.report", "lab.training"),
-    ("lab.doctor",),
-    ("lab.registry", "lab.user_program", "lab.cli", "lab.__main__", "lab"),
+    ("lab.doctor", "lab.predict", "lab.plan"),
+    ("lab.registry", "lab.user_program", "lab.cli", "lab.entry", "lab.__main__", "lab"),
 )
 MAX_LINES = 500
 

@@ -1,0 +1,306 @@
+"""``lab plan``: every way to lay this model on this pod, ranked, and why the winner wins.
+
+The handler reads the model as ``lab predict`` does (`lab.predict.spec.parse_model`),
+builds the `Problem`, enumerates and ranks every layout by the closed form
+(`lab.plan.rank.closed_form_plan`), compiles the first ``--compile-top`` with
+``lab predict``'s machinery (`lab.plan.compiled`) and re-ranks those. It prints
+the ranked table, the terms in which the winner differs from the runner-up
+and from pure FSDP, and the rank correlation of the two models; ``--json``
+prints one object; ``--plot FILE.png`` saves step time against memory per
+chip for every candidate, the frontier marked.
+
+libtpu is imported inside the functions that need it (its flags must be set
+before it starts), as `lab.predict.command` does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+from lab.errors import LabError
+from lab.plan.closed_form import Estimate
+from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
+from lab.plan.space import Problem
+from lab.predict.spec import parse_model
+from lab.units import format_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Rank every layout of a model on a TPU pod (closed form), compile the best few, and say why the winner wins."""
+
+    model: str = "llama3-8b"
+    """a preset (llama3-8b, llama3-70b, ...) or key=value pairs, exactly as lab predict's --model"""
+    seq: int = 4096
+    """tokens per sequence"""
+    global_batch: int | None = None
+    """tokens per step, all chips (a multiple of --seq); default: --batch-per-device sequences on every chip"""
+    batch_per_device: int = 1
+    """sequences per chip per step, when --global-batch is not given"""
+    target: str = "tpu:v5e:16x16"
+    """one slice's topology, tpu:<gen>:<topology>"""
+    slices: int = 1
+    """slices joined by DCN"""
+    chips: int | None = None
+    """the pod's chips, if you want it checked against the topology x slices"""
+    attention: Literal["flash", "xla"] = "flash"
+    """flash (the Pallas TPU kernel) or xla (dot product, scores materialized), as lab predict"""
+    compile_top: int = 3
+    """compile this many of the best layouts and re-rank them by the compiled prediction (0: closed form only)"""
+    top: int = 10
+    """rows of the ranked table"""
+    plot: Path | None = None
+    """save step time against memory per chip (every candidate, the frontier marked) to this PNG"""
+    json: bool = False
+    """print one JSON object instead of tables"""
+
+
+def problem_of(command: Plan) -> Problem:
+    """The command's model, batch and pod; a LabError names what is wrong."""
+    # local: lab.devices and lab.hardware pull in JAX; the CLI imports this module before choosing a target
+    from lab.devices import parse_target, topology_shape
+    from lab.hardware import profile
+
+    target = parse_target(command.target)
+    if target.platform != "tpu" or not target.compile_only:
+        raise LabError(
+            f"--target {command.target!r}: lab plan lays a model on tpu:<gen>:<topology> (e.g. tpu:v5e:16x16)"
+        )
+    if target.slices > 1:
+        raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
+    if command.slices < 1 or command.seq < 1 or command.batch_per_device < 1 or command.compile_top < 0:
+        raise LabError("--slices, --seq and --batch-per-device take 1 or more, --compile-top 0 or more")
+    generation = target.generation
+    torus = topology_shape(target.topology)
+    chips = math.prod(torus) * command.slices
+    if command.chips is not None and command.chips != chips:
+        raise LabError(
+            f"--chips {command.chips}: {command.target} has {math.prod(torus)} chips a slice, x {command.slices} "
+            f"slice(s) = {chips}; give that, or a topology with {command.chips} chips"
+        )
+    if command.global_batch is not None:
+        if command.global_batch < 1 or command.global_batch % command.seq:
+            raise LabError(f"--global-batch {command.global_batch} tokens is not a whole number of --seq {command.seq}")
+        sequences = command.global_batch // command.seq
+    else:
+        sequences = command.batch_per_device * chips
+    model = replace(parse_model(command.model), seq=command.seq, attention=command.attention)
+    return Problem(model, sequences, profile(generation), torus, target.topology, command.slices)
+
+
+def make_plan(command: Plan) -> Ranking:
+    """Closed form over every layout, then the compiled re-ranking of the best `compile_top`."""
+    # local: lab predict's compile starts libtpu, which must see its flags before anything else starts it
+    from lab.predict.step import prepare_libtpu
+
+    problem = problem_of(command)
+    prepare_libtpu()
+    plan = closed_form_plan(problem)
+    if command.compile_top and plan.candidates:
+        # local: compiling imports the training step (flax, optax); a closed-form plan never needs it
+        from lab.plan.compiled import compile_layout
+
+        plan = rerank(plan, command.compile_top, lambda layout: compile_layout(problem, layout))
+    return plan
+
+
+def plan(command: Plan) -> int:
+    """The ``lab plan`` handler: tables (or --json) and the plot; nothing fitting is a result, not an error."""
+    result = make_plan(command)
+    if command.plot is not None:
+        command.plot.parent.mkdir(parents=True, exist_ok=True)
+        plot(result).savefig(command.plot, dpi=120)
+    if command.json:
+        print(json.dumps(to_json(result)))
+        return 0
+    show(result, Console(width=160), command.top)
+    return 0
+
+
+# --------------------------------------------------------------------------- views
+
+
+def mesh_text(e: Estimate) -> str:
+    return str(e.layout.mesh)
+
+
+def candidate_json(c: Candidate) -> dict:
+    e = c.estimate
+    compiled = None
+    if c.compiled is not None:
+        compiled = {
+            "step_s": c.compiled.step_s,
+            "compute_s": c.compiled.compute_s,
+            "exposed_s": c.compiled.exposed_s,
+            "memory_bytes": c.compiled.memory_bytes,
+            "axes": c.compiled.axes,
+            "compile_s": c.compiled.compile_s,
+        }
+    return {
+        "mesh": mesh_text(e),
+        "slices_axis": e.layout.slices_axis,
+        "remat": e.layout.remat,
+        "micro_batches": e.layout.micro_batches,
+        "step_s": e.step_s,
+        "mfu": e.mfu,
+        "memory_bytes": e.memory.total,
+        "exposed_s": {a.axis: a.exposed_s for a in e.axes},
+        "compiled": compiled,
+        "not_compiled": c.not_compiled or None,
+    }
+
+
+def to_json(result: Ranking) -> dict:
+    out = {
+        "enumerated": result.enumerated,
+        "ranked_s": result.ranked_s,
+        "rank_correlation": result.rank_correlation,
+        "fits": bool(result.candidates),
+        "candidates": [candidate_json(c) for c in result.candidates],
+    }
+    if result.closest is not None:
+        out["nothing_fits"] = nothing_fits(result)
+    return out
+
+
+def nothing_fits(result: Ranking) -> str:
+    e = result.closest
+    return (
+        f"nothing fits: the least memory per chip, {format_bytes(e.memory.total)}, is {mesh_text(e)} with remat "
+        f"{e.layout.remat}, against {format_bytes(e.hbm_bytes)} of HBM"
+    )
+
+
+def ranked_table(result: Ranking, rows: int) -> tuple[list[str], list[list]]:
+    """The ranked candidates: closed form and, where compiled, the compiled prediction."""
+    head = [
+        "#",
+        "layout",
+        "remat",
+        "M",
+        "step (closed)",
+        "step (compiled)",
+        "MFU",
+        "memory/chip (closed)",
+        "memory/chip (compiled)",
+        "exposed per axis (closed)",
+    ]
+    body = []
+    for i, c in enumerate(result.candidates[:rows], 1):
+        e = c.estimate
+        exposed = ", ".join(f"{a.axis} {a.exposed_s * 1e3:.1f} ms" for a in e.axes if a.exposed_s > 0) or "-"
+        body.append(
+            [
+                i,
+                str(e.layout),
+                e.layout.remat,
+                e.layout.micro_batches,
+                f"{e.step_s:.3f} s",
+                f"{c.compiled.step_s:.3f} s" if c.compiled else (c.not_compiled[:40] or "-"),
+                f"{e.mfu:.1%}",
+                format_bytes(e.memory.total),
+                format_bytes(c.compiled.memory_bytes) if c.compiled else "-",
+                exposed,
+            ]
+        )
+    return head, body
+
+
+def why_table(result: Ranking) -> tuple[list[str], list[list]]:
+    """Terms where the winner differs from the runner-up and from pure FSDP."""
+    winner = result.candidates[0].estimate
+    others = [("runner-up", c.estimate) for c in result.candidates[1:2]]
+    if result.pure_fsdp is not None and result.pure_fsdp.layout != winner.layout:
+        others.append(("pure FSDP", result.pure_fsdp))
+    body = []
+    for name, other in others:
+        for term, a, b in differing_terms(winner, other):
+            shown = format_bytes if term.endswith("bytes") else (lambda v: f"{v * 1e3:.2f} ms")
+            body.append(
+                [
+                    f"{name}: {other.layout} {other.layout.remat}",
+                    term.removesuffix(" bytes").removesuffix(" s"),
+                    shown(a),
+                    shown(b),
+                ]
+            )
+    return ["against", "term", f"winner ({winner.layout}, {winner.layout.remat})", "other"], body
+
+
+def show(result: Ranking, console: Console, rows: int = 10) -> None:
+    p = result.problem
+    console.print(
+        f"{p.model.parameters / 1e9:.2f} B parameters, {p.sequences} x {p.model.seq} tokens, {p.topology} x "
+        f"{p.slices} slice(s) = {p.chips} chips; {result.enumerated} layouts enumerated, {len(result.candidates)} "
+        f"fit, ranked in {result.ranked_s:.2f} s",
+        highlight=False,
+    )
+    if not result.candidates:
+        console.print(nothing_fits(result), highlight=False)
+        return
+    for title, (head, body) in (
+        ("ranked layouts", ranked_table(result, rows)),
+        ("why the winner wins", why_table(result)),
+    ):
+        table = Table(title=title)
+        for column in head:
+            table.add_column(column)
+        for row in body:
+            table.add_row(*map(str, row))
+        console.print(table)
+    rho = result.rank_correlation
+    console.print(
+        f"rank correlation (Spearman, closed form against compiled, {len(result.compiled)} compiled): "
+        + ("-" if rho is None else f"{rho:.2f}"),
+        highlight=False,
+    )
+
+
+def plot(result: Ranking, title: str = "") -> Figure:
+    """Predicted step time against memory per chip for every enumerated layout; the frontier and the winner marked."""
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    everything = result.everything
+    remats = sorted({e.layout.remat for e in everything})
+    for remat, marker in zip(remats, "o^s"):
+        chosen = [e for e in everything if e.layout.remat == remat]
+        ax.scatter(
+            [e.memory.total / 2**30 for e in chosen],
+            [e.step_s for e in chosen],
+            s=8,
+            alpha=0.4,
+            marker=marker,
+            label=f"remat {remat}",
+        )
+    edge = frontier(everything)
+    ax.plot([e.memory.total / 2**30 for e in edge], [e.step_s for e in edge], "k-", lw=1, label="frontier")
+    if everything:
+        ax.axvline(everything[0].hbm_bytes / 2**30, color="red", ls="--", lw=1, label="HBM per chip")
+    if result.candidates:
+        best = result.candidates[0].estimate
+        ax.scatter(
+            [best.memory.total / 2**30],
+            [best.step_s],
+            s=80,
+            facecolors="none",
+            edgecolors="k",
+            label=f"chosen: {best.layout} ({best.layout.remat})",
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="memory per chip (GiB, closed form)",
+        ylabel="step time (s, closed form)",
+        title=title,
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,89 @@
+"""A layout compiled: `lab predict`'s step for the compile-only pod, priced op by op.
+
+The same machinery as ``lab predict``: the mesh across slices by
+`lab.predict.command.build_mesh` (one slice's sizes, the DCN axis multiplied
+by the slices), the whole training step by `lab.predict.step.compile_step`
+(the lab's Trainer at full size, chunked loss, bf16 working weights with fp32
+master weights here, as the closed form assumes) and the scheduled program
+priced by `lab.predict.ops.predict_step`. The prices use the chip's peaks
+(efficiency 1), the closed form's constants, so that closed form against
+compiled compares the two models of the same program and not a calibration;
+memory is the compiler's peak per chip.
+
+Two layouts `compile_step` cannot express are reported, not approximated: a
+pipeline with more than one micro-batch (it compiles one), and a global
+batch that is not a whole number of sequences per chip.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from lab.errors import LabError
+from lab.mesh import AXES
+from lab.plan.rank import CompiledPrediction
+from lab.plan.space import Layout, Problem
+from lab.predict.command import build_mesh
+from lab.predict.ops import Efficiency, predict_step
+from lab.predict.step import compile_step, prepare_libtpu
+
+AT_PEAK = Efficiency(matmul=1.0, hbm=1.0)
+
+
+def compilable(problem: Problem, layout: Layout) -> str:
+    """Why `compile_step` cannot compile this layout, or ''."""
+    if layout.micro_batches > 1:
+        return f"{layout.micro_batches} micro-batches: lab predict's step compiles a pipeline of one micro-batch"
+    if problem.sequences % problem.chips:
+        return f"{problem.sequences} sequences on {problem.chips} chips: lab predict compiles whole sequences per chip"
+    return ""
+
+
+def compile_layout(problem: Problem, layout: Layout) -> CompiledPrediction | str:
+    """Compile `layout` and read its prediction; a sentence instead when it cannot be compiled."""
+    reason = compilable(problem, layout)
+    if reason:
+        return reason
+    # local: the topology's devices start libtpu, which must first see lab predict's flags
+    from lab.devices import topology_devices
+
+    prepare_libtpu()
+    devices = topology_devices(problem.topology, problem.slices)
+    local = {a: (n // problem.slices if a == layout.slices_axis else n) for a, n in layout.sizes.items()}
+    spec = ",".join(f"{a}={local[a]}" for a in AXES)
+    mesh = build_mesh(spec, devices, problem.slices, layout.slices_axis or "data")
+    started = time.perf_counter()
+    try:
+        compiled = compile_step(
+            problem.model, mesh, problem.sequences // problem.chips, remat=layout.remat, param_dtype="bfloat16"
+        )
+    except LabError as err:
+        return str(err)
+    step = predict_step(compiled.hlo, mesh, problem.chip, AT_PEAK)
+    axes: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "seconds": 0.0, "exposed_s": 0.0})
+    for c in step.comms:
+        row = axes[",".join(c.axes) or "-"]
+        row["bytes"] += c.bytes * c.runs
+        row["seconds"] += c.seconds
+        row["exposed_s"] += c.exposed_s
+    return CompiledPrediction(
+        step_s=step.step_s,
+        compute_s=step.compute_s,
+        exposed_s=step.exposed_comm_s,
+        memory_bytes=_memory_bytes(compiled.memory),
+        axes=dict(axes),
+        compile_s=time.perf_counter() - started,
+    )
+
+
+def _memory_bytes(memory: dict[str, int]) -> int:
+    """The compiler's peak per chip (argument + output + temp - aliased where it reports no peak)."""
+    if memory.get("peak_memory"):
+        return int(memory["peak_memory"])
+    return int(
+        memory.get("argument_size", 0)
+        + memory.get("output_size", 0)
+        + memory.get("temp_size", 0)
+        - memory.get("alias_size", 0)
+    )

@@ -1,0 +1,8 @@
+"""Predict a training step on a TPU pod, compile-only: step time, MFU, memory, exposed communication.
+
+spec         model presets and the ``--model`` parser
+step         the training step at full size, compiled for a topology with no chips
+ops          the compiled, scheduled program priced op by op; the schedule's overlap simulated
+calibration  the chip's efficiency constants and the published runs that set them
+command      ``lab predict``: the options and the handler
+"""

@@ -1,0 +1,375 @@
+"""``lab predict``: this model, this batch, this layout, this many chips: how long is a step, and why.
+
+The handler compiles the whole training step for a compile-only TPU topology
+(one slice, or ``--slices K`` joined by DCN) and reads the prediction off the
+compiled, scheduled program (`lab.predict.ops`); nothing runs and nothing is
+allocated. It prints the step time, the model TFLOP/s per chip and MFU, the
+hardware FLOPs (remat included), memory per chip against HBM, the exposed
+communication per mesh axis and link, the ten most expensive ops and the
+compile time; ``--json`` prints the same as one object.
+
+FLOPs convention (MaxText's, so MFU compares with published runs): model FLOPs
+per step = 6 · N' · tokens + 12 · L · H · K · S · tokens, where N' is the
+parameter count without the input embedding table (a lookup, no matmul; a tied
+table counts once, as the unembedding) and the attention term counts the full
+S x S score matrix, not the causal half.
+
+JAX, libtpu and the compile are imported inside the functions that need them:
+libtpu must read ``LIBTPU_INIT_ARGS`` (the user's ``--libtpu-flags``) before it
+starts, and the CLI imports this module before any target is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
+
+from rich.console import Console
+from rich.table import Table
+
+from lab.errors import LabError
+from lab.predict import calibration
+from lab.predict.spec import parse_model
+from lab.units import format_bytes
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Predict:
+    """Predict one training step on a TPU pod, compile-only: step time, MFU, memory, exposed communication."""
+
+    model: str = "llama3-8b"
+    """a preset (llama2-7b, llama3-8b, llama3-70b, mistral-7b, gemma-7b, ...) or key=value pairs: layers, d_model,
+    heads, kv_heads, head_dim, d_ff, vocab, mlp (swiglu|geglu|gelu|relu|silu), block (sequential|parallel),
+    tied (true|false)"""
+    seq: int = 8192
+    """tokens per sequence"""
+    batch_per_device: int = 1
+    """sequences per chip per step"""
+    remat: Literal["full", "minimal", "none"] = "full"
+    """what the backward pass keeps: full (each block's input only), minimal (every matmul output), none"""
+    mesh: str = "fsdp=-1"
+    """one slice's mesh over data,stage,fsdp,expert,tensor (one axis may be -1)"""
+    target: str = "tpu:v6e:16x16"
+    """one slice's topology, tpu:<gen>:<topology>"""
+    slices: int = 1
+    """slices joined by DCN"""
+    dcn_axis: str = "data"
+    """the mesh axis that spans the slices"""
+    libtpu_flags: str = ""
+    """compiler flags as in LIBTPU_INIT_ARGS, e.g. "--xla_tpu_enable_async_collective_fusion=true" """
+    attention: Literal["flash", "xla"] = "flash"
+    """flash (the Pallas TPU kernel) or xla (dot product, scores materialized)"""
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    layers_compiled: int = 0
+    """0: compile every layer; K: compile K and 2K layers under scan and extrapolate time and memory linearly
+    to the model's depth (for a step whose full compile would not fit, or to compile faster)"""
+    json: bool = False
+    """print one JSON object instead of tables"""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What `lab predict` reports (the --json object)."""
+
+    model: str
+    parameters: int
+    target: str
+    slices: int
+    chips: int
+    mesh: str
+    seq: int
+    batch_per_device: int
+    remat: str
+    attention: str
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    comm_s: float
+    tflops_per_chip: float
+    mfu: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    flops_convention: str
+    memory_bytes: int
+    hbm_bytes: int
+    fits: bool
+    over_by_bytes: int
+    advice: str
+    exposed_by_link: dict[str, float]
+    top_ops: list[dict]
+    compile_s: float
+    predict_s: float
+    efficiency: dict[str, float]
+    calibrated: bool
+
+
+def model_flops(config, tokens: int) -> float:
+    """6 · N' · tokens + 12 · L · H · K · S · tokens (see the module docstring)."""
+    dense = config.parameters - (0 if config.tied else config.vocab * config.embed)
+    attention = 12 * config.layers * config.heads * config.head_dim * config.seq
+    return float(6 * dense * tokens + attention * tokens)
+
+
+def run_prediction(command: Predict):
+    """Compile and predict; returns the `Prediction`."""
+    # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
+    from lab.devices import parse_target, topology_devices
+    from lab.predict.step import DoesNotFit, prepare_libtpu
+
+    target = parse_target(command.target)
+    if target.platform != "tpu" or not target.compile_only:
+        raise LabError(
+            f"--target {command.target!r}: lab predict compiles for tpu:<gen>:<topology> (e.g. tpu:v6e:16x16)"
+        )
+    if target.slices > 1:
+        raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
+    if command.slices < 1:
+        raise LabError(f"--slices {command.slices}: use 1 or more")
+    if command.seq < 1:
+        raise LabError(f"--seq {command.seq}: use 1 or more")
+    model = replace(parse_model(command.model), seq=command.seq, attention=command.attention)
+    prepare_libtpu(command.libtpu_flags)
+    devices = topology_devices(target.topology, command.slices)
+    mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
+    chip = _chip(devices)
+    efficiency = calibration.efficiency(chip.name)
+    depths = _depths(command.layers_compiled, model.layers)
+    try:
+        runs = _compile_all(model, mesh, chip, efficiency, command, depths)
+    except DoesNotFit as err:
+        if len(depths) == 2 or model.layers < 3:
+            raise LabError(f"even {depths[0]} layer(s) of this step do not fit one chip: {err}") from None
+        depths = (1, 2)  # the whole depth does not compile: extrapolate from one and two layers
+        runs = _compile_all(model, mesh, chip, efficiency, command, depths)
+    compiled, step, predict_s = runs[-1]
+    compile_s = sum(r[0].compile_s for r in runs)
+    memory = _memory_bytes(compiled.memory)
+    if len(runs) == 2:  # t(L) = t(K) + (L - K) (t(2K) - t(K)) / K, for every term
+        (small, few, _), (_, more, _) = runs
+        k = depths[0]
+        grow = (model.layers - k) / k
+        step = _extrapolated(few, more, grow)
+        memory = int(_memory_bytes(small.memory) + grow * (memory - _memory_bytes(small.memory)))
+    chips = len(devices)
+    tokens = command.batch_per_device * chips * command.seq
+    flops = model_flops(model, tokens)
+    per_chip = flops / chips / step.step_s
+    over = max(0, memory - int(chip.hbm_bytes))
+    return Prediction(
+        model=command.model,
+        parameters=model.parameters,
+        target=str(target),
+        slices=command.slices,
+        chips=chips,
+        mesh=_mesh_text(mesh),
+        seq=command.seq,
+        batch_per_device=command.batch_per_device,
+        remat=command.remat,
+        attention=command.attention,
+        step_s=step.step_s,
+        compute_s=step.compute_s,
+        exposed_comm_s=step.exposed_comm_s,
+        comm_s=step.comm_s,
+        tflops_per_chip=per_chip / 1e12,
+        mfu=per_chip / chip.peak_bf16_flops,
+        model_flops_per_step=flops,
+        hardware_flops_per_step=step.matmul_flops * chips,
+        flops_convention="6*N'*tokens + 12*L*H*K*S*tokens (N' without input embedding; attention not causal-halved)",
+        memory_bytes=memory,
+        hbm_bytes=int(chip.hbm_bytes),
+        fits=over == 0,
+        over_by_bytes=over,
+        advice=_advice(over, command, mesh),
+        exposed_by_link=step.exposed_by_link(),
+        top_ops=[
+            {
+                "name": o.name,
+                "op": o.op_name,
+                "runs": o.runs,
+                "seconds": o.seconds,
+                "bound": o.bound,
+                "flops": o.flops,
+                "bytes": o.bytes,
+            }
+            for o in step.top_ops(10)
+        ],
+        compile_s=compile_s,
+        predict_s=predict_s,
+        efficiency=asdict(efficiency),
+        calibrated=calibration.calibrated(chip.name),
+    )
+
+
+def _compile_all(model, mesh, chip, efficiency, command: Predict, depths):
+    """Compile and predict the step at each depth: [(Compiled, StepPrediction, predict seconds)]."""
+    # local: see run_prediction
+    import time
+
+    from lab.predict.ops import predict_step
+    from lab.predict.step import compile_step
+
+    runs = []
+    for depth in depths:
+        compiled = compile_step(
+            replace(model, layers=depth),
+            mesh,
+            command.batch_per_device,
+            remat=command.remat,
+            param_dtype=command.param_dtype,
+            compute_dtype=command.compute_dtype,
+        )
+        started = time.perf_counter()
+        step = predict_step(compiled.hlo, mesh, chip, efficiency)
+        runs.append((compiled, step, time.perf_counter() - started))
+    return runs
+
+
+def _depths(layers_compiled: int, layers: int) -> tuple[int, ...]:
+    if layers_compiled < 0:
+        raise LabError(f"--layers-compiled {layers_compiled}: use 0 (all layers) or a positive count")
+    if layers_compiled == 0 or 2 * layers_compiled >= layers:
+        return (layers,)
+    return (layers_compiled, 2 * layers_compiled)
+
+
+def _extrapolated(few, more, grow: float):
+    """The prediction of K layers plus `grow` times the difference K more layers made, term by term."""
+    # local: the StepPrediction type is only needed here
+    from lab.predict.ops import StepPrediction
+
+    def line(a: float, b: float) -> float:
+        return a + grow * (b - a)
+
+    by_name = {(o.computation, o.name): o for o in few.ops}
+    ops = [
+        replace(
+            o,
+            seconds=line(
+                by_name[(o.computation, o.name)].seconds if (o.computation, o.name) in by_name else 0.0, o.seconds
+            ),
+            runs=o.runs,
+        )
+        for o in more.ops
+    ]
+    comms = list(more.comms)
+    scale = line(few.exposed_comm_s, more.exposed_comm_s) / more.exposed_comm_s if more.exposed_comm_s else 1.0
+    total = line(few.comm_s, more.comm_s) / more.comm_s if more.comm_s else 1.0
+    comms = [replace(c, exposed_s=c.exposed_s * scale, seconds=c.seconds * total) for c in comms]
+    return StepPrediction(
+        line(few.step_s, more.step_s),
+        line(few.compute_s, more.compute_s),
+        line(few.matmul_flops, more.matmul_flops),
+        ops,
+        comms,
+    )
+
+
+def build_mesh(spec: str, devices, slices: int, dcn_axis: str):
+    """One slice's mesh spec, `dcn_axis` multiplied by the slices (and laid across them)."""
+    # local: jax's mesh utilities start no backend but pull in JAX, which the CLI imports only when needed
+    import numpy as np
+    from jax.experimental import mesh_utils
+    from jax.sharding import AxisType, Mesh
+
+    from lab.mesh import AXES, MeshSpec
+
+    if dcn_axis not in AXES:
+        raise LabError(f"--dcn-axis {dcn_axis!r}: use one of {', '.join(AXES)}")
+    per_slice = len(devices) // slices
+    one = MeshSpec.parse(spec).resolve(per_slice)
+    if slices == 1:
+        return one.build(devices)
+    dcn = tuple(slices if a == dcn_axis else 1 for a in AXES)
+    grid = mesh_utils.create_hybrid_device_mesh(one.shape, dcn, list(devices), allow_split_physical_axes=True)
+    return Mesh(np.asarray(grid), AXES, axis_types=(AxisType.Explicit,) * len(AXES))
+
+
+def _chip(devices):
+    # local: lab.hardware is light, but keeps this module's import list to what the handler needs first
+    from lab.hardware import profile_for_device_kind
+
+    return profile_for_device_kind(devices[0].device_kind)
+
+
+def _memory_bytes(memory: dict[str, int]) -> int:
+    if memory.get("peak_memory"):
+        return int(memory["peak_memory"])
+    return int(
+        memory.get("argument_size", 0)
+        + memory.get("output_size", 0)
+        + memory.get("temp_size", 0)
+        - memory.get("alias_size", 0)
+    )
+
+
+def _mesh_text(mesh) -> str:
+    used = [f"{a}={s}" for a, s in mesh.shape.items() if s > 1]
+    return ",".join(used) or "single device"
+
+
+def _advice(over: int, command: Predict, mesh) -> str:
+    if not over:
+        return ""
+    ideas = []
+    if command.remat != "full":
+        ideas.append("--remat full")
+    if command.batch_per_device > 1:
+        ideas.append(f"--batch-per-device {max(1, command.batch_per_device // 2)}")
+    if mesh.shape["tensor"] == 1:
+        ideas.append("a tensor axis (e.g. tensor=4) to split activations and weights")
+    ideas.append("more chips on fsdp (a larger topology or more slices)")
+    return f"does not fit by {over / GiB:.2f} GiB per chip; try " + ", or ".join(ideas)
+
+
+def predict(command: Predict) -> int:
+    """The ``lab predict`` handler."""
+    result = run_prediction(command)
+    console = Console(width=160)
+    if command.json:
+        print(json.dumps(asdict(result)))
+        return 0
+    show(result, console)
+    return 0
+
+
+def show(p: Prediction, console: Console) -> None:
+    """The prediction as a few lines and two tables."""
+    fit = "fits" if p.fits else f"DOES NOT FIT ({p.advice})"
+    lines = [
+        f"{p.model} ({p.parameters / 1e9:.2f} B params), seq {p.seq}, batch {p.batch_per_device}/chip, "
+        f"remat {p.remat}, attention {p.attention}",
+        f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}",
+        f"step            {p.step_s:.3f} s  (compute {p.compute_s:.3f} s + exposed communication "
+        f"{p.exposed_comm_s:.3f} s of {p.comm_s:.3f} s)",
+        f"model TFLOP/s   {p.tflops_per_chip:.1f} per chip, MFU {p.mfu:.1%}  [{p.flops_convention}]",
+        f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
+        f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
+        f"memory per chip {format_bytes(p.memory_bytes)} of {format_bytes(p.hbm_bytes)} HBM: {fit}",
+        f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
+        f"HBM {p.efficiency['hbm']:.2f}" + ("" if p.calibrated else " (v6e's: this chip has no calibration run)"),
+    ]
+    for line in lines:
+        console.print(line, highlight=False)
+    links = Table(title="exposed communication per axis and link")
+    for column in ("axes on link", "exposed s"):
+        links.add_column(column)
+    for name, seconds in sorted(p.exposed_by_link.items(), key=lambda kv: -kv[1]):
+        links.add_row(name, f"{seconds:.4f}")
+    console.print(links)
+    ops = Table(title="ten most expensive ops")
+    for column in ("op", "runs", "seconds", "bound", "TFLOP/run", "GB/run"):
+        ops.add_column(column)
+    for o in p.top_ops:
+        ops.add_row(
+            o["op"][-70:],
+            str(o["runs"]),
+            f"{o['seconds']:.4f}",
+            o["bound"],
+            f"{o['flops'] / 1e12:.2f}",
+            f"{o['bytes'] / 1e9:.2f}",
+        )
+    console.print(ops)

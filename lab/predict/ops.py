@@ -1,0 +1,477 @@
+"""Op by op: the predicted time of a compiled, scheduled step, and what of its communication is exposed.
+
+XLA's cost analysis is one number for the whole program; the scheduled HLO
+(``compiled.as_text()``, ``is_scheduled=true``) has every instruction in the
+order it runs, so each can be priced on its own:
+
+* a fusion (or any compute instruction): its matmul FLOPs (dots and
+  convolutions inside it, `lab.hlo.schedule.flops`) over the chip's peak times
+  the matmul efficiency, or its HBM bytes over the bandwidth times the HBM
+  efficiency, whichever is longer (a roofline per op; the constants are
+  `lab.predict.calibration`'s). Bytes are the fusion's operands and result,
+  except that an operand the fusion only slices (a layer's weights or saved
+  activation taken out of the scanned stack) counts the slice it reads, and a
+  buffer updated in place counts its update;
+* a Pallas kernel (``tpu_custom_call``; the flash attention's forward, dq and
+  dkv kernels) is opaque to XLA: its FLOPs are counted from its operand shapes
+  (forward 4·b·h·S·T·K, dq 6·, dkv 8·, the causal kernels skipping the blocks
+  above the diagonal: a fraction (n + 1) / 2n of n x n blocks);
+* a loop: its body, priced twice in a row and the second pass taken as the
+  steady state (a collective the scheduler starts in one iteration and
+  finishes in the next then waits as it would), times its trip count (the
+  condition's bound);
+* a collective: the lab's link model (`lab.topology.placement` and
+  `lab.topology.predict`) on the ICI or DCN links of its mesh axes.
+
+The schedule decides overlap. The compute stream runs the instructions in
+order; an async collective starts when its start instruction is reached (after
+the previous transfer on the same network: one transfer at a time per link)
+and the stream waits at its done instruction until the bytes have arrived.
+What the stream waits is the *exposed* communication; a synchronous
+collective is exposed whole. This is the schedule's async windows priced,
+with two windows sharing compute only once (unlike `lab.hlo.schedule`'s upper
+bound, which credits each window with all the compute inside it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from lab.hardware import ChipProfile
+from lab.hlo.schedule import ScheduledModule, Window, _communicates, flops, overlap_report, parse_schedule
+from lab.hlo.text import Instruction, arrays, nbytes
+from lab.topology import placement, predict
+
+# bookkeeping, addressing and DMA: no compute-unit time
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "partition-id",
+    "replica-id",
+    "after-all",
+    "copy-start",
+    "copy-done",
+    "slice-start",
+    "slice-done",
+    "opt-barrier",
+    "add-dependency",
+}
+_SLICING = {"dynamic-slice", "slice", "gather"}
+_FLASH_UNITS = (("bwd_dkv", 8), ("bwd_dq", 6), ("flash", 4))  # matmul FLOPs per b·h·S·T·K of each kernel
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the chip's peaks a well-shaped op reaches (see `lab.predict.calibration`)."""
+
+    matmul: float = 1.0
+    hbm: float = 1.0
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One instruction's predicted time in the whole step (its loops' trip counts included)."""
+
+    name: str
+    computation: str
+    op_name: str
+    runs: int
+    flops: float  # per run
+    bytes: float  # per run
+    seconds: float  # all runs
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.flops and self.seconds_compute >= self.seconds_memory else "memory"
+
+    seconds_compute: float = 0.0
+    seconds_memory: float = 0.0
+
+
+@dataclass(frozen=True)
+class CommCost:
+    """One collective's predicted transfer time and what the compute stream waited for it, over the step."""
+
+    kind: str
+    axes: tuple[str, ...]
+    network: str  # where its devices meet: "ici", "dcn", "chip"
+    link: str  # the placement, as text
+    bytes: int  # S per device, one run
+    runs: int
+    seconds: float  # transfer time, all runs
+    exposed_s: float  # waited for, all runs
+    is_async: bool
+
+
+@dataclass
+class StepPrediction:
+    """The step, op by op: total time, compute, exposed communication, and each op's share."""
+
+    step_s: float
+    compute_s: float
+    matmul_flops: float  # hardware FLOPs the program runs (remat recompute included)
+    ops: list[OpCost] = field(default_factory=list)
+    comms: list[CommCost] = field(default_factory=list)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(c.exposed_s for c in self.comms)
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.seconds for c in self.comms)
+
+    def exposed_by_link(self) -> dict[str, float]:
+        """Exposed seconds per (axes, link)."""
+        out: dict[str, float] = defaultdict(float)
+        for c in self.comms:
+            out[f"{','.join(c.axes) or '-'} on {c.link}"] += c.exposed_s
+        return dict(out)
+
+    def top_ops(self, n: int = 10) -> list[OpCost]:
+        return sorted(self.ops, key=lambda o: o.seconds, reverse=True)[:n]
+
+
+def predict_step(hlo_text: str, mesh, chip: ChipProfile, efficiency: Efficiency) -> StepPrediction:
+    """Price every instruction of scheduled `hlo_text` compiled over `mesh` and simulate the schedule."""
+    # local: lab.mesh.slice_local_shape names the one slice's program libtpu compiles
+    from lab.mesh import slice_local_shape
+
+    schedule = parse_schedule(hlo_text)
+    report = overlap_report(hlo_text, chip, mesh_shape=slice_local_shape(mesh), axis_names=mesh.axis_names)
+    simulator = _Simulator(schedule, mesh, chip, efficiency, report.windows)
+    total = simulator.run(schedule.entry, 1)
+    prediction = StepPrediction(total, simulator.compute_s, simulator.matmul_flops, simulator.op_list(), [])
+    prediction.comms = simulator.comm_list()
+    return prediction
+
+
+class _Simulator:
+    """The compute stream and the links, walked through the schedule (see the module docstring)."""
+
+    def __init__(self, schedule: ScheduledModule, mesh, chip: ChipProfile, efficiency: Efficiency, windows):
+        self.schedule, self.mesh, self.chip, self.efficiency = schedule, mesh, chip, efficiency
+        self.starts: dict[tuple[str, str], Window] = {}
+        self.dones: dict[tuple[str, str], Window] = {}
+        for w in windows:
+            self.starts[(w.computation, w.start)] = w
+            self.dones[(w.computation, w.done)] = w
+        self.compute_s = 0.0
+        self.matmul_flops = 0.0
+        self._ops: dict[tuple[str, str], list] = {}
+        self._comms: dict[int, list] = {}
+        self._comm_seconds: dict[int, tuple[float, str, str]] = {}
+        self._counting = True
+
+    # --- the walk ----------------------------------------------------------------------
+
+    def run(self, computation: str, runs: int) -> float:
+        """Seconds one run of `computation` takes; its ops and collectives are recorded `runs` times."""
+        clock = _Clock()
+        self._walk(computation, clock, runs)
+        clock.drain()
+        return clock.t
+
+    def _walk(self, computation: str, clock: _Clock, runs: int) -> None:
+        for instruction in self.schedule.computations.get(computation, ()):
+            key = (computation, instruction.name)
+            if key in self.starts:
+                self._start(self.starts[key], clock, runs)
+            if instruction.opcode == "while":
+                self._loop(computation, instruction, clock, runs)
+            elif instruction.opcode in ("call", "conditional"):
+                for callee in instruction.callees:
+                    self._walk(callee, clock, runs)
+            else:
+                clock.t += self._price(computation, instruction, runs)
+            if key in self.dones:
+                self._done(self.dones[key], clock, runs)
+
+    def _loop(self, computation: str, instruction: Instruction, clock: _Clock, runs: int) -> None:
+        body = instruction.attr(r"\bbody=%?([\w.\-]+)")
+        trips = trip_count(self.schedule, instruction)
+        if not body or trips < 1:
+            return
+        inner = _Clock()
+        counting, self._counting = self._counting, False
+        self._walk(body, inner, 0)  # a first pass: fills the links as the previous iteration would
+        self._counting = counting
+        before = inner.t
+        self._walk(body, inner, runs * trips)
+        clock.t += trips * (inner.t - before)
+
+    # --- compute -----------------------------------------------------------------------
+
+    def _price(self, computation: str, instruction: Instruction, runs: int) -> float:
+        if instruction.opcode in _FREE:
+            return 0.0
+        matmul, moved = op_flops(self.schedule, computation, instruction), 0.0
+        if not _communicates(self.schedule, instruction):
+            moved = op_bytes(self.schedule, computation, instruction)
+        compute = matmul / (self.chip.peak_bf16_flops * self.efficiency.matmul)
+        memory = moved / (self.chip.hbm_bandwidth * self.efficiency.hbm)
+        seconds = max(compute, memory)
+        if self._counting and runs:
+            self.compute_s += seconds * runs
+            self.matmul_flops += matmul * runs
+            entry = self._ops.setdefault((computation, instruction.name), [instruction, 0, matmul, moved, 0.0, 0, 0])
+            entry[1] += runs
+            entry[4] += seconds * runs
+            entry[5] += compute * runs
+            entry[6] += memory * runs
+        return seconds
+
+    # --- communication -----------------------------------------------------------------
+
+    def _seconds(self, window: Window) -> tuple[float, str, str]:
+        key = id(window)
+        if key not in self._comm_seconds:
+            c = window.collective
+            if not c.axes:
+                self._comm_seconds[key] = (0.0, "chip", "no mesh axes")
+            else:
+                where = placement(self.mesh, c.axes, self.chip)
+                cost = predict(c.kind, c.size_bytes, where, self.chip)
+                self._comm_seconds[key] = (cost.seconds if cost else 0.0, where.network, str(where))
+        return self._comm_seconds[key]
+
+    def _start(self, window: Window, clock: _Clock, runs: int) -> None:
+        seconds, network, _ = self._seconds(window)
+        if not window.is_async:
+            clock.t += seconds
+            self._record(window, runs, seconds)
+            return
+        begin = max(clock.t, clock.links.get(network, 0.0))
+        clock.links[network] = begin + seconds
+        clock.inflight[id(window)] = begin + seconds
+
+    def _done(self, window: Window, clock: _Clock, runs: int) -> None:
+        if not window.is_async:
+            return
+        end = clock.inflight.pop(id(window), None)
+        wait = 0.0 if end is None else max(0.0, end - clock.t)  # None: started before this pass began
+        clock.t += wait
+        self._record(window, runs, wait)
+
+    def _record(self, window: Window, runs: int, exposed: float) -> None:
+        if not (self._counting and runs):
+            return
+        entry = self._comms.setdefault(id(window), [window, 0, 0.0])
+        entry[1] += runs
+        entry[2] += exposed * runs
+
+    # --- results -----------------------------------------------------------------------
+
+    def op_list(self) -> list[OpCost]:
+        out = []
+        for (computation, name), (instruction, runs, matmul, moved, seconds, compute, memory) in self._ops.items():
+            op_name = instruction.attr(r'op_name="([^"]*)"') or instruction.opcode
+            out.append(OpCost(name, computation, op_name, runs, matmul, moved, seconds, compute, memory))
+        return out
+
+    def comm_list(self) -> list[CommCost]:
+        out = []
+        for window, runs, exposed in self._comms.values():
+            seconds, network, link = self._seconds(window)
+            c = window.collective
+            out.append(
+                CommCost(
+                    c.kind,
+                    tuple(c.axes or ()),
+                    network,
+                    link,
+                    c.size_bytes,
+                    runs,
+                    seconds * runs,
+                    exposed,
+                    window.is_async,
+                )
+            )
+        return out
+
+
+@dataclass
+class _Clock:
+    t: float = 0.0
+    links: dict[str, float] = field(default_factory=dict)  # when each network is free again
+    inflight: dict[int, float] = field(default_factory=dict)  # window -> when its bytes arrive
+
+    def drain(self) -> None:
+        """The step ends when its last transfer has arrived."""
+        if self.inflight:
+            self.t = max(self.t, *self.inflight.values())
+
+
+def trip_count(schedule: ScheduledModule, instruction: Instruction) -> int:
+    """How often a while loop runs: XLA's known_trip_count, else the bound its condition compares against."""
+    known = instruction.attr(r'"known_trip_count":\{"n":"(\d+)"\}')
+    if known:
+        return int(known)
+    condition = instruction.attr(r"\bcondition=%?([\w.\-]+)")
+    body = schedule.computations.get(condition or "", ())
+    constants = {i.name: _constant(i.line) for i in body if i.opcode == "constant"}
+    for i in body:
+        if i.opcode == "compare" and i.attr(r"direction=(LT)"):
+            for operand in i.operands:
+                if constants.get(operand):
+                    return int(constants[operand])
+    return 1
+
+
+def _constant(line: str) -> str | None:
+    found = re.search(r"\bconstant\((\d+)\)", line)
+    return found.group(1) if found else None
+
+
+def op_flops(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
+    """Matmul FLOPs of one instruction: dots and convolutions through fusions; a Pallas kernel from its shapes."""
+    if instruction.opcode == "custom-call":
+        return _kernel_flops(schedule, computation, instruction)
+    if instruction.opcode == "dot":
+        return flops(schedule, computation, instruction)
+    if instruction.opcode == "convolution":
+        return convolution_flops(schedule, computation, instruction)
+    if instruction.opcode in ("while", "call", "conditional"):
+        return 0.0  # the simulator walks these itself
+    return sum(
+        op_flops(schedule, callee, i) for callee in instruction.callees for i in schedule.computations.get(callee, ())
+    )
+
+
+def convolution_flops(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
+    """2 · output batch · output features · kernel input features · the real (unpadded) taps of every window.
+
+    The TPU compiler writes many dots as convolutions whose windows run mostly over padding (a [.., 1] input,
+    a window of 64 padded 63 on each side: each output reads one real element), so the taps are counted per
+    spatial dimension as the (output, tap) pairs that land inside the input, not as the window's size.
+    """
+    shapes = schedule.shapes(computation)
+    lhs = arrays(shapes.get(instruction.operands[0], ""))
+    rhs = arrays(shapes.get(instruction.operands[1], ""))
+    out = arrays(instruction.shape)
+    labels = instruction.attr(r"dim_labels=(\w+_\w+->\w+)")
+    if not (lhs and rhs and out and labels):
+        return 0.0
+    lhs_labels, rest = labels.split("_")
+    rhs_labels, out_labels = rest.split("->")
+    lhs_dims, rhs_dims, out_dims = lhs[0][1], rhs[0][1], out[0][1]
+    window = _window(instruction.attr(r"window=\{([^}]*)\}") or "")
+    macs = out_dims[out_labels.index("b")] * out_dims[out_labels.index("f")] * rhs_dims[rhs_labels.index("i")]
+    for d in range(len(lhs_labels) - 2):
+        n = lhs_dims[lhs_labels.index(str(d))]
+        w = rhs_dims[rhs_labels.index(str(d))]
+        n_out = out_dims[out_labels.index(str(d))]
+        lo, stride, dilation = window["pad"][d][0] if d < len(window["pad"]) else 0, 1, 1
+        if d < len(window["stride"]):
+            stride = window["stride"][d]
+        if d < len(window["rhs_dilate"]):
+            dilation = window["rhs_dilate"][d]
+        macs *= _taps(n, w, n_out, lo, stride, dilation)
+    return 2.0 * macs
+
+
+def _window(text: str) -> dict[str, list]:
+    found: dict[str, list] = {"pad": [], "stride": [], "rhs_dilate": []}
+    for part in text.split():
+        key, _, value = part.partition("=")
+        if key == "pad":
+            found["pad"] = [tuple(int(x) for x in p.split("_")) for p in value.split("x")]
+        elif key in ("stride", "rhs_dilate"):
+            found[key] = [int(x) for x in value.split("x")]
+    return found
+
+
+def _taps(n: int, w: int, n_out: int, lo: int, stride: int, dilation: int) -> int:
+    """(output, tap) pairs of one spatial dimension whose input position o·stride + k·dilation - lo is in [0, n)."""
+    total = 0
+    for k in range(w):
+        offset = k * dilation - lo
+        first = max(0, math.ceil(-offset / stride))
+        last = min(n_out, math.ceil((n - offset) / stride))
+        total += max(0, last - first)
+    return total
+
+
+def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
+    if "tpu_custom_call" not in (instruction.attr(r'custom_call_target="([^"]+)"') or ""):
+        return 0.0
+    units = next((u for key, u in _FLASH_UNITS if key in instruction.name), 0)
+    q = arrays(schedule.shapes(computation).get(instruction.operands[0], "")) if instruction.operands else []
+    if not units or not q or len(q[0][1]) != 4:
+        return 0.0
+    b, h, s, k = q[0][1]
+    block = int(instruction.attr(r"block_q(?:_major)?_(\d+)") or 128)
+    blocks = max(1, math.ceil(s / block))
+    causal = (blocks + 1) / (2 * blocks) if "causal" in instruction.name or units else 1.0
+    return units * b * h * s * s * k * causal
+
+
+def op_bytes(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
+    """HBM bytes an instruction reads and writes (see the module docstring for sliced and in-place operands)."""
+    shapes = schedule.shapes(computation)
+    callee = instruction.callees[0] if instruction.opcode == "fusion" and instruction.callees else None
+    body = schedule.computations.get(callee or "", ())
+    read = 0.0
+    sliced = _sliced_parameters(body, schedule) if body else {}
+    for index, operand in enumerate(instruction.operands):
+        read += sliced.get(index, _nbytes(shapes.get(operand, "")))
+    written = _nbytes(instruction.shape)
+    updates = [i for i in body if i.opcode == "dynamic-update-slice"]
+    if updates:
+        inner = schedule.shapes(callee)
+        update_bytes = sum(_nbytes(inner.get(u.operands[1], "")) for u in updates)
+        buffers = sum(_nbytes(inner.get(u.operands[0], "")) for u in updates)
+        read -= buffers  # the buffer updated in place is neither read nor written whole
+        written = max(0.0, written - buffers) + update_bytes
+    return max(0.0, read) + written
+
+
+def _sliced_parameters(body, schedule: ScheduledModule | None = None) -> dict[int, float]:
+    """Fusion parameters read only through slices (here or in a fusion nested inside): index -> bytes read."""
+    users: dict[str, list[tuple[Instruction, int]]] = defaultdict(list)
+    for i in body:
+        for position, operand in enumerate(i.operands):
+            users[operand].append((i, position))
+    out = {}
+    for i in body:
+        if i.opcode != "parameter":
+            continue
+        found = re.search(r"\bparameter\((\d+)\)", i.line)
+        number = int(found.group(1)) if found else -1
+        total, sliced = 0.0, True
+        for reader, position in _through_bitcasts(i.name, users):
+            if reader.opcode in _SLICING:
+                total += _nbytes(reader.shape)
+                continue
+            inner = _nested(reader, schedule)
+            if inner is not None and position in inner:
+                total += inner[position]
+                continue
+            sliced = False
+            break
+        if sliced and total:
+            out[number] = total
+    return out
+
+
+def _nested(reader: Instruction, schedule: ScheduledModule | None) -> dict[int, float] | None:
+    if schedule is None or reader.opcode != "fusion" or not reader.callees:
+        return None
+    return _sliced_parameters(schedule.computations.get(reader.callees[0], ()), schedule)
+
+
+def _through_bitcasts(name: str, users) -> list[tuple[Instruction, int]]:
+    found = []
+    for user, position in users.get(name, ()):
+        found += _through_bitcasts(user.name, users) if user.opcode == "bitcast" else [(user, position)]
+    return found
+
+
+def _nbytes(shape: str) -> float:
+    return float(nbytes(arrays(shape))) if shape else 0.0

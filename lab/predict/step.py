@@ -1,0 +1,157 @@
+"""The training step a prediction compiles: the lab's `Trainer`, at full size, declared abstractly.
+
+`lab.training.step.Trainer` already compiles a whole step (forward, backward,
+gradient reduction by the strategy's `Layout`, AdamW with fp32 master weights)
+for ShapeDtypeStruct inputs, which is all a compile-only topology allows. Two
+things change at full size:
+
+* the loss: a Llama-3-sized vocabulary makes the logits [B, S, V] in fp32 the
+  largest array of the step (5 x 8192 x 128256 x 4 B = 21 GB per chip), so the
+  head and the cross-entropy run over chunks of the sequence, each chunk
+  rematerialized in the backward pass (the usual production remedy: MaxText's
+  vocabulary tiling, Liger's fused linear cross-entropy). Same loss, same
+  FLOPs (plus one recompute of the head matmul), a bounded buffer.
+* the remat names: ``full`` saves only each block's input (`nothing_saveable`),
+  ``minimal`` saves every matmul output (`dots_saveable`), ``none`` saves all.
+
+A program that does not fit the chip's HBM is still a prediction, not an
+error. libtpu refuses to compile it; ``--xla_tpu_no_crash_on_oom=true`` (in
+``LIBTPU_INIT_ARGS``, set before libtpu starts) lets some such compiles finish
+with a memory analysis, but a single buffer larger than HBM, or a program far
+over, still fails (`DoesNotFit`). `lab.predict.command` then compiles one and
+two layers under scan and extrapolates time and memory to the full depth.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, replace
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from lab.errors import LabError
+from lab.model import ModelConfig, run_blocks
+from lab.training.step import TrainConfig, Trainer
+
+REMATS = {"full": "full", "minimal": "dots", "none": "none"}  # the predictor's names -> lab.parallel.layout's
+NO_CRASH_ON_OOM = "--xla_tpu_no_crash_on_oom=true"
+LOSS_CHUNK = 1024  # tokens of each sequence whose logits exist at once
+
+
+def prepare_libtpu(flags: str = "") -> None:
+    """Put `flags` (``LIBTPU_INIT_ARGS`` syntax) and the no-crash-on-OOM flag where libtpu reads them at start.
+
+    libtpu reads ``LIBTPU_INIT_ARGS`` once, when its backend starts; flags given after that are refused with a
+    LabError rather than ignored in silence.
+    """
+    wanted = " ".join(dict.fromkeys([NO_CRASH_ON_OOM, *flags.split()]))
+    current = os.environ.get("LIBTPU_INIT_ARGS", "")
+    missing = [f for f in wanted.split() if f not in current.split()]
+    if not missing:
+        return
+    if _libtpu_started():
+        if missing == [NO_CRASH_ON_OOM]:
+            return  # a step that does not fit then fails to compile, and `compile_step` says so
+        raise LabError(
+            f"libtpu already started in this process without {' '.join(missing)}; run lab predict in a fresh "
+            "process (or export LIBTPU_INIT_ARGS before it starts)"
+        )
+    os.environ["LIBTPU_INIT_ARGS"] = " ".join([*current.split(), *missing])
+
+
+def _libtpu_started() -> bool:
+    # local: the topology cache is the only record of whether libtpu has been loaded in this process
+    from lab.devices import topology_devices
+
+    return topology_devices.cache_info().currsize > 0
+
+
+class _ChunkedLossTrainer(Trainer):
+    """`Trainer` whose loss runs the head over sequence chunks (see the module docstring)."""
+
+    def _loss(self, params, tokens_BT):
+        model = nnx.merge(self.graphdef, params)
+        x_BSD, stats = run_blocks(model.blocks, model.embed(tokens_BT[:, :-1], self.layout), self.layout)
+        loss = chunked_next_token_loss(model, x_BSD, tokens_BT[:, 1:], self.layout)
+        balance = 0.0 if stats is None else stats.balance_loss.sum()
+        return loss + balance, (loss, stats)
+
+
+def chunked_next_token_loss(model, x_BSD: jax.Array, targets_BS: jax.Array, layout, chunk: int = LOSS_CHUNK):
+    """Mean next-token cross-entropy, the head applied to `chunk` positions at a time, each recomputed backward."""
+    b, s, d = x_BSD.shape
+    chunk = min(chunk, s)
+    if s % chunk:
+        chunk = s  # an odd length: one chunk (the whole logits), as the unchunked loss
+    n = s // chunk
+    x_NBCD = jnp.moveaxis(x_BSD.reshape(b, n, chunk, d), 1, 0)
+    t_NBC = jnp.moveaxis(targets_BS.reshape(b, n, chunk), 1, 0)
+
+    @jax.checkpoint  # save nothing of a chunk: its logits are rebuilt in the backward pass
+    def one(x_BCD, t_BC):
+        logits_BCV = model.head(x_BCD, layout)
+        return optax.softmax_cross_entropy_with_integer_labels(logits_BCV, t_BC).sum()
+
+    def body(total, xs):
+        return total + one(*xs), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (x_NBCD, t_NBC))
+    return total / (b * s)
+
+
+class DoesNotFit(LabError):
+    """libtpu refused the step: some buffer, or all of them, exceed the chip's HBM."""
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """One compiled step: the executable's text and memory, and how long the compile took."""
+
+    hlo: str
+    memory: dict[str, int]
+    cost: dict[str, float]
+    compile_s: float
+    layers: int
+
+
+def compile_step(
+    model: ModelConfig,
+    mesh,
+    batch_per_device: int,
+    *,
+    remat: str = "full",
+    param_dtype: str = "float32",
+    compute_dtype: str = "bfloat16",
+    strategy: str = "zero3",
+) -> Compiled:
+    """Lower and compile one training step of `model` over `mesh`, `batch_per_device` sequences per chip."""
+    if remat not in REMATS:
+        raise LabError(f"--remat {remat!r}: use one of {', '.join(REMATS)}")
+    if batch_per_device < 1:
+        raise LabError(f"--batch-per-device {batch_per_device}: use 1 or more")
+    config = TrainConfig(strategy=strategy, param_dtype=param_dtype, compute_dtype=compute_dtype, remat=REMATS[remat])
+    trainer = _ChunkedLossTrainer(model, config, mesh)
+    global_batch = batch_per_device * mesh.devices.size
+    started = time.perf_counter()
+    with jax.set_mesh(mesh):
+        lowered = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch(global_batch))
+        try:
+            compiled = lowered.compile()
+        except jax.errors.JaxRuntimeError as err:
+            if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
+                raise
+            raise DoesNotFit(str(err).splitlines()[0][:200]) from None
+    elapsed = time.perf_counter() - started
+    stats = compiled.memory_analysis()
+    memory = {name[: -len("_in_bytes")]: int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")}
+    cost = compiled.cost_analysis()
+    cost = {k: float(v) for k, v in (cost or {}).items() if "{" not in k}
+    return Compiled(compiled.as_text(), memory, cost, elapsed, model.layers)
+
+
+def with_layers(model: ModelConfig, layers: int) -> ModelConfig:
+    return replace(model, layers=layers)

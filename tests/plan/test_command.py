@@ -1,0 +1,73 @@
+"""`lab plan` through `lab.cli.main`: mistakes are one line and exit 2; --json keys; a small compiled re-ranking."""
+
+import json
+
+import pytest
+
+from lab.cli import main
+
+SMALL = "layers=2,d_model=128,heads=4,d_ff=256,vocab=512"
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--target", "tpu:v5e:2x4", "--chips", "6"], "--chips 6: tpu:v5e:2x4 has 8 chips"),
+        (["--target", "cpu:8"], "lab plan lays a model on tpu:<gen>:<topology>"),
+        (["--global-batch", "1000", "--seq", "128"], "is not a whole number of --seq 128"),
+        (
+            [
+                "--model",
+                "layers=1,d_model=64,heads=1,d_ff=64,vocab=64",
+                "--seq",
+                "16",
+                "--global-batch",
+                "48",
+                "--target",
+                "tpu:v5e:2x4",
+            ],
+            "no layout of 8 chips divides a batch of 3 sequences",
+        ),
+        (["--model", "nope"], "unknown model preset"),
+    ],
+)
+def test_mistakes_give_one_line_and_exit_2(capsys, argv, words):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_model_nothing_fits_is_a_result_naming_the_least_memory_layout(capsys):
+    assert main(["plan", "--model", "llama3-405b", "--target", "tpu:v5e:2x2", "--compile-top", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["candidates"] == []
+    assert out["nothing_fits"].startswith("nothing fits: the least memory per chip") and "fsdp=4" in out["nothing_fits"]
+
+
+def test_json_has_the_plan_keys_and_a_small_compiled_reranking(capsys, tmp_path):
+    argv = [
+        "plan",
+        "--model",
+        SMALL,
+        "--seq",
+        "128",
+        "--target",
+        "tpu:v5e:2x4",
+        "--compile-top",
+        "2",
+        "--json",
+        "--plot",
+        str(tmp_path / "plan.png"),
+    ]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"enumerated", "ranked_s", "rank_correlation", "candidates"} <= set(out)
+    assert out["enumerated"] >= len(out["candidates"]) > 2
+    first = out["candidates"][0]
+    assert {"mesh", "slices_axis", "remat", "micro_batches", "step_s", "mfu", "memory_bytes", "compiled"} <= set(first)
+    compiled = [c for c in out["candidates"] if c["compiled"]]
+    assert len(compiled) == 2 and compiled == out["candidates"][:2]  # re-ranked first, by the compiled step
+    assert compiled[0]["compiled"]["step_s"] <= compiled[1]["compiled"]["step_s"]
+    assert compiled[0]["compiled"]["memory_bytes"] > 0
+    assert (tmp_path / "plan.png").stat().st_size > 0

@@ -1,0 +1,71 @@
+"""Pruning, ranking and the frontier on small cases (closed form only: no compile)."""
+
+from dataclasses import replace
+
+import pytest
+
+from lab.mesh import MeshSpec
+from lab.model import ModelConfig
+from lab.plan.closed_form import params_per_chip
+from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman
+from tests.plan.test_space import SMALL, problem
+
+
+def test_parameters_per_chip_add_up_to_the_model_and_split_over_fsdp():
+    model = replace(SMALL, layers=4)
+    assert params_per_chip(model, MeshSpec(data=8)) == model.parameters
+    assert params_per_chip(model, MeshSpec(fsdp=8)) == pytest.approx(model.parameters / 8)
+    moe = ModelConfig(vocab=64, embed=32, heads=2, head_dim=16, mlp=16, layers=2, experts=4)
+    assert params_per_chip(moe, MeshSpec(data=8)) == moe.parameters
+
+
+def test_everything_ranked_fits_and_is_sorted_by_step_time():
+    plan = closed_form_plan(problem(sequences=16))
+    assert plan.enumerated > len(plan.candidates) > 0 or plan.enumerated == len(plan.candidates)
+    steps = [c.estimate.step_s for c in plan.candidates]
+    assert steps == sorted(steps)
+    assert all(c.estimate.memory.total <= c.estimate.hbm_bytes for c in plan.candidates)
+    assert plan.pure_fsdp is not None and plan.pure_fsdp.layout.mesh.fsdp == 8
+
+
+def test_pruning_drops_what_does_not_fit_and_names_the_closest():
+    big = replace(SMALL, embed=8192, mlp=32768, heads=64, kv_heads=8, head_dim=128, layers=96, vocab=128000)
+    plan = closed_form_plan(problem(big, torus=(2, 2)))
+    assert plan.candidates == ()
+    least = min(e.memory.total for e in plan.everything)
+    assert plan.closest.memory.total == least > plan.closest.hbm_bytes
+
+
+def test_remat_trades_memory_for_recompute():
+    plan = closed_form_plan(problem())
+    by = {(str(c.layout.mesh), c.layout.remat): c.estimate for c in plan.candidates}
+    full, none = by[("fsdp=8", "full")], by[("fsdp=8", "none")]
+    assert full.memory.activations < none.memory.activations
+    assert full.flops_per_chip > none.flops_per_chip
+
+
+def test_tensor_parallelism_shows_as_an_exposed_term_against_pure_fsdp():
+    plan = closed_form_plan(problem())
+    by = {(str(c.layout.mesh), c.layout.remat): c.estimate for c in plan.candidates}
+    terms = {t for t, _, _ in differing_terms(by[("fsdp=4,tensor=2", "full")], by[("fsdp=8", "full")])}
+    assert "exposed tensor s" in terms and "memory: params bytes" in terms
+
+
+def test_the_frontier_is_every_layout_nothing_beats_on_both():
+    plan = closed_form_plan(problem())
+    edge = {id(e) for e in frontier(plan.everything)}
+    points = {(e.memory.total, e.step_s) for e in plan.everything}
+    for e in plan.everything:
+        m, s = e.memory.total, e.step_s
+        beaten = any(om <= m and os <= s and (om, os) != (m, s) for om, os in points)
+        assert not (id(e) in edge and beaten)
+    kept = {(e.memory.total, e.step_s) for e in frontier(plan.everything)}
+    assert kept == {
+        (m, s) for m, s in points if not any(om <= m and os <= s and (om, os) != (m, s) for om, os in points)
+    }
+
+
+def test_spearman_is_one_for_the_same_order_and_minus_one_reversed_ties_averaged():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # scipy.stats.spearmanr's value

@@ -1,0 +1,89 @@
+"""``lab predict`` end to end on small topologies, its bad inputs, and the op-by-op pricing's parts."""
+
+import json
+
+import pytest
+
+from lab.cli import main
+from lab.hlo.text import parse_instruction
+from lab.predict.command import Predict, model_flops, run_prediction
+from lab.predict.ops import _taps
+from lab.predict.spec import parse_model
+
+SMALL = "layers=2,d_model=256,heads=4,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu"
+
+
+def test_a_small_step_on_v5e_predicts_every_reported_quantity(capsys):
+    assert (
+        main(
+            [
+                "predict",
+                "--model",
+                SMALL,
+                "--target",
+                "tpu:v5e:2x2",
+                "--mesh",
+                "fsdp=4",
+                "--seq",
+                "512",
+                "--batch-per-device",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "step_s",
+        "tflops_per_chip",
+        "mfu",
+        "model_flops_per_step",
+        "hardware_flops_per_step",
+        "memory_bytes",
+        "hbm_bytes",
+        "fits",
+        "compute_s",
+        "exposed_comm_s",
+        "compile_s",
+    ):
+        assert key in out
+    assert out["fits"] and out["chips"] == 4 and len(out["top_ops"]) == 10
+    assert out["step_s"] >= out["compute_s"] > 0
+    # remat full recomputes the forward: the program runs more matmul FLOPs than the model convention counts
+    assert out["hardware_flops_per_step"] > 0.9 * out["model_flops_per_step"]
+    assert out["model_flops_per_step"] == model_flops(
+        parse_model(SMALL).__class__(**{**parse_model(SMALL).__dict__, "seq": 512}), 2 * 4 * 512
+    )
+
+
+def test_two_slices_put_the_data_axis_on_dcn():
+    p = run_prediction(Predict(model=SMALL, target="tpu:v5e:2x2", slices=2, mesh="fsdp=4", seq=256))
+    assert p.chips == 8 and p.mesh == "data=2,fsdp=4"
+    assert any("DCN" in link for link in p.exposed_by_link) or p.comm_s > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--model", "llama9"], "unknown model preset"),
+        (["--model", SMALL + ",colour=red"], "unknown key"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "tensor=4", "--seq", "128"], "divisible"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "stage=4", "--seq", "128"], "stage=4"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=8"], "uses 8 devices"),
+        (["--model", SMALL, "--target", "tpu:v5e:3x7"], "libtpu does not know"),
+        (["--model", SMALL, "--target", "cpu:8"], "compiles for tpu"),
+    ],
+)
+def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
+    assert main(["predict", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
+
+
+def test_padded_convolution_windows_count_only_real_taps():
+    # a [.., 1] input under a window of 64 padded 63 each side: 64 outputs, one real tap each
+    assert _taps(n=1, w=64, n_out=64, lo=63, stride=1, dilation=1) == 64
+    assert _taps(n=8, w=3, n_out=6, lo=0, stride=1, dilation=1) == 18  # a valid convolution
+    line = "%c = f32[4]{0} convolution(%a, %b), window={size=64 pad=63_63}, dim_labels=b0f_0io->b0f"
+    assert parse_instruction(line).opcode == "convolution"
