@@ -10,47 +10,70 @@ lab.report writes the pages. Training runs are lab.training, their diagnosis
 lab.doctor. tests/test_architecture.py keeps the layers in that order.
 
 The public API is listed here explicitly; everything else is internal.
+
+The names are imported on first use (a module ``__getattr__``, PEP 562), so
+``import lab`` costs nothing: the ``lab`` command (`lab.entry`) can answer
+Ctrl-C before jax, flax and orbax are loaded. (``lab.roofline`` is the module;
+its function is ``lab.roofline.roofline``.)
 """
 
-from lab.bench import Timing as Timing
-from lab.bench import time_fn as time_fn
-from lab.collectives import NAMES as NAMES
-from lab.collectives import CollectiveProgram as CollectiveProgram
-from lab.collectives import build_program as build_program
-from lab.devices import DEFAULT_TARGET as DEFAULT_TARGET
-from lab.devices import Target as Target
-from lab.devices import devices_for as devices_for
-from lab.devices import parse_target as parse_target
-from lab.doctor.checks import Finding as Finding
-from lab.doctor.diagnosis import Diagnosis as Diagnosis
-from lab.doctor.diagnosis import diagnose as diagnose
-from lab.errors import LabError as LabError
-from lab.explanation import Explanation as Explanation
-from lab.explanation import explain as explain
-from lab.hardware import ChipProfile as ChipProfile
-from lab.hardware import profile as profile
-from lab.hlo import Collective as Collective
-from lab.hlo import Inspection as Inspection
-from lab.hlo import inspect as inspect
-from lab.hlo import parse_collectives as parse_collectives
-from lab.hlo import summarize as summarize
-from lab.mesh import AXES as AXES
-from lab.mesh import MeshSpec as MeshSpec
-from lab.model import ModelConfig as ModelConfig
-from lab.model import preset as preset
-from lab.report import Result as Result
-from lab.roofline import Roofline as Roofline
-from lab.roofline import roofline as roofline
-from lab.rules import STRATEGIES as STRATEGIES
-from lab.rules import get_strategy as get_strategy
-from lab.theory import CollectiveCost as CollectiveCost
-from lab.theory import collective_cost as collective_cost
-from lab.topology import placement as placement
-from lab.training.run import RunConfig as RunConfig
-from lab.training.run import RunLog as RunLog
-from lab.training.series import SeriesSummary as SeriesSummary
-from lab.training.step import TrainConfig as TrainConfig
-from lab.training.step import Trainer as Trainer
-from lab.verdict import Check as Check
-from lab.verdict import Claim as Claim
-from lab.verdict import check as check
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {  # each public name, and the module that defines it
+    "Timing": "lab.bench",
+    "time_fn": "lab.bench",
+    "NAMES": "lab.collectives",
+    "CollectiveProgram": "lab.collectives",
+    "build_program": "lab.collectives",
+    "DEFAULT_TARGET": "lab.devices",
+    "Target": "lab.devices",
+    "devices_for": "lab.devices",
+    "parse_target": "lab.devices",
+    "Finding": "lab.doctor.checks",
+    "Diagnosis": "lab.doctor.diagnosis",
+    "diagnose": "lab.doctor.diagnosis",
+    "LabError": "lab.errors",
+    "Explanation": "lab.explanation",
+    "explain": "lab.explanation",
+    "ChipProfile": "lab.hardware",
+    "profile": "lab.hardware",
+    "Collective": "lab.hlo",
+    "Inspection": "lab.hlo",
+    "inspect": "lab.hlo",
+    "parse_collectives": "lab.hlo",
+    "summarize": "lab.hlo",
+    "AXES": "lab.mesh",
+    "MeshSpec": "lab.mesh",
+    "ModelConfig": "lab.model",
+    "preset": "lab.model",
+    "Result": "lab.report",
+    "Roofline": "lab.roofline",
+    "STRATEGIES": "lab.rules",
+    "get_strategy": "lab.rules",
+    "CollectiveCost": "lab.theory",
+    "collective_cost": "lab.theory",
+    "placement": "lab.topology",
+    "RunConfig": "lab.training.run",
+    "RunLog": "lab.training.run",
+    "SeriesSummary": "lab.training.series",
+    "TrainConfig": "lab.training.step",
+    "Trainer": "lab.training.step",
+    "Check": "lab.verdict",
+    "Claim": "lab.verdict",
+    "check": "lab.verdict",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'lab' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # the next use finds it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

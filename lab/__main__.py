@@ -1,5 +1,5 @@
-"""``python -m lab`` is the ``lab`` command."""
+"""``python -m lab`` is the ``lab`` command (through `lab.entry`, which answers Ctrl-C from the first moment)."""
 
-from lab.cli import main
+from lab.entry import main
 
 raise SystemExit(main())

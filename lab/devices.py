@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import jax
 from jax.experimental import topologies
 
-from lab import gpu_targets
+from lab import gpu_targets, native
 from lab.errors import LabError
 
 DEFAULT_TARGET = "cpu:8"
@@ -253,7 +253,8 @@ def distributed_devices(
     With no coordinator, process count or id, JAX reads them from the environment a TPU VM slice, SLURM
     (``SLURM_*``) or Open MPI provides. For ``cpu:N`` each process emulates N devices and the processes talk
     over gloo (TCP). `timeout_s` bounds the wait for the others to join; a process that stops sending
-    heartbeats for `heartbeat_s` makes the coordination service stop every other process.
+    heartbeats for `heartbeat_s` makes the coordination service stop every other process. From this call on,
+    JAX's native log goes to a file and its fatal aborts become one line on the terminal (`lab.native`).
     """
     target = parse_target(target) if isinstance(target, str) else target
     if target.compile_only:
@@ -275,6 +276,12 @@ def distributed_devices(
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", target.count or 1)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    # JAX's preemption notifier would take SIGTERM over (to save at a sync point, which lab train does not use);
+    # without it SIGTERM stops the process as the lab's own handler says: one line, exit 143.
+    jax.config.update("jax_enable_preemption_service", False)
+    # From here on the runtime's C++ log goes to a file, and its fatal aborts (a peer's heartbeats stop, the others
+    # never join, an id joins twice) become one line on the terminal: see lab.native.
+    native.divert(f"process{process_id if process_id is not None else 'x'}", timeout_s)
     try:
         jax.distributed.initialize(
             coordinator,
@@ -285,6 +292,11 @@ def distributed_devices(
         )
     except (RuntimeError, ValueError) as err:
         detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        if "Failed to start RPC server" in detail:  # process 0 could not listen on the coordinator's port
+            raise LabError(
+                f"process 0 cannot listen on the coordinator's address {coordinator or ''} (another program or run "
+                "holds the port); choose a free port and give it to every process"
+            ) from None
         raise LabError(
             f"could not join the distributed run at {coordinator or 'the address the environment gives'} "
             f"within {timeout_s} s ({detail}); start every process with the "

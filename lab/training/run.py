@@ -22,7 +22,9 @@ then. Four things make it a lab rather than a demo:
   the step's named scopes.
 * **Several processes.** With ``jax.distributed`` the same loop runs once per
   host; every process builds the same global batch (each device loads only
-  its slice) and only process 0 writes the log and the page.
+  its slice) and only process 0 writes the log and the page. The processes
+  first agree on their options; when one stops, the others stop too within
+  the heartbeat timeout, each saying why in one line (`lab.native`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.profiler import StepTraceAnnotation, TraceAnnotation
 
-from lab import inputs, progress
+from lab import inputs, native, progress
 from lab.devices import DEFAULT_TARGET, describe_devices, devices_for, distributed_devices
 from lab.errors import LabError
 from lab.hardware import profile, profile_for_device_kind
@@ -198,6 +200,15 @@ def run(config: RunConfig, devices=None) -> RunLog:
 
     _check(config)
     devices = _devices(config) if devices is None else devices
+    try:
+        return _train(config, devices)
+    except jax.errors.JaxRuntimeError as err:
+        if jax.process_count() == 1:
+            raise  # one process: a runtime failure is a bug to see whole
+        native.await_verdict(err, HEARTBEAT_S)
+
+
+def _train(config: RunConfig, devices) -> RunLog:
     model, trainer = _model(config), trainer_for(config, devices)
     mesh = trainer.mesh
     trainer.layout.check_batch(
@@ -307,10 +318,24 @@ def _model(config: RunConfig):
     return preset(config.model)
 
 
+JOIN_TIMEOUT_S = 60  # how long the processes of a run wait for each other to join
+HEARTBEAT_S = 10  # a process silent this long is declared dead by the coordinator, and every other one stops
+
+
 def _devices(config: RunConfig) -> tuple:
     if config.distributed or config.coordinator is not None or config.num_processes is not None:
-        devices = distributed_devices(config.target, config.coordinator, config.num_processes, config.process_id)
-        _agree(config)
+        devices = distributed_devices(
+            config.target,
+            config.coordinator,
+            config.num_processes,
+            config.process_id,
+            timeout_s=JOIN_TIMEOUT_S,
+            heartbeat_s=HEARTBEAT_S,
+        )
+        try:
+            _agree(config)
+        except jax.errors.JaxRuntimeError as err:
+            native.await_verdict(err, HEARTBEAT_S)
         return devices
     return devices_for(config.target)
 

@@ -1,0 +1,44 @@
+"""The ``lab`` command's entry point: Ctrl-C and SIGTERM are answered from the first moment.
+
+Starting ``lab`` imports jax, flax, orbax and tyro, which takes seconds. A
+Ctrl-C in that time would raise ``KeyboardInterrupt`` wherever the import
+happens to be and print its traceback, and a SIGTERM would kill the process
+without a word. So this module imports nothing of the lab's but `lab.cli`, and
+that only once handlers are in place that print one line (``lab:
+interrupted``, ``lab: terminated``) and exit at once with the signal's code
+(130, 143), as the command does later on. It relies on the package ``lab``
+itself importing nothing heavy: ``lab/__init__.py`` must load its public names
+on first use, or ``python -m lab`` and the console script spend those seconds
+there, before this module runs.
+
+Once `lab.cli` is imported, Ctrl-C goes back to Python's ``KeyboardInterrupt``
+and SIGTERM to `lab.cli`'s handler: from then on both unwind the running
+command (an asynchronous checkpoint save finishes) before the same line and
+code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 128 + signal.SIGTERM}  # the shell's 128 + signal number
+MESSAGES = {signal.SIGINT: "lab: interrupted", signal.SIGTERM: "lab: terminated"}
+
+
+def main() -> int:
+    """Entry point of the ``lab`` console script and of ``python -m lab``."""
+    for signum in EXIT_CODES:
+        signal.signal(signum, _stop_at_once)
+    from lab import cli  # imported here, once the handlers above are set: it imports jax, flax and orbax (seconds)
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # lab.cli turns KeyboardInterrupt into the line
+    return cli.main()
+
+
+def _stop_at_once(signum: int, frame) -> None:
+    """The signal arrived while Python was importing: nothing to unwind, nothing written yet."""
+    sys.stderr.write(MESSAGES[signum] + "\n")
+    sys.stderr.flush()
+    os._exit(EXIT_CODES[signum])

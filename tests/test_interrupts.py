@@ -1,0 +1,71 @@
+"""Ctrl-C and SIGTERM stop the lab with one line and the signal's exit code, however early they come.
+
+The first seconds of every command are spent importing jax, flax and orbax; a
+signal then used to print a ``KeyboardInterrupt`` traceback (Ctrl-C) or kill
+the process without a word (SIGTERM). `lab.entry` answers both from the first
+moment. The delays below land inside that import on any machine this suite
+runs on (it takes seconds); what is asserted is the outcome, not the timing.
+"""
+
+import os
+import pty
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIST = [sys.executable, "-m", "lab", "list"]
+BENCH = [sys.executable, "-m", "lab", "bench", "collectives", "-b", "1M", "-e", "64M", "-n", "50"]
+
+
+def _signalled(argv, signum, after_s: float) -> tuple[int, str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    time.sleep(after_s)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)  # a generous bound: only a hang fails it
+    return process.returncode, err
+
+
+@pytest.mark.parametrize("after_s", [0.2, 1.0])
+def test_ctrl_c_while_starting_is_one_line_and_130(after_s):
+    code, err = _signalled(LIST, signal.SIGINT, after_s)
+    assert code == 130, err[-2000:]
+    assert err.strip() == "lab: interrupted", err[-2000:]  # one line, no traceback
+
+
+@pytest.mark.parametrize("argv", [LIST, BENCH], ids=["list", "bench"])
+def test_sigterm_while_starting_is_one_line_and_143(argv):
+    code, err = _signalled(argv, signal.SIGTERM, 1.0)
+    assert code == 143, err[-2000:]
+    assert err.strip() == "lab: terminated", err[-2000:]
+
+
+def test_sigterm_mid_sweep_stops_within_seconds_with_one_line_and_143():
+    """On a terminal, once the sweep's bar shows (imports done, measuring), SIGTERM stops it."""
+    controller, terminal = pty.openpty()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TERM": "xterm", "COLUMNS": "120"}
+    process = subprocess.Popen(BENCH, stdin=terminal, stdout=terminal, stderr=terminal, env=env, cwd=ROOT)
+    os.close(terminal)
+    out, sent = b"", None
+    while True:
+        try:
+            chunk = os.read(controller, 4096)  # read all along: a full terminal would block the process
+        except OSError:  # the terminal closed: the process is done
+            break
+        if not chunk:
+            break
+        out += chunk
+        if sent is None and re.search(rb"bench .*\d+/\d+", out):
+            process.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+    os.close(controller)
+    assert process.wait(timeout=60) == 143 and sent is not None, out.decode(errors="replace")[-2000:]
+    assert time.monotonic() - sent < 30  # a generous bound: only an ignored signal fails it
+    after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace")).splitlines()[-1]
+    assert after.strip() == "lab: terminated"
