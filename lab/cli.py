@@ -534,6 +534,10 @@ def report(command: Report) -> int:
     if command.only is not None and not (command.only and all(command.only)):
         raise LabError("--only needs experiment names, e.g. --only collectives overlap (see `lab list`)")
     chosen = [get(n) for n in command.only] if command.only else list(experiments().values())
+    heavy = [e for e in chosen if e.heavy and not command.only and not command.rejudge]
+    for experiment in heavy:
+        _out.print(f"left out: {experiment.name} ({experiment.heavy}); `lab report --only {experiment.name}`")
+    chosen = [e for e in chosen if e not in heavy]
     if command.stale:
         chosen = [e for e in chosen if _page_hash(command.results / e.name) != e.code_hash]
         _out.print(f"stale: {', '.join(e.name for e in chosen) or 'none'}", highlight=False)
@@ -552,11 +556,17 @@ def report(command: Report) -> int:
             results.append(result)
             _print_result(result, command.results / experiment.name / "README.md")
     partial = bool(command.only or command.stale)
-    if partial:
+    if partial or heavy:
         results = _merge_existing(results, command.results)
     elapsed = time.perf_counter() - started
     names = (tuple(command.only or ()) or tuple(e.name for e in chosen)) if partial else ()
-    index = pages.write_index(results, command.results, elapsed_s=None if command.rejudge else elapsed, only=names)
+    index = pages.write_index(
+        results,
+        command.results,
+        elapsed_s=None if command.rejudge else elapsed,
+        only=names,
+        left_out=tuple(e.name for e in heavy),
+    )
     _out.print(f"index: {index}  ({elapsed:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command
 

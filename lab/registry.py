@@ -8,7 +8,9 @@ An experiment is a module with
   field saying where (target, devices, mesh);
 * ``measure(config) -> Observations``: all that needs JAX, a compiler or a clock;
 * ``judge(observations, config) -> Result``: pure (no JAX, no clock, no randomness): the checks, claims,
-  tables, plots (as functions that draw them) and notes.
+  tables, plots (as functions that draw them) and notes;
+* optionally ``HEAVY``: why a full ``lab report`` (15 minutes on a laptop) leaves it out; it runs when named
+  (``lab report --only NAME``, ``lab run NAME``) and its committed page stays in the index.
 
 `Experiment.run` measures and judges; `Experiment.rejudge` rebuilds a page
 from the observations its result.json stored, in milliseconds, so theory can
@@ -59,6 +61,11 @@ class Experiment:
     def compile_only(self) -> bool:
         """Whether it only compiles (and so may run on a compile-only target)."""
         return getattr(self.module, "COMPILE_ONLY", False)
+
+    @property
+    def heavy(self) -> str | None:
+        """Why `lab report` leaves it out unless named (``HEAVY = "about 30 min: ..."``), or None."""
+        return getattr(self.module, "HEAVY", None)
 
     @property
     def code_hash(self) -> str:

@@ -136,8 +136,10 @@ def write_index(
     *,
     elapsed_s: float | None = None,
     only: tuple[str, ...] = (),
+    left_out: tuple[str, ...] = (),
 ) -> Path:
-    """results/README.md: the verdicts per page and the claims per question; with `only`, what that run redid."""
+    """results/README.md: the verdicts per page and the claims per question; with `only`, what that run redid;
+    `left_out`: heavy pages a full run skipped, shown from their last run."""
     ordered = sorted(results, key=_question_order)
     lines = [
         "# Results\n",
@@ -176,6 +178,9 @@ def write_index(
         )
     elif elapsed_s is not None:
         lines.append(f"`lab report` took {elapsed_s:.0f} s.")
+    if left_out:
+        names = ", ".join(left_out)
+        lines.append(f"Left out of a full `lab report` for their cost and shown from their last run: {names}.")
     path = Path(results_dir) / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

@@ -77,6 +77,7 @@ def test_inspect_dump_with_a_device_order(capsys, tmp_path):
     )
     path = tmp_path / "dump.txt"
     path.write_text(text)
+
     def axes(*argv):
         assert main(["inspect", "--hlo", str(path), "--mesh", "data=2,tensor=2", "--json", *argv]) == 0
         return [c["axes"] for c in json.loads(capsys.readouterr().out)["collectives"]]

@@ -66,7 +66,8 @@ class Predict:
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     layers_compiled: int = 0
     """0: compile every layer; K: compile K and 2K layers under scan and extrapolate time and memory linearly
-    to the model's depth (for a step whose full compile would not fit, or to compile faster)"""
+    to the model's depth (for a step whose full compile would not fit; not faster: the layers are one scanned
+    body, so each of the two compiles costs about what the whole model's does)"""
     json: bool = False
     """print one JSON object instead of tables"""
 
@@ -95,6 +96,7 @@ class Prediction:
     hardware_flops_per_step: float
     flops_convention: str
     memory_bytes: int
+    memory_note: str  # "" when measured or extrapolated; else why the figure is only a lower bound
     hbm_bytes: int
     fits: bool
     over_by_bytes: int
@@ -114,8 +116,8 @@ def model_flops(config, tokens: int) -> float:
     return float(6 * dense * tokens + attention * tokens)
 
 
-def run_prediction(command: Predict):
-    """Compile and predict; returns the `Prediction`."""
+def run_prediction(command: Predict, efficiency=None):
+    """Compile and predict; returns the `Prediction` (`efficiency`: the chip's calibrated constants unless given)."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
     from lab.devices import parse_target, topology_devices
     from lab.predict.step import DoesNotFit, prepare_libtpu
@@ -136,7 +138,7 @@ def run_prediction(command: Predict):
     devices = topology_devices(target.topology, command.slices)
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     chip = _chip(devices)
-    efficiency = calibration.efficiency(chip.name)
+    efficiency = efficiency or calibration.efficiency(chip.name)
     depths = _depths(command.layers_compiled, model.layers)
     try:
         runs = _compile_all(model, mesh, chip, efficiency, command, depths)
@@ -147,13 +149,19 @@ def run_prediction(command: Predict):
         runs = _compile_all(model, mesh, chip, efficiency, command, depths)
     compiled, step, predict_s = runs[-1]
     compile_s = sum(r[0].compile_s for r in runs)
-    memory = _memory_bytes(compiled.memory)
+    memory, memory_note = _memory_bytes(compiled.memory), ""
     if len(runs) == 2:  # t(L) = t(K) + (L - K) (t(2K) - t(K)) / K, for every term
         (small, few, _), (_, more, _) = runs
         k = depths[0]
         grow = (model.layers - k) / k
         step = _extrapolated(few, more, grow)
-        memory = int(_memory_bytes(small.memory) + grow * (memory - _memory_bytes(small.memory)))
+        shallow = _memory_bytes(small.memory)
+        # XLA may pack the deeper compile tighter (it reported less memory for 2K layers than for K): no line
+        # through two such points is a model of depth, so the larger is kept as a lower bound (`memory_note`)
+        if memory >= shallow:
+            memory = int(shallow + grow * (memory - shallow))
+        else:
+            memory, memory_note = shallow, f"at least: {depths[1]} layers compiled to less memory than {k}"
     chips = len(devices)
     tokens = command.batch_per_device * chips * command.seq
     flops = model_flops(model, tokens)
@@ -180,6 +188,7 @@ def run_prediction(command: Predict):
         hardware_flops_per_step=step.matmul_flops * chips,
         flops_convention="6*N'*tokens + 12*L*H*K*S*tokens (N' without input embedding; attention not causal-halved)",
         memory_bytes=memory,
+        memory_note=memory_note,
         hbm_bytes=int(chip.hbm_bytes),
         fits=over == 0,
         over_by_bytes=over,
@@ -244,17 +253,26 @@ def _extrapolated(few, more, grow: float):
     def line(a: float, b: float) -> float:
         return a + grow * (b - a)
 
-    by_name = {(o.computation, o.name): o for o in few.ops}
-    ops = [
-        replace(
-            o,
-            seconds=line(
-                by_name[(o.computation, o.name)].seconds if (o.computation, o.name) in by_name else 0.0, o.seconds
-            ),
-            runs=o.runs,
-        )
-        for o in more.ops
-    ]
+    # XLA names instructions afresh in each compile (fusion.523 in one is another op in the other), so the two
+    # programs' ops are paired by what they are: the JAX op that made them and their FLOPs and bytes per run
+    def key(o):
+        return (o.op_name, o.flops, o.bytes)
+
+    totals: dict[tuple, list[float]] = {}
+    for o in few.ops:
+        entry = totals.setdefault(key(o), [0.0, 0.0])
+        entry[0] += o.seconds
+        entry[1] += o.runs
+    grouped: dict[tuple, list] = {}
+    for o in more.ops:
+        entry = grouped.setdefault(key(o), [o, 0.0, 0])
+        entry[1] += o.seconds
+        entry[2] += o.runs
+    ops = []
+    for k, (o, seconds, runs) in grouped.items():
+        # an op the K-layer program lacks is taken as it is in the 2K-layer one, not grown
+        before_s, before_runs = totals.get(k, (seconds, runs))
+        ops.append(replace(o, seconds=line(before_s, seconds), runs=round(line(before_runs, runs))))
     comms = list(more.comms)
     scale = line(few.exposed_comm_s, more.exposed_comm_s) / more.exposed_comm_s if more.exposed_comm_s else 1.0
     total = line(few.comm_s, more.comm_s) / more.comm_s if more.comm_s else 1.0
@@ -348,7 +366,8 @@ def show(p: Prediction, console: Console) -> None:
         f"model TFLOP/s   {p.tflops_per_chip:.1f} per chip, MFU {p.mfu:.1%}  [{p.flops_convention}]",
         f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
         f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
-        f"memory per chip {format_bytes(p.memory_bytes)} of {format_bytes(p.hbm_bytes)} HBM: {fit}",
+        f"memory per chip {format_bytes(p.memory_bytes)}{f' ({p.memory_note})' if p.memory_note else ''} of "
+        f"{format_bytes(p.hbm_bytes)} HBM: {fit}",
         f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
         f"HBM {p.efficiency['hbm']:.2f}" + ("" if p.calibrated else " (v6e's: this chip has no calibration run)"),
     ]

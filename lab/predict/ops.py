@@ -140,33 +140,57 @@ class StepPrediction:
 
 def predict_step(hlo_text: str, mesh, chip: ChipProfile, efficiency: Efficiency) -> StepPrediction:
     """Price every instruction of scheduled `hlo_text` compiled over `mesh` and simulate the schedule."""
+    return read_schedule(hlo_text, mesh, chip).predict(efficiency)
+
+
+@dataclass
+class ReadSchedule:
+    """A compiled step read once (instructions, async windows, each op's FLOPs and bytes), to price many times.
+
+    Solving an efficiency constant walks the same schedule under many candidate values; what does not depend
+    on the constants (parsing, the FLOPs and bytes of every op, each collective's link time) is kept here.
+    """
+
+    schedule: ScheduledModule
+    windows: list
+    mesh: object
+    chip: ChipProfile
+    work: dict = field(default_factory=dict)  # (computation, name) -> (matmul FLOPs, HBM bytes)
+    links: dict = field(default_factory=dict)  # id(window) -> (seconds, network, placement)
+
+    def predict(self, efficiency: Efficiency) -> StepPrediction:
+        simulator = _Simulator(self, efficiency)
+        total = simulator.run(self.schedule.entry, 1)
+        prediction = StepPrediction(total, simulator.compute_s, simulator.matmul_flops, simulator.op_list(), [])
+        prediction.comms = simulator.comm_list()
+        return prediction
+
+
+def read_schedule(hlo_text: str, mesh, chip: ChipProfile) -> ReadSchedule:
+    """Parse scheduled `hlo_text` compiled over `mesh` and find its async windows (see `ReadSchedule`)."""
     # local: lab.mesh.slice_local_shape names the one slice's program libtpu compiles
     from lab.mesh import slice_local_shape
 
     schedule = parse_schedule(hlo_text)
     report = overlap_report(hlo_text, chip, mesh_shape=slice_local_shape(mesh), axis_names=mesh.axis_names)
-    simulator = _Simulator(schedule, mesh, chip, efficiency, report.windows)
-    total = simulator.run(schedule.entry, 1)
-    prediction = StepPrediction(total, simulator.compute_s, simulator.matmul_flops, simulator.op_list(), [])
-    prediction.comms = simulator.comm_list()
-    return prediction
+    return ReadSchedule(schedule, list(report.windows), mesh, chip)
 
 
 class _Simulator:
     """The compute stream and the links, walked through the schedule (see the module docstring)."""
 
-    def __init__(self, schedule: ScheduledModule, mesh, chip: ChipProfile, efficiency: Efficiency, windows):
-        self.schedule, self.mesh, self.chip, self.efficiency = schedule, mesh, chip, efficiency
+    def __init__(self, read: ReadSchedule, efficiency: Efficiency):
+        self.schedule, self.mesh, self.chip, self.efficiency = read.schedule, read.mesh, read.chip, efficiency
+        self._work, self._comm_seconds = read.work, read.links
         self.starts: dict[tuple[str, str], Window] = {}
         self.dones: dict[tuple[str, str], Window] = {}
-        for w in windows:
+        for w in read.windows:
             self.starts[(w.computation, w.start)] = w
             self.dones[(w.computation, w.done)] = w
         self.compute_s = 0.0
         self.matmul_flops = 0.0
         self._ops: dict[tuple[str, str], list] = {}
         self._comms: dict[int, list] = {}
-        self._comm_seconds: dict[int, tuple[float, str, str]] = {}
         self._counting = True
 
     # --- the walk ----------------------------------------------------------------------
@@ -211,16 +235,20 @@ class _Simulator:
     def _price(self, computation: str, instruction: Instruction, runs: int) -> float:
         if instruction.opcode in _FREE:
             return 0.0
-        matmul, moved = op_flops(self.schedule, computation, instruction), 0.0
-        if not _communicates(self.schedule, instruction):
-            moved = op_bytes(self.schedule, computation, instruction)
+        key = (computation, instruction.name)
+        if key not in self._work:
+            moved = 0.0
+            if not _communicates(self.schedule, instruction):
+                moved = op_bytes(self.schedule, computation, instruction)
+            self._work[key] = (op_flops(self.schedule, computation, instruction), moved)
+        matmul, moved = self._work[key]
         compute = matmul / (self.chip.peak_bf16_flops * self.efficiency.matmul)
         memory = moved / (self.chip.hbm_bandwidth * self.efficiency.hbm)
         seconds = max(compute, memory)
         if self._counting and runs:
             self.compute_s += seconds * runs
             self.matmul_flops += matmul * runs
-            entry = self._ops.setdefault((computation, instruction.name), [instruction, 0, matmul, moved, 0.0, 0, 0])
+            entry = self._ops.setdefault(key, [instruction, 0, matmul, moved, 0.0, 0, 0])
             entry[1] += runs
             entry[4] += seconds * runs
             entry[5] += compute * runs
@@ -271,7 +299,7 @@ class _Simulator:
     def op_list(self) -> list[OpCost]:
         out = []
         for (computation, name), (instruction, runs, matmul, moved, seconds, compute, memory) in self._ops.items():
-            op_name = instruction.attr(r'op_name="([^"]*)"') or instruction.opcode
+            op_name = instruction.metadata.get("op_name") or instruction.opcode  # attr() leaves metadata out
             out.append(OpCost(name, computation, op_name, runs, matmul, moved, seconds, compute, memory))
         return out
 

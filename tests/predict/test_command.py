@@ -87,3 +87,14 @@ def test_padded_convolution_windows_count_only_real_taps():
     assert _taps(n=8, w=3, n_out=6, lo=0, stride=1, dilation=1) == 18  # a valid convolution
     line = "%c = f32[4]{0} convolution(%a, %b), window={size=64 pad=63_63}, dim_labels=b0f_0io->b0f"
     assert parse_instruction(line).opcode == "convolution"
+
+
+def test_a_model_too_big_for_the_chips_says_by_how_much_and_what_would_fit(capsys):
+    # 400 layers of width 1024 (6.7 B parameters, 16 bytes each with fp32 Adam) over 4 chips of 16 GiB
+    big = "layers=400,d_model=1024,heads=8,d_ff=4096,vocab=32000,mlp=swiglu"
+    args = ["predict", "--model", big, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--seq", "128"]
+    assert main([*args, "--layers-compiled", "1", "--batch-per-device", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fits"] and out["over_by_bytes"] == out["memory_bytes"] - out["hbm_bytes"] > 0
+    assert f"does not fit by {out['over_by_bytes'] / 2**30:.2f} GiB per chip" in out["advice"]
+    assert "--batch-per-device 1" in out["advice"] and "tensor" in out["advice"] and "more chips" in out["advice"]

@@ -1,0 +1,62 @@
+"""The pod-predictions page's judge on hand-made observations: every exact and model check can fail."""
+
+from dataclasses import replace
+
+import pytest
+
+from experiments import q50_pod_predictions as page
+from lab.predict import calibration
+from lab.provenance import Setup
+
+
+def _point(model="llama3.1-8b", step=4.5, layers=0, slices=1, mesh="fsdp=256", dcn=0.0) -> page.Point:
+    links = {"fsdp on ICI": 0.1} | ({"data on DCN": dcn} if dcn else {})
+    return page.Point(
+        model, "tpu:v6e:16x16", slices, 256 * slices, mesh, 8192, 4, layers, step, step * 0.9, sum(links.values()),
+        1.0, links, 0.4, 370.0, 20 * 2**30, 32 * 2**30, 0, 10.0,
+    )  # fmt: skip
+
+
+def _observations() -> page.Observations:
+    solved = calibration.MATMUL_EFFICIENCY["v6e"] + 1e-5  # the fit, to more decimals than the constant keeps
+    return page.Observations(
+        Setup("tpu:v6e:16x16", "256 x TPU v6 lite", "fsdp=256"),
+        solved_matmul=solved,
+        stored_matmul=round(solved, calibration.MATMUL_DIGITS),
+        hbm=0.9,
+        whole_8b=_point(step=4.52),
+        extrapolated_8b=_point(step=4.53, layers=1),
+        held_out_70b=_point("llama3.1-70b", step=41.9, layers=1),
+        grid=(_point(mesh="fsdp=256"), _point(mesh="fsdp=64,tensor=4", step=4.2)),
+        dcn=(_point(), _point(slices=4, dcn=0.05, step=4.6)),
+        wall_s=200.0,
+        compiles=25,
+    )
+
+
+def _verdicts(obs) -> list[str]:
+    result = page.judge(obs, page.Config())
+    assert result.tables and result.summary and result.claims
+    return [c.verdict for c in result.checks]
+
+
+def test_the_page_agrees_on_consistent_observations():
+    assert _verdicts(_observations()) == ["agrees"] * 4
+
+
+@pytest.mark.parametrize(
+    ("index", "perturb"),
+    [
+        (0, lambda o: replace(o, solved_matmul=o.solved_matmul + 0.001)),  # the code moved the fit
+        (1, lambda o: replace(o, whole_8b=replace(o.whole_8b, step_s=6.0))),
+        (2, lambda o: replace(o, held_out_70b=replace(o.held_out_70b, step_s=50.0))),
+        (3, lambda o: replace(o, extrapolated_8b=replace(o.extrapolated_8b, step_s=4.8))),
+    ],
+)
+def test_each_check_can_fail(index, perturb):
+    assert _verdicts(perturb(_observations()))[index] == "differs"
+
+
+def test_the_plot_draws():
+    figure = page.judge(_observations(), page.Config()).plots["dcn_slices"]()
+    assert figure.axes
