@@ -1,5 +1,8 @@
 """Op by op: the predicted time of a compiled, scheduled step, and what of its communication is exposed.
 
+One concept, one module: pricing each op and walking the schedule that decides what hides are one model (the walk
+needs each op's price, the prices mean nothing without the walk), so they stay together.
+
 XLA's cost analysis is one number for the whole program; the scheduled HLO
 (``compiled.as_text()``, ``is_scheduled=true``) has every instruction in the
 order it runs, so each can be priced on its own:
