@@ -24,7 +24,7 @@ from lab.errors import LabError
 from lab.mesh import AXES
 from lab.plan.rank import CompiledPrediction
 from lab.plan.space import Layout, Problem
-from lab.predict.command import build_mesh
+from lab.predict.command import _memory_bytes, build_mesh  # one reading of the compiler's peak, shared
 from lab.predict.ops import Efficiency, predict_step
 from lab.predict.step import compile_step, prepare_libtpu
 
@@ -74,16 +74,4 @@ def compile_layout(problem: Problem, layout: Layout) -> CompiledPrediction | str
         memory_bytes=_memory_bytes(compiled.memory),
         axes=dict(axes),
         compile_s=time.perf_counter() - started,
-    )
-
-
-def _memory_bytes(memory: dict[str, int]) -> int:
-    """The compiler's peak per chip (argument + output + temp - aliased where it reports no peak)."""
-    if memory.get("peak_memory"):
-        return int(memory["peak_memory"])
-    return int(
-        memory.get("argument_size", 0)
-        + memory.get("output_size", 0)
-        + memory.get("temp_size", 0)
-        - memory.get("alias_size", 0)
     )
