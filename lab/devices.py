@@ -24,6 +24,7 @@ A target is named by a short string:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import importlib.util
 import os
@@ -272,6 +273,8 @@ def distributed_devices(
         )
     if coordinator is not None and process_id != 0:
         _wait_for_coordinator(coordinator, timeout_s)
+    if coordinator is not None and process_id == 0 and not _port_is_free(coordinator):
+        raise _port_taken(coordinator)
     if target.platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", target.count or 1)
@@ -293,10 +296,7 @@ def distributed_devices(
     except (RuntimeError, ValueError) as err:
         detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
         if "Failed to start RPC server" in detail:  # process 0 could not listen on the coordinator's port
-            raise LabError(
-                f"process 0 cannot listen on the coordinator's address {coordinator or ''} (another program or run "
-                "holds the port); choose a free port and give it to every process"
-            ) from None
+            raise _port_taken(coordinator) from None
         raise LabError(
             f"could not join the distributed run at {coordinator or 'the address the environment gives'} "
             f"within {timeout_s} s ({detail}); start every process with the "
@@ -308,6 +308,33 @@ def distributed_devices(
             f"target {target}: the distributed run found {describe_devices(devices)}; use the platform these hosts have"
         )
     return devices
+
+
+def _port_taken(coordinator: str | None) -> LabError:
+    return LabError(
+        f"process 0 cannot listen on the coordinator's address {coordinator or ''} (another program or run "
+        "holds the port); choose a free port and give it to every process"
+    )
+
+
+def _port_is_free(address: str) -> bool:
+    """Whether process 0 can listen where JAX's coordination service will (``[::]:port``, every interface).
+
+    Asked before JAX is: jaxlib 0.10.2 does not raise when that port is taken, it dies of SIGSEGV right after
+    logging "Failed to add port to server", so the process would end with no word at all."""
+    port = address.rpartition(":")[2]
+    if not port.isdigit():
+        return True  # JAX says what is wrong with the address itself
+    family, host = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "")
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a closing run is no owner
+            probe.bind((host, int(port)))
+    except OSError as err:
+        if family == socket.AF_INET6 and err.errno == errno.EAFNOSUPPORT:
+            return True  # no IPv6 on this host: leave it to JAX
+        return err.errno != errno.EADDRINUSE
+    return True
 
 
 def _wait_for_coordinator(address: str, timeout_s: float) -> None:
