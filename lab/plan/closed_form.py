@@ -15,25 +15,38 @@ and the micro-batches in flight (a GPipe pipeline holds all of them,
 one layer's weights gathered over ``fsdp`` (twice: the next layer is
 prefetched) with its backward working set, or the loss's logits chunk.
 
-**Step time**: the hardware FLOPs each chip runs at the chip's peak (what
-remat recomputes included; the embedding, a one-hot matmul, and the head run
-whole on every ``tensor`` and ``stage`` device), the pipeline's bubble
-(`lab.theory.pipeline_step_time`: the SPMD pipeline runs M + P - 1 ticks),
-and per axis the collectives it implies, priced on its links
-(`lab.topology.placement` on the compile-only chips, `lab.theory.predict_on_rings`,
-DCN by `lab.theory.predict_on_switch`):
+**Step time**: every op at its own roofline, its FLOPs at the chip's peak or
+its bytes at HBM's bandwidth, whichever is longer, each rate times the
+chip's efficiency constant (`Problem.efficiency`, `lab predict`'s, so the
+closed form and the compiled prediction price alike):
 
-* ``fsdp``: per layer and tick, the weights all-gathered forward and again
-  backward, their gradients reduce-scattered (ZeRO paper, Section 7.2.2);
-  XLA overlaps them with the layer's compute, so only what exceeds it is exposed;
-* ``data``: one all-reduce of each chip's gradient shard per step, exposed;
-* ``tensor``: two all-reduces of the [b, S, D] activations per layer forward,
-  two backward, two more when ``full`` remat recomputes the forward (Megatron,
-  Section 3), on the critical path: exposed;
-* ``stage``: one collective-permute of a micro-batch's activations per tick
-  and direction, exposed;
-* ``expert``: dispatch and combine all-to-alls per layer, forward and
-  backward (`lab.theory.moe_traffic`), exposed.
+* the matmuls: per layer the q/k/v and out projections and the MLP's two (or
+  an MoE layer's experts and router), forward once, backward twice (the
+  input's and the weight's gradient), plus what remat recomputes; attention's
+  QK^T and AV (halved by the causal flash kernel); the embedding (a one-hot
+  matmul) and the head, run whole on every ``tensor`` and ``stage`` device;
+* the HBM-bound ops: the norms, residual adds, rotary, the MLP's activation
+  and XLA attention's fp32 softmax, each reading its inputs and writing its
+  output once (twice over in the backward); what the forward saves, written
+  into the scan's stack and read back; the loss's fp32 logits; and AdamW,
+  which reads and writes the 16 bytes of state of every stored parameter;
+* the pipeline's bubble (`lab.theory.pipeline_step_time`: the SPMD pipeline
+  runs M + P - 1 ticks);
+* per axis the collectives it implies, priced on its links
+  (`lab.topology.placement` on the compile-only chips, `lab.theory.predict_on_rings`,
+  DCN by `lab.theory.predict_on_switch`):
+
+  * ``fsdp``: per layer and tick, the weights all-gathered forward and again
+    backward, their gradients reduce-scattered (ZeRO paper, Section 7.2.2);
+    XLA overlaps them with the layer's compute, so only what exceeds it is exposed;
+  * ``data``: one all-reduce of each chip's gradient shard per step, exposed;
+  * ``tensor``: two all-reduces of the [b, S, D] activations per layer forward,
+    two backward, two more when ``full`` remat recomputes the forward (Megatron,
+    Section 3), on the critical path: exposed;
+  * ``stage``: one collective-permute of a micro-batch's activations per tick
+    and direction, exposed;
+  * ``expert``: dispatch and combine all-to-alls per layer, forward and
+    backward (`lab.theory.moe_traffic`), exposed.
 
 An axis that crosses slices runs each collective in two tiers, the ICI part
 within a slice and the DCN part across slices on S / (ICI ways), one after the other.
@@ -88,11 +101,16 @@ class Estimate:
     layout: Layout
     memory: Memory
     flops_per_chip: float  # hardware FLOPs (recompute included)
-    compute_s: float  # at the chip's peak
+    matmul_s: float  # the matmuls, each at its own roofline
+    hbm_s: float  # the HBM-bound ops: norms, activations, softmax, the loss, saved stacks, the AdamW update
     bubble_s: float
     axes: tuple[AxisCost, ...]
     model_flops: float  # per step, all chips (lab predict's convention)
     hbm_bytes: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.matmul_s + self.hbm_s
 
     @property
     def exposed_s(self) -> float:
@@ -203,7 +221,7 @@ def memory(problem: Problem, layout: Layout) -> Memory:
     return Memory(states.params, states.grads, states.optimizer, saved, transient)
 
 
-# --------------------------------------------------------------------------- FLOPs
+# --------------------------------------------------------------------------- compute
 
 
 def model_flops(model, tokens: float) -> float:
@@ -212,14 +230,64 @@ def model_flops(model, tokens: float) -> float:
     return 6 * dense * tokens + 12 * model.layers * model.heads * model.head_dim * model.seq * tokens
 
 
+def _block_matmuls(model, tensor: int) -> tuple[tuple[float, float, float], ...]:
+    """The forward matmuls of one layer on one tensor shard: (tokens through it per token, in, out features)."""
+    d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
+    attention = ((1.0, d, (h + 2 * g) * k / tensor), (1.0, h * k / tensor, d))  # q, k, v; the out-projection
+    if model.experts:  # each token through top_k experts (and the capacity's padding), and the router
+        width = model.top_k * (model.capacity_factor or 1.0)
+        return (*attention, (width, d, 2 * f / tensor), (width, f / tensor, d), (1.0, d, model.experts))
+    return (*attention, (1.0, d, (2 if model.gated else 1) * f / tensor), (1.0, f / tensor, d))
+
+
+def _core_flops(model, tensor: int) -> float:
+    """Attention's QK^T and AV per token of one layer: 4 · S · H · K (the causal kernels skip half the blocks)."""
+    core = 4 * model.seq * model.heads * model.head_dim / tensor
+    return core / 2 if model.attention == "flash" else core
+
+
 def _block_forward_flops(model, tensor: int) -> float:
     """Forward matmul FLOPs per token of one layer on one tensor shard."""
-    shapes = _shapes(model)
-    mlp = 2 * model.top_k * 2 * model.embed * model.mlp * (model.capacity_factor or 1.0) if model.experts else 0.0
-    core = 4 * model.seq * model.heads * model.head_dim  # QK^T and AV over the whole S x S
-    if model.attention == "flash":
-        core /= 2  # the causal kernels skip the blocks above the diagonal
-    return 2 * shapes.tensor_split / tensor + mlp / tensor + core / tensor + 2 * model.embed * model.experts
+    return sum(2 * width * k * n for width, k, n in _block_matmuls(model, tensor)) + _core_flops(model, tensor)
+
+
+def _elementwise_bytes(model, tensor: int) -> float:
+    """HBM bytes per token of one layer's forward outside the matmuls, each op reading its inputs and writing its
+    output once (bf16; the softmax in fp32): two norms, the two residual adds, rotary on q and k, the MLP's
+    activation, and XLA attention's softmax over the [H, S, S] scores (the flash kernel keeps them on chip)."""
+    d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
+    norms, residuals = 2 * 2 * d, 2 * 3 * d
+    rotary = 2 * (h + g) * k / tensor
+    hidden = f / tensor * (model.top_k * (model.capacity_factor or 1.0) if model.experts else 1.0)
+    activation = (3 if model.gated or model.experts else 2) * hidden
+    values = ACTIVATION_BYTES * (norms + residuals + rotary + activation)
+    softmax = 2 * 4 * model.seq * h / tensor if model.attention == "xla" else 0.0
+    return values + softmax
+
+
+@dataclass(frozen=True)
+class _Roofline:
+    """Seconds of an op on one chip: its FLOPs at the matmul units' rate or its bytes at HBM's, whichever is longer
+    (the rates are the chip's peaks times `lab.predict.calibration`'s efficiencies, as `lab predict` prices)."""
+
+    flops_per_s: float
+    bytes_per_s: float
+
+    def matmul(self, tokens: float, k: float, n: float) -> float:
+        """[tokens, k] x [k, n] with bf16 operands and result."""
+        moved = ACTIVATION_BYTES * (tokens * k + k * n + tokens * n)
+        return max(2 * tokens * k * n / self.flops_per_s, moved / self.bytes_per_s)
+
+    def layer_forward(self, model, tensor: int, tokens: float) -> tuple[float, float]:
+        """(matmul s, HBM-bound s) of one layer's forward over `tokens`."""
+        dots = sum(self.matmul(tokens * width, k, n) for width, k, n in _block_matmuls(model, tensor))
+        dots += tokens * _core_flops(model, tensor) / self.flops_per_s
+        return dots, tokens * _elementwise_bytes(model, tensor) / self.bytes_per_s
+
+
+def _roofline(problem: Problem) -> _Roofline:
+    chip, efficiency = problem.chip, problem.efficiency
+    return _Roofline(chip.peak_bf16_flops * efficiency.matmul, chip.hbm_bandwidth * efficiency.hbm)
 
 
 def _recompute(model, remat: str, tensor: int) -> float:
@@ -229,6 +297,50 @@ def _recompute(model, remat: str, tensor: int) -> float:
     if remat == "minimal" and model.attention == "flash":
         return 2 * model.seq * model.heads * model.head_dim / tensor  # a kernel's output is no dot: recomputed
     return 0.0
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One layer on one micro-batch of one chip: forward and backward seconds, split into matmuls and HBM-bound."""
+
+    forward: tuple[float, float]
+    backward: tuple[float, float]
+
+    @property
+    def forward_s(self) -> float:
+        return sum(self.forward)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(self.backward)
+
+
+def _layer(problem: Problem, layout: Layout, tokens: float) -> _Layer:
+    """The backward runs each forward matmul twice (the input's and the weight's gradient) and each HBM-bound op
+    about twice; remat adds what it recomputes, and what the forward saved is written once and read back once
+    (the scan stacks it per layer)."""
+    model, t, roof = problem.model, layout.sizes["tensor"], _roofline(problem)
+    dots, moved = roof.layer_forward(model, t, tokens)
+    saved_s = saved_per_layer(model, tokens, t, layout.remat, model.attention) / roof.bytes_per_s
+    if layout.remat == "full":
+        redo = (dots, moved)
+    else:
+        redo = (tokens * _recompute(model, layout.remat, t) / roof.flops_per_s, 0.0)
+    return _Layer((dots, moved + saved_s), (2 * dots + redo[0], 2 * moved + redo[1] + saved_s))
+
+
+def _vocab_s(problem: Problem, layout: Layout, tokens: float) -> tuple[float, float]:
+    """(matmul s, HBM-bound s) of the embedding (a one-hot matmul: forward and weight gradient), the head (forward,
+    the loss's recompute, two backward) and the loss (fp32 logits written, read, their gradient written and read)."""
+    model, roof = problem.model, _roofline(problem)
+    dots = 2 * roof.matmul(tokens, model.vocab, model.embed) + 4 * roof.matmul(tokens, model.embed, model.vocab)
+    return dots, 4 * 4 * tokens * model.vocab / roof.bytes_per_s
+
+
+def _optimizer_s(problem: Problem, layout: Layout) -> float:
+    """AdamW reads and writes every byte of each stored parameter's state (2 + 2 + 12 bytes): HBM-bound."""
+    state = PARAM_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
+    return 2 * state * params_per_chip(problem.model, layout.mesh) / _roofline(problem).bytes_per_s
 
 
 # --------------------------------------------------------------------------- the step
@@ -242,22 +354,22 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     shard_tokens = problem.tokens / layout.batch_ways
     micro_tokens = shard_tokens / m
     layers = model.layers / p
-    block_fwd = _block_forward_flops(model, t)
-    block_per_token = layers * (3 * block_fwd + _recompute(model, layout.remat, t))
-    # the embedding (one-hot matmul: forward, weight gradient) and the head (forward, recompute, two backward)
-    vocab_per_token = (4 + 8) * model.vocab * model.embed
-    flops = shard_tokens * (block_per_token + vocab_per_token)
-    block_s = shard_tokens * block_per_token / chip.peak_bf16_flops
-    vocab_s = shard_tokens * vocab_per_token / chip.peak_bf16_flops
+    layer = _layer(problem, layout, micro_tokens)
+    block_s = m * layers * (layer.forward_s + layer.backward_s)
+    vocab_dots, vocab_moved = _vocab_s(problem, layout, shard_tokens)
+    optimizer_s = _optimizer_s(problem, layout)
+    matmul_s = m * layers * (layer.forward[0] + layer.backward[0]) + vocab_dots
+    hbm_s = m * layers * (layer.forward[1] + layer.backward[1]) + vocab_moved + optimizer_s
+    flops = shard_tokens * (layers * (3 * _block_forward_flops(model, t) + _recompute(model, layout.remat, t)))
+    flops += shard_tokens * (4 + 8) * model.vocab * model.embed
     ticks = m + p - 1 if p > 1 else 1
-    bubble_s = theory.pipeline_step_time(p, m, block_s / m / 3, 2 * block_s / m / 3) - block_s if p > 1 else 0.0
-    # one layer's forward and backward time on one tick: what the fsdp gathers can hide behind
-    layer_fwd_s = micro_tokens * block_fwd / chip.peak_bf16_flops
-    layer_bwd_s = micro_tokens * (2 * block_fwd + _recompute(model, layout.remat, t)) / chip.peak_bf16_flops
+    bubble_s = (
+        theory.pipeline_step_time(p, m, layers * layer.forward_s, layers * layer.backward_s) - block_s if p > 1 else 0.0
+    )
     costs = []
     links = _links(problem, layout)
     if s["fsdp"] > 1:
-        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, layers, layer_fwd_s, layer_bwd_s))
+        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, layers, layer.forward_s, layer.backward_s))
     if s["data"] > 1:
         grads = GRAD_BYTES * params_per_chip(model, mesh)
         costs.append(_priced("data", links["data"], [("all-reduce", grads, 1)]))
@@ -278,7 +390,8 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
         layout,
         memory(problem, layout),
         flops,
-        block_s + vocab_s,
+        matmul_s,
+        hbm_s,
         bubble_s,
         tuple(costs),
         model_flops(model, problem.tokens),

@@ -5,10 +5,11 @@ The same machinery as ``lab predict``: the mesh across slices by
 by the slices), the whole training step by `lab.predict.step.compile_step`
 (the lab's Trainer at full size, chunked loss, bf16 working weights with fp32
 master weights here, as the closed form assumes) and the scheduled program
-priced by `lab.predict.ops.predict_step`. The prices use the chip's peaks
-(efficiency 1), the closed form's constants, so that closed form against
-compiled compares the two models of the same program and not a calibration;
-memory is the compiler's peak per chip.
+priced by `lab.predict.ops.predict_step`. The prices use the chip's
+efficiency constants (`Problem.efficiency`, `lab predict`'s), as the closed
+form does, so that closed form against compiled compares the two models of
+the same program and not two calibrations; memory is the compiler's peak per
+chip.
 
 Two layouts `compile_step` cannot express are reported, not approximated: a
 pipeline with more than one micro-batch (it compiles one), and a global
@@ -25,10 +26,8 @@ from lab.mesh import AXES
 from lab.plan.rank import CompiledPrediction
 from lab.plan.space import Layout, Problem
 from lab.predict.command import _memory_bytes, build_mesh  # one reading of the compiler's peak, shared
-from lab.predict.ops import Efficiency, predict_step
+from lab.predict.ops import predict_step
 from lab.predict.step import compile_step, prepare_libtpu
-
-AT_PEAK = Efficiency(matmul=1.0, hbm=1.0)
 
 
 def compilable(problem: Problem, layout: Layout) -> str:
@@ -60,7 +59,7 @@ def compile_layout(problem: Problem, layout: Layout) -> CompiledPrediction | str
         )
     except LabError as err:
         return str(err)
-    step = predict_step(compiled.hlo, mesh, problem.chip, AT_PEAK)
+    step = predict_step(compiled.hlo, mesh, problem.chip, problem.efficiency)
     axes: dict[str, dict[str, float]] = defaultdict(lambda: {"bytes": 0.0, "seconds": 0.0, "exposed_s": 0.0})
     for c in step.comms:
         row = axes[",".join(c.axes) or "-"]

@@ -11,8 +11,8 @@ compile each. So a plan is three passes:
    by how much it overflows);
 2. **rank**: order the rest by closed-form step time;
 3. **re-rank**: compile the first few and order those by the compiled step
-   (priced at the chip's peak, as the closed form is, so the two orders differ
-   only where the models do), the rest keeping their closed-form order behind them.
+   (priced with the chip's efficiency constants, as the closed form is, so the
+   two orders differ only where the models do), the rest keeping their closed-form order behind them.
 
 How far the two orders agree is Spearman's rank correlation over the compiled
 layouts: the Pearson correlation of their ranks (Spearman 1904), ties given
@@ -35,7 +35,7 @@ from lab.plan.space import Layout, Problem, check_problem, layouts
 
 @dataclass(frozen=True)
 class CompiledPrediction:
-    """What the compiled step of one layout predicts (per chip; times at the chip's peak)."""
+    """What the compiled step of one layout predicts (per chip; times with the chip's efficiency constants)."""
 
     step_s: float
     compute_s: float
@@ -186,7 +186,8 @@ def frontier(estimates: Iterable[Estimate]) -> list[Estimate]:
 
 def differing_terms(a: Estimate, b: Estimate) -> list[tuple[str, float, float]]:
     """(term, a's, b's) for every term of the closed form, seconds or bytes, where the two layouts differ."""
-    terms = [("compute s", a.compute_s, b.compute_s), ("pipeline bubble s", a.bubble_s, b.bubble_s)]
+    terms = [("matmul s", a.matmul_s, b.matmul_s), ("HBM-bound s", a.hbm_s, b.hbm_s)]
+    terms.append(("pipeline bubble s", a.bubble_s, b.bubble_s))
     axes = sorted({x.axis for x in (*a.axes, *b.axes)})
     exposed_a, exposed_b = ({x.axis: x.exposed_s for x in e.axes} for e in (a, b))
     terms += [(f"exposed {axis} s", exposed_a.get(axis, 0.0), exposed_b.get(axis, 0.0)) for axis in axes]

@@ -34,6 +34,8 @@ from lab.errors import LabError
 from lab.hardware import ChipProfile
 from lab.mesh import AXES, MeshSpec
 from lab.model import ModelConfig
+from lab.predict import calibration
+from lab.predict.ops import Efficiency
 
 REMATS = ("none", "minimal", "full")  # lab.predict.step.REMATS' names, least recompute first
 ATTENTIONS = ("flash", "xla")
@@ -57,6 +59,12 @@ class Problem:
     @property
     def tokens(self) -> int:
         return self.sequences * self.model.seq
+
+    @property
+    def efficiency(self) -> Efficiency:
+        """The fractions of the chip's peaks that its matmuls and HBM reach: `lab predict`'s constants, the chip's
+        own (`lab.predict.calibration`), which both the closed form and the compiled prediction price with."""
+        return calibration.efficiency(self.topology.split(":")[0])
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from lab.cli import main
+from lab.hardware import profile
 from lab.hlo.text import parse_instruction
 from lab.predict.command import Predict, model_flops, run_prediction
 from lab.predict.ops import _taps
@@ -55,6 +56,16 @@ def test_a_small_step_on_v5e_predicts_every_reported_quantity(capsys):
     assert out["model_flops_per_step"] == model_flops(
         parse_model(SMALL).__class__(**{**parse_model(SMALL).__dict__, "seq": 512}), 2 * 4 * 512
     )
+
+
+@pytest.mark.parametrize(
+    ("target", "chip"), [("tpu:v4:2x2x1", "v4"), ("tpu:v5p:2x2x1", "v5p"), ("tpu:v6e:2x2", "v6e")]
+)
+def test_every_generation_predicts_on_its_own_chip(target, chip):
+    p = run_prediction(Predict(model=SMALL, target=target, mesh="fsdp=2,tensor=2", seq=128))
+    assert p.chips == 4 and p.hbm_bytes == profile(chip).hbm_bytes and p.fits
+    assert p.calibrated == (chip == "v6e")  # the others borrow v6e's matmul efficiency, and say so
+    assert p.step_s >= p.compute_s > 0 and p.comm_s > 0  # the tensor all-reduces and fsdp gathers are priced
 
 
 def test_two_slices_put_the_data_axis_on_dcn():
