@@ -164,17 +164,18 @@ def _dcn_shape(shape: tuple[int, ...], slices: int) -> tuple[int, ...]:
 
 
 def slice_local_shape(mesh) -> tuple[int, ...]:
-    """The mesh shape one TPU slice sees: the outer axes divided by the slices they span.
+    """The mesh shape one TPU slice sees: each axis divided by the slices it spans.
 
     For a multi-slice mesh libtpu compiles the program of one slice: its HLO
     has num_partitions = the devices of a slice, and its replica groups number
-    positions within that slice. Single-slice meshes are returned unchanged.
+    positions within that slice. An axis spans as many slices as its line of
+    devices through the mesh's first device meets (the axis across slices may
+    be any, `data` or the one ``--dcn-axis`` names). Single-slice meshes are
+    returned unchanged.
     """
-    shape = tuple(mesh.devices.shape)
-    slices = len({getattr(d, "slice_index", None) or 0 for d in mesh.devices.flat})
-    if slices == 1:
-        return shape
-    return tuple(s // d for s, d in zip(shape, _dcn_shape(shape, slices)))
+    grid = np.vectorize(lambda d: getattr(d, "slice_index", None) or 0, otypes=[int])(mesh.devices)
+    spans = [len(set(np.moveaxis(grid, axis, 0)[(slice(None), *(0,) * (grid.ndim - 1))])) for axis in range(grid.ndim)]
+    return tuple(size // n for size, n in zip(grid.shape, spans))
 
 
 def device_groups(shape: Sequence[int], axes: Sequence[int]) -> list[tuple[int, ...]]:

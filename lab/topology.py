@@ -11,7 +11,10 @@ an axis, the groups of devices that differ only along it either
   matrices"); a group that covers only part of a dimension is a line, not a
   ring, whatever the slice does;
 * or sit in different slices: the collective crosses the data-centre network
-  (DCN), orders of magnitude slower per chip than ICI;
+  (DCN), orders of magnitude slower per chip than ICI. A group with k chips in
+  each of M slices runs in two tiers, one after the other, as the multi-slice
+  collectives do: its ICI part within each slice, then the M-slice part on DCN
+  of the S / k each chip holds (permutes and all-to-alls are priced flat on DCN);
 * or share a chip (TPU v4's two TensorCores appear as two devices): no link.
 
 On a GPU cluster (`gpu:<chip>:<nodes>x<gpus>`) the GPUs of a node meet
@@ -60,11 +63,11 @@ class Placement:
     torus_dims: tuple[int, ...] = ()  # ICI: the torus dimensions the group varies along
     extents: tuple[int, ...] = ()  # chips the group spans along each of them
     wraps: tuple[bool, ...] = ()  # whether each is a full ring with wraparound
-    nodes: int = 1  # GPUs: nodes each group spans (M)
+    nodes: int = 1  # GPU nodes or TPU slices each group spans (M); a TPU group's ICI fields: one slice's part
 
     @property
     def per_node(self) -> int:
-        """GPUs of each group inside one node (k = N / M)."""
+        """Devices of each group inside one node or slice (k = N / M)."""
         return self.devices // self.nodes
 
     def __str__(self) -> str:
@@ -76,9 +79,13 @@ class Placement:
         if self.network == "host":
             return f"this host's memory ({self.devices} emulated devices)"
         if self.network == "dcn":
-            return f"DCN across {self.devices} slices" if self.devices else "DCN"
+            within = f", {self._ici()} within each" if self.torus_dims else ""
+            return f"DCN across {self.nodes} slices{within}"
         if self.network == "chip":
             return "within one chip"
+        return self._ici()
+
+    def _ici(self) -> str:
         spans = [
             f"{DIMENSION_NAMES[d]}:{e}{' ring' if w else ' line'}"
             for d, e, w in zip(self.torus_dims, self.extents, self.wraps)
@@ -105,17 +112,30 @@ def placement(mesh, axes: Sequence[str], chip: ChipProfile | None = None) -> Pla
         nodes = len({d.process_index for d in group})
         return Placement(axes, n, "nvlink" if nodes == 1 else "infiniband", nodes=nodes)
     chip = chip or profile_for_device_kind(flat[0].device_kind)
-    if len({getattr(d, "slice_index", None) or 0 for d in group}) > 1:
-        return Placement(axes, n, "dcn")
-    coords = np.asarray([d.coords for d in group])
-    varying = tuple(int(i) for i in np.flatnonzero(coords.max(axis=0) != coords.min(axis=0)))
+    slices = sorted({_slice(d) for d in group})
+    if len(slices) > 1:
+        local = [d for d in group if _slice(d) == slices[0]]
+        within = _torus_part(local, [d for d in flat if _slice(d) == slices[0]], chip)
+        return Placement(axes, n, "dcn", *within, nodes=len(slices))
+    varying, extents, wraps = _torus_part(group, flat, chip)
     if not varying:
         return Placement(axes, n, "chip")
-    shape = slice_shape(flat)
+    return Placement(axes, n, "ici", varying, extents, wraps)
+
+
+def _slice(device) -> int:
+    return getattr(device, "slice_index", None) or 0
+
+
+def _torus_part(group: Sequence, slice_devices: Sequence, chip: ChipProfile) -> tuple[tuple, tuple, tuple]:
+    """The torus dimensions a group of one slice's chips varies along, its extent on each, and which wrap."""
+    coords = np.asarray([d.coords for d in group])
+    varying = tuple(int(i) for i in np.flatnonzero(coords.max(axis=0) != coords.min(axis=0)))
+    shape = slice_shape(slice_devices)
     full_wraps = chip.wraparound(shape[: chip.torus_dims])
     extents = tuple(len(set(coords[:, d])) for d in varying)
-    wraps = tuple(full_wraps[d] and extent == shape[d] for d, extent in zip(varying, extents))
-    return Placement(axes, n, "ici", varying, extents, wraps)
+    wraps = tuple(bool(full_wraps[d]) and extent == shape[d] for d, extent in zip(varying, extents))
+    return varying, extents, wraps
 
 
 def predict(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -> theory.CollectiveCost | None:
@@ -127,8 +147,28 @@ def predict(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -
     if where.network == "infiniband":
         return _across_nodes(kind, size_bytes, where, chip)
     if where.network == "dcn":
-        return theory.predict_on_switch(kind, size_bytes, chip, where.devices, network="dcn")
+        return _across_slices(kind, size_bytes, where, chip)
     return theory.predict_on_rings(kind, size_bytes, chip, where.extents, where.wraps)
+
+
+def _across_slices(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -> theory.CollectiveCost:
+    """A collective over M slices with k chips each: the ICI tier within each slice, then DCN on S / k."""
+    k = where.per_node
+    if k == 1 or kind not in ("all-reduce", "all-gather", "reduce-scatter"):
+        return theory.predict_on_switch(kind, size_bytes, chip, where.devices, network="dcn")
+    ici = theory.predict_on_rings(kind, size_bytes, chip, where.extents, where.wraps)
+    dcn = theory.predict_on_switch(kind, size_bytes / k, chip, where.nodes, network="dcn")
+    return replace(
+        dcn,
+        algorithm=f"two tiers: {ici.algorithm} within each slice, then {dcn.algorithm} on DCN",
+        devices=where.devices,
+        size_bytes=size_bytes,
+        steps=ici.steps + dcn.steps,
+        bytes_sent=ici.bytes_sent + dcn.bytes_sent,
+        latency_s=ici.latency_s + dcn.latency_s,
+        transfer_s=ici.transfer_s + dcn.transfer_s,
+        seconds=ici.seconds + dcn.seconds,
+    )
 
 
 def _across_nodes(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -> theory.CollectiveCost:

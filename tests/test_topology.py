@@ -41,6 +41,24 @@ def test_slices_are_joined_by_dcn():
     assert placement(mesh, ("tensor",)).network == "ici"
 
 
+def test_an_axis_over_slices_and_chips_runs_in_two_tiers():
+    from lab.predict.command import build_mesh
+
+    chip = profile("v5e")
+    mesh = build_mesh("data=2,tensor=2", topology_devices("v5e:2x2", 2), 2, "data")  # data: 2 chips x 2 slices
+    data = placement(mesh, ("data",))
+    assert (data.network, data.devices, data.nodes, data.per_node) == ("dcn", 4, 2, 2)
+    assert str(data).startswith("DCN across 2 slices, ICI ") and str(data).endswith(" within each")
+    size = 64 * 2**20
+    cost = predict("all-reduce", size, data, chip)
+    ici = theory.predict_on_rings("all-reduce", size, chip, data.extents, data.wraps)
+    dcn = theory.predict_on_switch("all-reduce", size / 2, chip, 2, network="dcn")
+    assert cost.seconds == pytest.approx(ici.seconds + dcn.seconds) and cost.devices == 4
+    # a permute is priced flat on DCN over the group
+    flat = theory.predict_on_switch("collective-permute", size, chip, 4, network="dcn")
+    assert predict("collective-permute", size, data, chip).seconds == pytest.approx(flat.seconds)
+
+
 def test_predicted_times_follow_the_placement():
     chip = profile("v5e")
     mesh = MeshSpec(data=2, tensor=4).build(topology_devices("v5e:2x2", 2))

@@ -309,7 +309,7 @@ def _send_recv(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[Instructio
     channels: dict[str, dict[str, list[Instruction]]] = defaultdict(lambda: {"send": [], "recv": []})
     for instruction in scan.point_to_point:
         if instruction.attribute("is_host_transfer") == "true":
-            skipped.append(_skip(instruction, f"{instruction.opcode} is a host transfer, not a collective"))
+            skipped.append(_skip(instruction, _host_transfer(instruction)))
             continue
         channel = instruction.attribute("channel_id")
         if channel is None:
@@ -325,6 +325,18 @@ def _send_recv(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[Instructio
         for unpaired in (*halves["send"][count:], *halves["recv"][count:]):
             other = "recv" if unpaired.opcode == "send" else "send"
             skipped.append(_skip(unpaired, f"{unpaired.opcode} without a matching {other} on channel_id={channel}"))
+
+
+def _host_transfer(instruction: Instruction) -> str:
+    """Why a host transfer is skipped. libtpu compiles a collective over an axis that lies wholly across slices
+    as a send/recv pair to its megascale runtime, which runs it on DCN outside the program: not read here yet."""
+    kind = instruction.frontend_attributes.get("_xla_megascale_transfer_type")
+    if kind is None:
+        return f"{instruction.opcode} is a host transfer, not a collective"
+    return (
+        f"{instruction.opcode} hands a DCN {kind.lower().replace('_', '-')} to libtpu's megascale runtime "
+        "(a host transfer): not counted or priced"
+    )
 
 
 def _skip(instruction: Instruction, reason: str) -> Skipped:

@@ -39,7 +39,8 @@ closed form and the compiled prediction price alike):
   * ``fsdp``: per layer and tick, the weights all-gathered forward and again
     backward, their gradients reduce-scattered (ZeRO paper, Section 7.2.2);
     XLA overlaps them with the layer's compute, so only what exceeds it is exposed;
-  * ``data``: one all-reduce of each chip's gradient shard per step, exposed;
+  * ``data``: one all-reduce of each chip's gradient shard per step, exposed
+    (across slices XLA compiles it as a reduce-scatter and an all-gather);
   * ``tensor``: two all-reduces of the [b, S, D] activations per layer forward,
     two backward, two more when ``full`` remat recomputes the forward (Megatron,
     Section 3), on the critical path: exposed;
@@ -372,7 +373,9 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
         costs.append(_fsdp(problem, layout, links["fsdp"], ticks, layers, layer.forward_s, layer.backward_s))
     if s["data"] > 1:
         grads = GRAD_BYTES * params_per_chip(model, mesh)
-        costs.append(_priced("data", links["data"], [("all-reduce", grads, 1)]))
+        # across slices XLA compiles the all-reduce as its two halves, a reduce-scatter and an all-gather of S each
+        halves = [("reduce-scatter", grads, 1), ("all-gather", grads, 1)]
+        costs.append(_priced("data", links["data"], halves if links["data"].dcn > 1 else [("all-reduce", grads, 1)]))
     if t > 1:
         activation = ACTIVATION_BYTES * micro_tokens * model.embed
         count = ticks * layers * (6 if layout.remat == "full" else 4)

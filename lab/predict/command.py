@@ -65,9 +65,9 @@ class Predict:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     layers_compiled: int = 0
-    """0: compile every layer; K: compile K and 2K layers under scan and extrapolate time and memory linearly
-    to the model's depth (for a step whose full compile would not fit; not faster: the layers are one scanned
-    body, so each of the two compiles costs about what the whole model's does)"""
+    """0: compile every layer; K (2 or more): compile K and 2K layers under scan and extrapolate time and memory
+    linearly to the model's depth (for a step whose full compile would not fit; not faster: the layers are one
+    scanned body, so each of the two compiles costs about what the whole model's does)"""
     json: bool = False
     """print one JSON object instead of tables"""
 
@@ -239,7 +239,12 @@ def _compile_all(model, mesh, chip, efficiency, command: Predict, depths):
 
 def _depths(layers_compiled: int, layers: int) -> tuple[int, ...]:
     if layers_compiled < 0:
-        raise LabError(f"--layers-compiled {layers_compiled}: use 0 (all layers) or a positive count")
+        raise LabError(f"--layers-compiled {layers_compiled}: use 0 (all layers) or a count of 2 or more")
+    if layers_compiled == 1:  # XLA removes a loop of one trip: that program has no layer loop to extrapolate
+        raise LabError(
+            "--layers-compiled 1: XLA compiles a scan over one layer without its loop, so that program is not one "
+            "layer of the deep model's; use 2 or more (results/pod_predictions extrapolates from 2 and 4)"
+        )
     if layers_compiled == 0 or 2 * layers_compiled >= layers:
         return (layers,)
     return (layers_compiled, 2 * layers_compiled)

@@ -158,6 +158,20 @@ def test_send_recv_pairs_only_in_the_recv_and_what_cannot_be_read_is_skipped():
         assert expected in reasons
 
 
+def test_a_dcn_collective_handed_to_the_megascale_runtime_is_named_where_it_is_skipped():
+    # libtpu's form (a multi-slice step, data wholly across slices): the all-reduce leaves the program as a send
+    text = module(
+        "%tok = token[] after-all()",
+        "%s = (bf16[17,8,128]{2,1,0}, u32[], token[]) send(%p, %tok), channel_id=4, is_host_transfer=true, "
+        'frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+        '_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}',
+        devices=4,
+    )
+    collectives, skipped = parse_collectives(text, (4,), ("x",))
+    assert collectives == () and len(skipped) == 1
+    assert "DCN all-reduce to libtpu's megascale runtime" in skipped[0].reason
+
+
 # --------------------------------------------------------------------------- 4. what the parser accepts
 
 
