@@ -630,11 +630,7 @@ def _lowered_by(compiled) -> str:
 
 
 def _notes(obs: Observations, config: Config) -> list[str]:
-    notes = [
-        "Multi-slice proxies: an axis that lies wholly across slices has its collectives compiled as send/recv host "
-        "transfers to libtpu's megascale runtime, which the lab's HLO reader skips (not counted or priced), so the "
-        "compiled side shows no bytes and no time on it; the byte checks of such axes differ for that reason."
-    ]
+    notes = []
     for p in obs.cases:
         if len(p.proxy) < 10:
             notes.append(

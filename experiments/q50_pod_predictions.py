@@ -594,10 +594,10 @@ def _notes(obs: Observations, config: Config) -> list[str]:
     return [
         "One published run calibrates, one tests: with a single held-out run the agreement is one data point, "
         "not a validation of the model across models, batches or layouts.",
-        "The DCN sweep's DCN column is missing, not zero: with `data` wholly across slices, libtpu compiles the "
-        "gradient all-reduce over the slices as send/recv host transfers to its megascale runtime "
-        '(`_xla_megascale_transfer_type="ALL_REDUCE"`), which run on DCN outside the program; the lab\'s HLO '
-        "reader lists them as skipped (`lab inspect` shows why) and the op-by-op model does not price them yet.",
+        "Across slices libtpu compiles the gradient all-reduce over `data` as send/recv host transfers to its "
+        'megascale runtime (`_xla_megascale_transfer_type="ALL_REDUCE"`), one per gradient buffer, run on '
+        "DCN outside the slice's program; the DCN column prices those transfers on the link model, one chip per "
+        "slice, from the send to the recv-done that the schedule waits at.",
         f"The 70B is compiled with {obs.held_out_70b.layers_compiled} and {2 * obs.held_out_70b.layers_compiled} "
         f"layers, because its whole program does not fit HBM ({obs.held_out_70b.hbm_bytes / 2**30:.0f} GiB) "
         "without MaxText's host offload. Its memory extrapolated from those two compiles is "

@@ -44,7 +44,7 @@ from lab.hlo.sources import Frame, source_of, stack_frames
 from lab.hlo.text import module_name
 from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
-from lab.topology import placement, predict
+from lab.topology import predict, program_placement
 from lab.units import format_bytes
 
 _HINT = (
@@ -370,11 +370,11 @@ def _nearest_metadata(every: dict, key: tuple[str, str], depth: int = 0) -> dict
 
 def _placed(collective: Collective, mesh, chip: ChipProfile | None) -> tuple[str | None, str | None, float | None]:
     """The link a collective crosses, the placement in words, and its predicted time per run."""
-    if mesh is None or not collective.axes:
+    if mesh is None or not (collective.axes or collective.across_slices):
         return None, None, None
     if mesh.devices.flat[0].platform == "cpu":
         return "host", "emulated devices in this process", None
-    where = placement(mesh, collective.axes, chip)
+    where = program_placement(mesh, collective, chip)
     cost = predict(collective.kind, collective.size_bytes, where, chip) if chip is not None else None
     return where.network, str(where), cost.seconds if cost else (0.0 if where.network == "chip" else None)
 

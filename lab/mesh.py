@@ -173,9 +173,30 @@ def slice_local_shape(mesh) -> tuple[int, ...]:
     be any, `data` or the one ``--dcn-axis`` names). Single-slice meshes are
     returned unchanged.
     """
+    return tuple(size // n for size, n in zip(mesh.devices.shape, _slice_spans(mesh)))
+
+
+def _slice_spans(mesh) -> tuple[int, ...]:
+    """For each axis, how many slices its line of devices through the mesh's first device meets."""
     grid = np.vectorize(lambda d: getattr(d, "slice_index", None) or 0, otypes=[int])(mesh.devices)
-    spans = [len(set(np.moveaxis(grid, axis, 0)[(slice(None), *(0,) * (grid.ndim - 1))])) for axis in range(grid.ndim)]
-    return tuple(size // n for size, n in zip(grid.shape, spans))
+    lines = [np.moveaxis(grid, axis, 0)[(slice(None), *(0,) * (grid.ndim - 1))] for axis in range(grid.ndim)]
+    return tuple(len(set(line.tolist())) for line in lines)
+
+
+def axes_across_slices(mesh) -> tuple[str, ...]:
+    """The mesh axes whose devices lie in more than one slice (none on a single slice)."""
+    return tuple(a for a, n in zip(mesh.axis_names, _slice_spans(mesh)) if n > 1)
+
+
+def one_slice(mesh) -> Mesh:
+    """The first slice's part of a multi-slice mesh, as a mesh of `slice_local_shape` (the mesh itself on one slice).
+
+    A hybrid mesh (`jax.experimental.mesh_utils.create_hybrid_device_mesh`) gives each axis's slices the outer
+    factor of its index, so the first slice holds the first `slice_local_shape` positions of every axis."""
+    local = slice_local_shape(mesh)
+    if local == tuple(mesh.devices.shape):
+        return mesh
+    return Mesh(mesh.devices[tuple(slice(0, n) for n in local)], mesh.axis_names)
 
 
 def device_groups(shape: Sequence[int], axes: Sequence[int]) -> list[tuple[int, ...]]:

@@ -23,7 +23,7 @@ from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.hlo import Collective, Inspection
 from lab.hlo.schedule import bytes_accessed, parse_schedule
 from lab.hlo.schedule import flops as schedule_flops
-from lab.topology import Placement, placement, predict
+from lab.topology import Placement, predict, program_placement
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,9 @@ def _counted(hlo_text: str) -> tuple[float, float, str]:
 
 
 def _predicted(collective: Collective, mesh, chip: ChipProfile) -> PredictedCollective:
-    if not collective.axes:
+    if not (collective.axes or collective.across_slices):
         return PredictedCollective(collective, None, 0.0)
-    where = placement(mesh, collective.axes, chip)
+    where = program_placement(mesh, collective, chip)
     cost = predict(collective.kind, collective.size_bytes, where, chip)
     runs = collective.repeats if collective.repeats is not None else 1
     return PredictedCollective(collective, where, runs * (cost.seconds if cost else 0.0))

@@ -35,7 +35,8 @@ axis's groups
 Devices without a network model (this host's emulated CPU devices) get
 ``"host"``: the placement exists, and nothing is predicted for it.
 
-`placement` finds which case holds for a set of mesh axes; `predict` turns a
+`placement` finds which case holds for a set of mesh axes, `program_placement`
+for a collective of a compiled (one slice's) program; `predict` turns a
 `lab.hlo.Collective` into a `lab.theory.CollectiveCost` on a chip profile.
 """
 
@@ -48,7 +49,7 @@ import numpy as np
 
 from lab import theory
 from lab.hardware import ChipProfile, profile_for_device_kind
-from lab.mesh import device_groups
+from lab.mesh import axes_across_slices, device_groups, one_slice
 
 DIMENSION_NAMES = "xyz"
 
@@ -136,6 +137,18 @@ def _torus_part(group: Sequence, slice_devices: Sequence, chip: ChipProfile) -> 
     extents = tuple(len(set(coords[:, d])) for d in varying)
     wraps = tuple(bool(full_wraps[d]) and extent == shape[d] for d, extent in zip(varying, extents))
     return varying, extents, wraps
+
+
+def program_placement(mesh, collective, chip: ChipProfile | None = None) -> Placement:
+    """Where a `lab.hlo.Collective` of a compiled program runs on `mesh`.
+
+    On several slices libtpu compiles one slice's program: its own collectives run within the slice (`placement`
+    on `lab.mesh.one_slice`), and what crosses the slices is a megascale transfer (``across_slices``), run on DCN
+    by one chip of each slice over the axes that span them."""
+    if collective.across_slices:
+        slices = len({_slice(d) for d in mesh.devices.flat})
+        return Placement(axes_across_slices(mesh), slices, "dcn", nodes=slices)
+    return placement(one_slice(mesh), collective.axes, chip)
 
 
 def predict(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -> theory.CollectiveCost | None:

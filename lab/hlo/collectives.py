@@ -17,8 +17,14 @@ collective fusion" chain: start, continuations, done); or *combined*: one
 tuple-shaped instruction carrying several arrays. XLA:GPU also writes a
 pipelined permute as ``send`` / ``recv`` instructions on one channel, their
 pairs in ``frontend_attributes={_xla_send_recv_source_target_pairs=...}``; a
-send/recv pair is one collective-permute here (a host transfer,
-``is_host_transfer=true``, is none). `parse_collectives` makes
+send/recv pair is one collective-permute here. A host transfer
+(``is_host_transfer=true``) is no collective, but for one: over an axis that
+crosses slices, libtpu compiles the collective's DCN part as a send of the
+data to its megascale runtime and a recv of the result
+(``_xla_megascale_transfer_type="ALL_REDUCE"``, one rendezvous for both);
+that pair is one collective ``across_slices``, with no replica groups (the
+slice's program numbers only its own devices), done at the recv-done.
+`parse_collectives` makes
 each of them one `Collective`, and lists the lines it could not read
 (`Skipped`) instead of raising; `summarize` totals them per kind and axes,
 counting loop bodies by their trip counts.
@@ -94,6 +100,8 @@ class Collective:
     repeats: int | None = 1  # runs per program call: product of loop trip counts; None if unknown
     source_file: str | None = None  # the Python file that made it (metadata, or the module's stack frames)
     source_line: int | None = None
+    across_slices: bool = False  # run by libtpu's megascale runtime on DCN, over the slices (no replica groups)
+    done: str = ""  # where it completes when that is not its -done: a megascale transfer's recv-done
 
     @property
     def size_bytes(self) -> int:
@@ -131,6 +139,15 @@ _POINT_TO_POINT_OPCODE = re.compile(r"\b(?:send|recv)(?:-done)?\s*\(")  # tried 
 _CALLEE_ON_LINE = re.compile(r",\s*(?:calls|body|to_apply)\s*=\s*%?([\w.\-]+)")
 _POINT_TO_POINT = ("send", "recv", "send-done", "recv-done")
 _PAIRS_ATTRIBUTE = "_xla_send_recv_source_target_pairs"
+# libtpu hands a collective over slices to its megascale runtime as a host send (the data) and recv (the result)
+_MEGASCALE = "_xla_megascale_transfer_type"
+_RENDEZVOUS = "_xla_host_transfer_rendezvous"
+_MEGASCALE_KINDS = {
+    "ALL_REDUCE": "all-reduce",
+    "ALL_GATHER": "all-gather",
+    "REDUCE_SCATTER": "reduce-scatter",
+    "ALL_TO_ALL": "all-to-all",
+}
 _UNMODELLED = {
     "ragged-all-to-all": "ragged-all-to-all: its sizes depend on offsets known only at run time",
     "collective-broadcast": "collective-broadcast is not one of the modelled kinds",
@@ -149,6 +166,8 @@ class _Scan:
     skipped: list[Skipped] = field(default_factory=list)
     point_to_point: list[Instruction] = field(default_factory=list)  # send, recv (their -done: bookkeeping)
     recv_pairs: dict[tuple[str, str], str] = field(default_factory=dict)  # (computation, send) -> its recv's pairs
+    recv_dones: dict[tuple[str, str], str] = field(default_factory=dict)  # (computation, recv) -> its recv-done
+    megascale_done: dict[tuple[str, str], str] = field(default_factory=dict)  # (computation, send) -> recv-done
     frames: StackFrames = field(default_factory=lambda: stack_frames(""))
 
 
@@ -187,6 +206,8 @@ def _scan_line(scan: _Scan, computation: str, number: int, line: str) -> None:
         scan.instructions.append(instruction)
     elif instruction.opcode in ("send", "recv"):
         scan.point_to_point.append(instruction)
+    elif instruction.opcode == "recv-done" and instruction.operands:
+        scan.recv_dones[(computation, instruction.operands[0])] = instruction.name
 
 
 def _callees_on_line(line: str) -> list[str]:
@@ -300,16 +321,29 @@ def _runs_synchronously(start: Instruction) -> bool:
 
 
 def _send_recv(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[Instruction, str, str, bool]]:
-    """(send, its shape, "send/recv", True) per send/recv pair on one channel: XLA:GPU's pipelined permute.
+    """(send, its shape, form, True) per send/recv pair on one channel: XLA:GPU's pipelined permute.
 
     A send's shape is ``(data, u32[] context, token[])``; its pairs are the
     ``_xla_send_recv_source_target_pairs`` frontend attribute of the send (or
-    of its recv). Host transfers and unpaired halves are skipped.
+    of its recv). A megascale send (a collective's DCN part, see the module docstring) is one collective whose
+    result arrives at the recv-done of its rendezvous; other host transfers and unpaired halves are skipped.
     """
     channels: dict[str, dict[str, list[Instruction]]] = defaultdict(lambda: {"send": [], "recv": []})
+    results = {  # a megascale transfer's result arrives through the recv of the same rendezvous
+        (i.computation, i.frontend_attributes.get(_RENDEZVOUS)): i.name
+        for i in scan.point_to_point
+        if i.opcode == "recv" and _MEGASCALE in i.frontend_attributes
+    }
     for instruction in scan.point_to_point:
+        if _MEGASCALE in instruction.frontend_attributes:
+            if instruction.opcode == "send":
+                recv = results.get((instruction.computation, instruction.frontend_attributes.get(_RENDEZVOUS)))
+                done = scan.recv_dones.get((instruction.computation, recv), "")
+                scan.megascale_done[(instruction.computation, instruction.name)] = done
+                yield instruction, instruction.shape, "send/recv to libtpu's megascale runtime (DCN)", True
+            continue  # the recv: the same transfer's result
         if instruction.attribute("is_host_transfer") == "true":
-            skipped.append(_skip(instruction, _host_transfer(instruction)))
+            skipped.append(_skip(instruction, f"{instruction.opcode} is a host transfer, not a collective"))
             continue
         channel = instruction.attribute("channel_id")
         if channel is None:
@@ -325,18 +359,6 @@ def _send_recv(scan: _Scan, skipped: list[Skipped]) -> Iterable[tuple[Instructio
         for unpaired in (*halves["send"][count:], *halves["recv"][count:]):
             other = "recv" if unpaired.opcode == "send" else "send"
             skipped.append(_skip(unpaired, f"{unpaired.opcode} without a matching {other} on channel_id={channel}"))
-
-
-def _host_transfer(instruction: Instruction) -> str:
-    """Why a host transfer is skipped. libtpu compiles a collective over an axis that lies wholly across slices
-    as a send/recv pair to its megascale runtime, which runs it on DCN outside the program: not read here yet."""
-    kind = instruction.frontend_attributes.get("_xla_megascale_transfer_type")
-    if kind is None:
-        return f"{instruction.opcode} is a host transfer, not a collective"
-    return (
-        f"{instruction.opcode} hands a DCN {kind.lower().replace('_', '-')} to libtpu's megascale runtime "
-        "(a host transfer): not counted or priced"
-    )
 
 
 def _skip(instruction: Instruction, reason: str) -> Skipped:
@@ -376,15 +398,20 @@ def _build(
     scan: _Scan,
 ) -> Collective:
     markers = scan.markers
+    megascale = instruction.frontend_attributes.get(_MEGASCALE) if instruction.opcode == "send" else None
     kind = "collective-permute" if instruction.opcode == "send" else base_opcode(instruction.opcode)
+    if megascale is not None:
+        if megascale not in _MEGASCALE_KINDS:
+            raise _Unreadable(f"a megascale {megascale} transfer is not one of the modelled kinds")
+        kind = _MEGASCALE_KINDS[megascale]
     results = arrays(result_shape)
     if instruction.opcode == "send":
         results = _sent_arrays(results, result_shape)
     if not results:
         raise _Unreadable(f"no array shape in {result_shape[:80]!r}")
-    groups, pairs = _groups_and_pairs(kind, instruction, num_devices, scan)
+    groups, pairs = ((), ()) if megascale else _groups_and_pairs(kind, instruction, num_devices, scan)
     group_size = max(map(len, groups), default=None)
-    operands = _operand_arrays(kind, results, instruction, group_size)
+    operands = results if megascale else _operand_arrays(kind, results, instruction, group_size)
     name, computation, fused = instruction.name, instruction.computation, context.fusion is not None
     split_all_to_all = kind == "all-to-all" and instruction.attr(r"dimensions=\{([\d,]*)\}") is None
     if context.fusion is not None:
@@ -415,11 +442,13 @@ def _build(
         group_size=group_size,
         replica_groups=groups,
         source_target_pairs=pairs,
-        axes=collective_axes(kind, groups, pairs, mesh),
+        axes=None if megascale else collective_axes(kind, groups, pairs, mesh),
         op_name=instruction.metadata["op_name"] or (context.fusion.metadata["op_name"] if context.fusion else None),
         repeats=context.repeats,
         source_file=source_file,
         source_line=source_line,
+        across_slices=megascale is not None,
+        done=scan.megascale_done.get((instruction.computation, instruction.name), ""),
     )
 
 

@@ -319,6 +319,8 @@ def _bounds(schedule: ScheduledModule, collective: Collective) -> tuple[str, str
     if "async-start" in collective.form:
         caller, start = _caller(schedule, collective.computation)
         return caller, start.name, _done_of(schedule, caller, start.name)
+    if collective.done:  # a megascale transfer: its result arrives at the recv-done
+        return collective.computation, collective.name, collective.done
     if collective.is_async:
         return collective.computation, collective.name, _done_of(schedule, collective.computation, collective.name)
     if collective.fused:  # a synchronous collective inside a fusion (the TPU's reduce-scatter): the fusion is the step

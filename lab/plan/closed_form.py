@@ -40,7 +40,8 @@ closed form and the compiled prediction price alike):
     backward, their gradients reduce-scattered (ZeRO paper, Section 7.2.2);
     XLA overlaps them with the layer's compute, so only what exceeds it is exposed;
   * ``data``: one all-reduce of each chip's gradient shard per step, exposed
-    (across slices XLA compiles it as a reduce-scatter and an all-gather);
+    (across slices XLA compiles it as a reduce-scatter within each slice, the
+    shard's all-reduce on DCN by libtpu's megascale runtime, an all-gather);
   * ``tensor``: two all-reduces of the [b, S, D] activations per layer forward,
     two backward, two more when ``full`` remat recomputes the forward (Megatron,
     Section 3), on the critical path: exposed;
@@ -56,7 +57,7 @@ within a slice and the DCN part across slices on S / (ICI ways), one after the o
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lab import theory
 from lab.mesh import AXES, MeshSpec
@@ -373,9 +374,7 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
         costs.append(_fsdp(problem, layout, links["fsdp"], ticks, layers, layer.forward_s, layer.backward_s))
     if s["data"] > 1:
         grads = GRAD_BYTES * params_per_chip(model, mesh)
-        # across slices XLA compiles the all-reduce as its two halves, a reduce-scatter and an all-gather of S each
-        halves = [("reduce-scatter", grads, 1), ("all-gather", grads, 1)]
-        costs.append(_priced("data", links["data"], halves if links["data"].dcn > 1 else [("all-reduce", grads, 1)]))
+        costs.append(_priced("data", links["data"], _gradient_all_reduce(grads, links["data"])))
     if t > 1:
         activation = ACTIVATION_BYTES * micro_tokens * model.embed
         count = ticks * layers * (6 if layout.remat == "full" else 4)
@@ -425,11 +424,21 @@ def _fsdp(problem, layout, link, ticks, layers, layer_fwd_s, layer_bwd_s) -> Axi
     )
 
 
+def _gradient_all_reduce(grads: float, link: _Link) -> list[tuple]:
+    """The data axis's gradient all-reduce as XLA compiles it: whole within one slice; across slices a reduce-scatter
+    within each slice, the all-reduce of the shard by libtpu's megascale runtime on DCN, an all-gather within."""
+    if link.dcn == 1 or link.ici is None or link.ici.devices == 1:
+        return [("all-reduce", grads, 1)]
+    within, across = replace(link, dcn=1), replace(link, ici=None)
+    shard = grads / link.ici.devices
+    return [("reduce-scatter", grads, 1, within), ("all-reduce", shard, 1, across), ("all-gather", grads, 1, within)]
+
+
 def _priced(axis: str, link, collectives) -> AxisCost:
-    """Collectives (kind, S, count) that the step waits for whole."""
-    seconds = sum(n * _seconds(kind, size, link) for kind, size, n in collectives)
+    """Collectives (kind, S, count[, the tier they run on]) that the step waits for whole."""
+    seconds = sum(c[2] * _seconds(c[0], c[1], c[3] if len(c) > 3 else link) for c in collectives)
     return AxisCost(
-        axis, link.text, sum(n for *_, n in collectives), sum(n * size for _, size, n in collectives), seconds, seconds
+        axis, link.text, sum(c[2] for c in collectives), sum(c[2] * c[1] for c in collectives), seconds, seconds
     )
 
 

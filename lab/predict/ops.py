@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from lab.hardware import ChipProfile
 from lab.hlo.schedule import ScheduledModule, Window, _communicates, flops, overlap_report, parse_schedule
 from lab.hlo.text import Instruction, arrays, nbytes
-from lab.topology import placement, predict
+from lab.topology import predict, program_placement
 
 # bookkeeping, addressing and DMA: no compute-unit time
 _FREE = {
@@ -159,7 +159,7 @@ class ReadSchedule:
     mesh: object
     chip: ChipProfile
     work: dict = field(default_factory=dict)  # (computation, name) -> (matmul FLOPs, HBM bytes)
-    links: dict = field(default_factory=dict)  # id(window) -> (seconds, network, placement)
+    links: dict = field(default_factory=dict)  # id(window) -> (seconds, network, placement, mesh axes)
 
     def predict(self, efficiency: Efficiency) -> StepPrediction:
         simulator = _Simulator(self, efficiency)
@@ -264,16 +264,16 @@ class _Simulator:
         key = id(window)
         if key not in self._comm_seconds:
             c = window.collective
-            if not c.axes:
-                self._comm_seconds[key] = (0.0, "chip", "no mesh axes")
+            if not c.axes and not c.across_slices:
+                self._comm_seconds[key] = (0.0, "chip", "no mesh axes", ())
             else:
-                where = placement(self.mesh, c.axes, self.chip)
+                where = program_placement(self.mesh, c, self.chip)
                 cost = predict(c.kind, c.size_bytes, where, self.chip)
-                self._comm_seconds[key] = (cost.seconds if cost else 0.0, where.network, str(where))
+                self._comm_seconds[key] = (cost.seconds if cost else 0.0, where.network, str(where), where.axes)
         return self._comm_seconds[key]
 
     def _start(self, window: Window, clock: _Clock, runs: int) -> None:
-        seconds, network, _ = self._seconds(window)
+        seconds, network, *_ = self._seconds(window)
         if not window.is_async:
             clock.t += seconds
             self._record(window, runs, seconds)
@@ -309,12 +309,12 @@ class _Simulator:
     def comm_list(self) -> list[CommCost]:
         out = []
         for window, runs, exposed in self._comms.values():
-            seconds, network, link = self._seconds(window)
+            seconds, network, link, axes = self._seconds(window)
             c = window.collective
             out.append(
                 CommCost(
                     c.kind,
-                    tuple(c.axes or ()),
+                    tuple(axes),
                     network,
                     link,
                     c.size_bytes,

@@ -158,18 +158,27 @@ def test_send_recv_pairs_only_in_the_recv_and_what_cannot_be_read_is_skipped():
         assert expected in reasons
 
 
-def test_a_dcn_collective_handed_to_the_megascale_runtime_is_named_where_it_is_skipped():
-    # libtpu's form (a multi-slice step, data wholly across slices): the all-reduce leaves the program as a send
+def test_a_dcn_all_reduce_handed_to_the_megascale_runtime_is_one_collective_across_slices():
+    # libtpu's form on several slices: the data goes out as a host send, the sum comes back through the recv of
+    # the same rendezvous; the schedule waits at the recv-done
+    attrs = (
+        'frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+        '_xla_host_transfer_rendezvous="all-reduce.40_0",_xla_megascale_reduce_operation="SUM",'
+        '_xla_megascale_transfer_type="ALL_REDUCE"}'
+    )
     text = module(
         "%tok = token[] after-all()",
-        "%s = (bf16[17,8,128]{2,1,0}, u32[], token[]) send(%p, %tok), channel_id=4, is_host_transfer=true, "
-        'frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
-        '_xla_megascale_reduce_operation="SUM",_xla_megascale_transfer_type="ALL_REDUCE"}',
+        f"%s = (bf16[17,8,128]{{2,1,0}}, u32[], token[]) send(%p, %tok), channel_id=4, is_host_transfer=true, {attrs}",
+        f"%r = (bf16[17,8,128]{{2,1,0}}, u32[], token[]) recv(%tok), channel_id=3, is_host_transfer=true, {attrs}",
+        "%sd = token[] send-done(%s), channel_id=4, is_host_transfer=true",
+        "%rd = (bf16[17,8,128]{2,1,0}, token[]) recv-done(%r), channel_id=3, is_host_transfer=true",
         devices=4,
     )
     collectives, skipped = parse_collectives(text, (4,), ("x",))
-    assert collectives == () and len(skipped) == 1
-    assert "DCN all-reduce to libtpu's megascale runtime" in skipped[0].reason
+    assert skipped == () and len(collectives) == 1
+    c = collectives[0]
+    assert (c.kind, c.across_slices, c.done, c.is_async) == ("all-reduce", True, "rd", True)
+    assert c.size_bytes == 17 * 8 * 128 * 2 and c.axes is None and c.replica_groups == ()
 
 
 # --------------------------------------------------------------------------- 4. what the parser accepts
