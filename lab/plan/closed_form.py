@@ -36,8 +36,9 @@ closed form and the compiled prediction price alike):
   (`lab.topology.placement` on the compile-only chips, `lab.theory.predict_on_rings`,
   DCN by `lab.theory.predict_on_switch`):
 
-  * ``fsdp``: per layer and tick, the weights all-gathered forward and again
-    backward, their gradients reduce-scattered (ZeRO paper, Section 7.2.2);
+  * ``fsdp``: per layer and tick, each weight all-gathered forward and again
+    backward, its gradient reduce-scattered (ZeRO paper, Section 7.2.2), one
+    collective per weight as XLA emits them (each pays its latency);
     XLA overlaps them with the layer's compute, so only what exceeds it is exposed;
   * ``data``: one all-reduce of each chip's gradient shard per step, exposed
     (across slices XLA compiles it as a reduce-scatter within each slice, the
@@ -173,8 +174,23 @@ def params_per_chip(model, mesh: MeshSpec) -> float:
 
 def _layer_gathered(model, mesh: MeshSpec) -> float:
     """One layer's weights as the matmuls use them: whole over fsdp, still split over tensor and expert."""
-    s, shapes = mesh.sizes, _shapes(model)
-    return shapes.tensor_split / s["tensor"] + shapes.expert_split / (s["tensor"] * s["expert"]) + shapes.whole
+    return sum(_layer_weights(model, mesh))
+
+
+def _layer_weights(model, mesh: MeshSpec) -> tuple[float, ...]:
+    """Each weight of one layer (elements) as the matmuls use it; XLA gathers and reduce-scatters them one by one.
+
+    q, k, v and the out-projection; the MLP's two or three matrices (an MoE layer's expert stacks and its router);
+    the norms' scales."""
+    s = mesh.sizes
+    d, f, k, h, g, t = model.embed, model.mlp, model.head_dim, model.heads, model.groups, s["tensor"]
+    attention = (d * h * k / t, d * g * k / t, d * g * k / t, h * k * d / t)
+    if model.experts:
+        mlp = (model.experts * d * f / (t * s["expert"]),) * 2 + (d * model.experts,)
+    else:
+        mlp = (d * f / t,) * (3 if model.gated else 2)
+    norms = (float(d),) * (1 if model.block == "parallel" else 2)
+    return attention + mlp + norms
 
 
 # --------------------------------------------------------------------------- activations
@@ -405,9 +421,10 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
 def _fsdp(problem, layout, link, ticks, layers, layer_fwd_s, layer_bwd_s) -> AxisCost:
     """ZeRO-3 over fsdp: per layer and tick, gather forward, gather and reduce-scatter backward, overlapped."""
     model, mesh = problem.model, layout.mesh
-    weights = PARAM_BYTES * _layer_gathered(model, mesh)
-    gather = _seconds("all-gather", weights, link)
-    scatter = _seconds("reduce-scatter", weights, link)
+    each = [PARAM_BYTES * w for w in _layer_weights(model, mesh)]
+    weights = sum(each)
+    gather = sum(_seconds("all-gather", w, link) for w in each)
+    scatter = sum(_seconds("reduce-scatter", w, link) for w in each)
     per_layer = ticks * layers
     exposed = per_layer * (max(0.0, gather - layer_fwd_s) + max(0.0, gather + scatter - layer_bwd_s))
     # the vocabulary tables: gathered before use (the unembedding again for the loss's recompute), reduce-scattered
@@ -417,7 +434,7 @@ def _fsdp(problem, layout, link, ticks, layers, layer_fwd_s, layer_bwd_s) -> Axi
     return AxisCost(
         "fsdp",
         link.text,
-        3 * per_layer + sum(n for _, _, n in table_kinds),
+        3 * per_layer * len(each) + sum(n for _, _, n in table_kinds),
         3 * per_layer * weights + sum(n * size for _, size, n in table_kinds),
         per_layer * (2 * gather + scatter) + tables_s,
         exposed + tables_s,

@@ -6,7 +6,7 @@ import pytest
 
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig
-from lab.plan.closed_form import params_per_chip
+from lab.plan.closed_form import _layer_weights, params_per_chip
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman
 from tests.plan.test_space import SMALL, problem
 
@@ -17,6 +17,16 @@ def test_parameters_per_chip_add_up_to_the_model_and_split_over_fsdp():
     assert params_per_chip(model, MeshSpec(fsdp=8)) == pytest.approx(model.parameters / 8)
     moe = ModelConfig(vocab=64, embed=32, heads=2, head_dim=16, mlp=16, layers=2, experts=4)
     assert params_per_chip(moe, MeshSpec(data=8)) == moe.parameters
+
+
+def test_the_weights_fsdp_gathers_one_by_one_add_up_to_the_layer():
+    for model in (
+        replace(SMALL, layers=4),
+        ModelConfig(vocab=64, embed=32, heads=2, head_dim=16, mlp=16, layers=2, experts=4),
+    ):
+        vocab = (1 if model.tied else 2) * model.vocab * model.embed + model.embed
+        assert sum(_layer_weights(model, MeshSpec(data=8))) * model.layers + vocab == model.parameters
+        assert sum(_layer_weights(model, MeshSpec(tensor=2, fsdp=4))) < sum(_layer_weights(model, MeshSpec(fsdp=8)))
 
 
 def test_everything_ranked_fits_and_is_sorted_by_step_time():
