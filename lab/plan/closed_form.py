@@ -47,7 +47,9 @@ closed form and the compiled prediction price alike):
     two backward, two more when ``full`` remat recomputes the forward (Megatron,
     Section 3), on the critical path: exposed;
   * ``stage``: one collective-permute of a micro-batch's activations per tick
-    and direction, exposed;
+    and direction; after the loop the last stage's outputs all-reduced over
+    ``stage`` (the others masked to zero, `lab.parallel.pipeline.spmd`), and
+    the embedding's gradient, which only stage 0 has, summed the same way; exposed;
   * ``expert``: dispatch and combine all-to-alls per layer, forward and
     backward (`lab.theory.moe_traffic`), exposed.
 
@@ -397,7 +399,10 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
         costs.append(_priced("tensor", links["tensor"], [("all-reduce", activation, count)]))
     if p > 1:
         activation = ACTIVATION_BYTES * micro_tokens * model.embed
-        costs.append(_priced("stage", links["stage"], [("collective-permute", activation, 2 * ticks)]))
+        outputs = ACTIVATION_BYTES * shard_tokens * model.embed  # the last stage's outputs, every micro-batch
+        embedding = GRAD_BYTES * model.vocab * model.embed / s["fsdp"]  # its gradient, nonzero on stage 0 only
+        pipe = [("collective-permute", activation, 2 * ticks), ("all-reduce", outputs, 1), ("all-reduce", embedding, 1)]
+        costs.append(_priced("stage", links["stage"], pipe))
     if s["expert"] > 1:
         traffic = theory.moe_traffic(
             int(micro_tokens), model.embed, model.experts, model.top_k, s["expert"], model.capacity_factor

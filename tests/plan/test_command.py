@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from lab.cli import main
@@ -71,3 +72,17 @@ def test_json_has_the_plan_keys_and_a_small_compiled_reranking(capsys, tmp_path)
     assert compiled[0]["compiled"]["step_s"] <= compiled[1]["compiled"]["step_s"]
     assert compiled[0]["compiled"]["memory_bytes"] > 0
     assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("target", ["tpu:v5e:2x2", "tpu:v5p:2x2x1", "tpu:v6e:2x2"])
+@pytest.mark.parametrize("slices", [1, 2])
+def test_every_generation_plans_one_slice_and_several(capsys, target, slices):
+    argv = ["plan", "--model", SMALL, "--seq", "128", "--target", target, "--slices", str(slices)]
+    assert main([*argv, "--compile-top", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["candidates"]
+    chips = 4 * slices
+    for c in out["candidates"]:
+        sizes = [int(part.split("=")[1]) for part in c["mesh"].split(",")]
+        assert np.prod(sizes) == chips and c["step_s"] > 0 and 0 < c["mfu"] < 1
+        assert (c["slices_axis"] is None) == (slices == 1)
