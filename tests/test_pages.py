@@ -159,8 +159,8 @@ def _perturbed(value):
         return [not value]
     if isinstance(value, int):
         return [value + 1, value - 1]
-    if isinstance(value, float):
-        return [value * 1.5, value * 0.5] if value else [1.0]
+    if isinstance(value, float):  # a little either way, and far enough to reorder a ranking
+        return [value * 1.5, value * 0.5, value * 10] if value else [1.0]
     if isinstance(value, str):
         return [value + "'"]
     if isinstance(value, tuple | list):
