@@ -128,7 +128,9 @@ def _compile(config: RunConfig, devices) -> _Compiled:
         # the executable the run will execute (the trainer caches it): reading it costs no second compile
         return _Compiled(trainer, state, trainer.inspect_step(config.global_batch), "")
     except jax.errors.JaxRuntimeError as err:  # the TPU compiler refuses a program that cannot fit in HBM
-        if "RESOURCE_EXHAUSTED" not in str(err):
+        # "Invalid TPU program" is the same refusal once lab predict has started libtpu in this process with
+        # --xla_tpu_no_crash_on_oom=true (`lab.predict.step.prepare_libtpu`)
+        if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
             raise
         return _Compiled(trainer, state, None, str(err).splitlines()[0])
 

@@ -55,6 +55,11 @@ closed form and the compiled prediction price alike):
 
 An axis that crosses slices runs each collective in two tiers, the ICI part
 within a slice and the DCN part across slices on S / (ICI ways), one after the other.
+
+It is one concept in one module, though above 500 lines: a layout's memory,
+compute and communication are one model over the same per-layer shapes (the
+exposed communication is what a layer's compute does not hide, the transient
+memory is the layer its gathers fill), so they stay together.
 """
 
 from __future__ import annotations
