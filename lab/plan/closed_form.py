@@ -203,14 +203,18 @@ def _layer_weights(model, mesh: MeshSpec) -> tuple[float, ...]:
 # --------------------------------------------------------------------------- activations
 
 
+def _mlp_width(model) -> float:
+    """Tokens through the MLP per token: 1, or an MoE layer's top_k experts with the capacity's padding."""
+    return model.top_k * (model.capacity_factor or 1.0) if model.experts else 1.0
+
+
 def saved_per_layer(model, tokens: float, tensor: int, remat: str, attention: str) -> float:
     """Bytes one layer keeps for the backward pass for `tokens` tokens on a chip (see the module docstring)."""
     d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
     experts = model.experts
     if remat == "full":
         return ACTIVATION_BYTES * tokens * d  # the block's input: the scan's carry
-    width = model.top_k * (model.capacity_factor or 1.0) if experts else 1.0  # tokens through the MLP, per token
-    hidden = (2 if model.gated or experts else 1) * f / tensor * width
+    hidden = (2 if model.gated or experts else 1) * f / tensor * _mlp_width(model)
     dots = k * (h + 2 * g) / tensor + d + hidden + d  # q, k, v; attention out-projection; MLP hidden; MLP out
     scores = model.seq * h / tensor if attention == "xla" else 0.0  # [b, H, S, S]: a dot only without flash
     mixed = h * k / tensor if attention == "xla" else 0.0  # scores @ V is a dot too
@@ -260,7 +264,7 @@ def _block_matmuls(model, tensor: int) -> tuple[tuple[float, float, float], ...]
     d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
     attention = ((1.0, d, (h + 2 * g) * k / tensor), (1.0, h * k / tensor, d))  # q, k, v; the out-projection
     if model.experts:  # each token through top_k experts (and the capacity's padding), and the router
-        width = model.top_k * (model.capacity_factor or 1.0)
+        width = _mlp_width(model)
         return (*attention, (width, d, 2 * f / tensor), (width, f / tensor, d), (1.0, d, model.experts))
     return (*attention, (1.0, d, (2 if model.gated else 1) * f / tensor), (1.0, f / tensor, d))
 
@@ -283,7 +287,7 @@ def _elementwise_bytes(model, tensor: int) -> float:
     d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
     norms, residuals = 2 * 2 * d, 2 * 3 * d
     rotary = 2 * (h + g) * k / tensor
-    hidden = f / tensor * (model.top_k * (model.capacity_factor or 1.0) if model.experts else 1.0)
+    hidden = f / tensor * _mlp_width(model)
     activation = (3 if model.gated or model.experts else 2) * hidden
     values = ACTIVATION_BYTES * (norms + residuals + rotary + activation)
     softmax = 2 * 4 * model.seq * h / tensor if model.attention == "xla" else 0.0
@@ -455,17 +459,19 @@ def _gradient_all_reduce(grads: float, link: _Link) -> list[tuple]:
     """The data axis's gradient all-reduce as XLA compiles it: whole within one slice; across slices a reduce-scatter
     within each slice, the all-reduce of the shard by libtpu's megascale runtime on DCN, an all-gather within."""
     if link.dcn == 1 or link.ici is None or link.ici.devices == 1:
-        return [("all-reduce", grads, 1)]
+        return [("all-reduce", grads, 1, link)]
     within, across = replace(link, dcn=1), replace(link, ici=None)
     shard = grads / link.ici.devices
     return [("reduce-scatter", grads, 1, within), ("all-reduce", shard, 1, across), ("all-gather", grads, 1, within)]
 
 
 def _priced(axis: str, link, collectives) -> AxisCost:
-    """Collectives (kind, S, count[, the tier they run on]) that the step waits for whole."""
-    seconds = sum(c[2] * _seconds(c[0], c[1], c[3] if len(c) > 3 else link) for c in collectives)
+    """Collectives (kind, S, count), or (kind, S, count, the tier of `link` they run on), that the step waits for
+    whole."""
+    placed = [(kind, size, n, *(tier or [link])) for kind, size, n, *tier in collectives]
+    seconds = sum(n * _seconds(kind, size, where) for kind, size, n, where in placed)
     return AxisCost(
-        axis, link.text, sum(c[2] for c in collectives), sum(c[2] * c[1] for c in collectives), seconds, seconds
+        axis, link.text, sum(n for *_, n, _ in placed), sum(n * size for _, size, n, _ in placed), seconds, seconds
     )
 
 
