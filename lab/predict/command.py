@@ -65,9 +65,10 @@ class Predict:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     layers_compiled: int = 0
-    """0: compile every layer; K (2 or more): compile K and 2K layers under scan and extrapolate time and memory
-    linearly to the model's depth (for a step whose full compile would not fit; not faster: the layers are one
-    scanned body, so each of the two compiles costs about what the whole model's does)"""
+    """0: compile every layer; K (2 or more): compile K layers under scan and read that program at the model's
+    depth, its layer loops run L/K times as often and its stacked buffers L/K times as large (lab.predict.depth;
+    for a step whose whole program does not fit HBM; barely faster: the layers are one scanned body, which is
+    what the compile spends its time on)"""
     json: bool = False
     """print one JSON object instead of tables"""
 
@@ -78,6 +79,7 @@ class Prediction:
 
     model: str
     parameters: int
+    layers: int
     target: str
     slices: int
     chips: int
@@ -96,7 +98,7 @@ class Prediction:
     hardware_flops_per_step: float
     flops_convention: str
     memory_bytes: int
-    memory_note: str  # "" when measured or extrapolated; else why the figure is only a lower bound
+    layers_compiled: int  # the model's layers when compiled whole; else fewer, read as its depth
     hbm_bytes: int
     fits: bool
     over_by_bytes: int
@@ -139,29 +141,17 @@ def run_prediction(command: Predict, efficiency=None):
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     chip = _chip(devices)
     efficiency = efficiency or calibration.efficiency(chip.name)
-    depths = _depths(command.layers_compiled, model.layers)
+    compiled_layers = _compiled_layers(command.layers_compiled, model.layers)
+    pipelined = dict(mesh.shape).get("stage", 1) > 1
+    if compiled_layers < model.layers and pipelined:
+        raise LabError(_PIPELINED)
     try:
-        runs = _compile_all(model, mesh, chip, efficiency, command, depths)
+        compiled, step, memory, predict_s = _compile(model, compiled_layers, mesh, chip, efficiency, command)
     except DoesNotFit as err:
-        if len(depths) == 2 or model.layers < 3:
-            raise LabError(f"even {depths[0]} layer(s) of this step do not fit one chip: {err}") from None
-        depths = (1, 2)  # the whole depth does not compile: extrapolate from one and two layers
-        runs = _compile_all(model, mesh, chip, efficiency, command, depths)
-    compiled, step, predict_s = runs[-1]
-    compile_s = sum(r[0].compile_s for r in runs)
-    memory, memory_note = _memory_bytes(compiled.memory), ""
-    if len(runs) == 2:  # t(L) = t(K) + (L - K) (t(2K) - t(K)) / K, for every term
-        (small, few, _), (_, more, _) = runs
-        k = depths[0]
-        grow = (model.layers - k) / k
-        step = _extrapolated(few, more, grow)
-        shallow = _memory_bytes(small.memory)
-        # XLA may pack the deeper compile tighter (it reported less memory for 2K layers than for K): no line
-        # through two such points is a model of depth, so the larger is kept as a lower bound (`memory_note`)
-        if memory >= shallow:
-            memory = int(shallow + grow * (memory - shallow))
-        else:
-            memory, memory_note = shallow, f"at least: {depths[1]} layers compiled to less memory than {k}"
+        if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined:
+            raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
+        # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
+        compiled, step, memory, predict_s = _compile(model, FALLBACK_LAYERS, mesh, chip, efficiency, command)
     chips = len(devices)
     tokens = command.batch_per_device * chips * command.seq
     flops = model_flops(model, tokens)
@@ -170,6 +160,7 @@ def run_prediction(command: Predict, efficiency=None):
     return Prediction(
         model=command.model,
         parameters=model.parameters,
+        layers=model.layers,
         target=str(target),
         slices=command.slices,
         chips=chips,
@@ -188,7 +179,7 @@ def run_prediction(command: Predict, efficiency=None):
         hardware_flops_per_step=step.matmul_flops * chips,
         flops_convention="6*N'*tokens + 12*L*H*K*S*tokens (N' without input embedding; attention not causal-halved)",
         memory_bytes=memory,
-        memory_note=memory_note,
+        layers_compiled=compiled.layers,
         hbm_bytes=int(chip.hbm_bytes),
         fits=over == 0,
         over_by_bytes=over,
@@ -206,89 +197,59 @@ def run_prediction(command: Predict, efficiency=None):
             }
             for o in step.top_ops(10)
         ],
-        compile_s=compile_s,
+        compile_s=compiled.compile_s,
         predict_s=predict_s,
         efficiency=asdict(efficiency),
         calibrated=calibration.calibrated(chip.name),
     )
 
 
-def _compile_all(model, mesh, chip, efficiency, command: Predict, depths):
-    """Compile and predict the step at each depth: [(Compiled, StepPrediction, predict seconds)]."""
+def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
+    """Compile the step with `layers` layers and predict it at the model's depth: (Compiled, StepPrediction,
+    memory bytes per chip, seconds the prediction took)."""
     # local: see run_prediction
     import time
 
-    from lab.predict.ops import predict_step
+    from lab.predict.depth import deeper
+    from lab.predict.ops import read_schedule, trip_count
     from lab.predict.step import compile_step
 
-    runs = []
-    for depth in depths:
-        compiled = compile_step(
-            replace(model, layers=depth),
-            mesh,
-            command.batch_per_device,
-            remat=command.remat,
-            param_dtype=command.param_dtype,
-            compute_dtype=command.compute_dtype,
-        )
-        started = time.perf_counter()
-        step = predict_step(compiled.hlo, mesh, chip, efficiency)
-        runs.append((compiled, step, time.perf_counter() - started))
-    return runs
+    compiled = compile_step(
+        replace(model, layers=layers),
+        mesh,
+        command.batch_per_device,
+        remat=command.remat,
+        param_dtype=command.param_dtype,
+        compute_dtype=command.compute_dtype,
+    )
+    started = time.perf_counter()
+    read = read_schedule(compiled.hlo, mesh, chip)
+    memory = _memory_bytes(compiled.memory)
+    if layers < model.layers:
+        depth = deeper(read.schedule, layers, model.layers, trip_count)
+        read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
+    step = read.predict(efficiency)
+    return compiled, step, memory, time.perf_counter() - started
 
 
-def _depths(layers_compiled: int, layers: int) -> tuple[int, ...]:
+_PIPELINED = (
+    "--layers-compiled with a stage axis: the pipeline runs each stage's layers inside its loop over micro-batches, "
+    "which lab.predict.depth does not read deeper; compile every layer (--layers-compiled 0)"
+)
+FALLBACK_LAYERS = 2  # the fewest layers whose scan XLA keeps as a loop (see `_compiled_layers`)
+
+
+def _compiled_layers(layers_compiled: int, layers: int) -> int:
     if layers_compiled < 0:
         raise LabError(f"--layers-compiled {layers_compiled}: use 0 (all layers) or a count of 2 or more")
-    if layers_compiled == 1:  # XLA removes a loop of one trip: that program has no layer loop to extrapolate
+    if layers_compiled == 1:  # XLA removes a loop of one trip: that program has no layer loop to read deeper
         raise LabError(
             "--layers-compiled 1: XLA compiles a scan over one layer without its loop, so that program is not one "
-            "layer of the deep model's; use 2 or more (results/pod_predictions extrapolates from 2 and 4)"
+            "layer of the deep model's; use 2 or more"
         )
-    if layers_compiled == 0 or 2 * layers_compiled >= layers:
-        return (layers,)
-    return (layers_compiled, 2 * layers_compiled)
-
-
-def _extrapolated(few, more, grow: float):
-    """The prediction of K layers plus `grow` times the difference K more layers made, term by term."""
-    # local: the StepPrediction type is only needed here
-    from lab.predict.ops import StepPrediction
-
-    def line(a: float, b: float) -> float:
-        return a + grow * (b - a)
-
-    # XLA names instructions afresh in each compile (fusion.523 in one is another op in the other), so the two
-    # programs' ops are paired by what they are: the JAX op that made them and their FLOPs and bytes per run
-    def key(o):
-        return (o.op_name, o.flops, o.bytes)
-
-    totals: dict[tuple, list[float]] = {}
-    for o in few.ops:
-        entry = totals.setdefault(key(o), [0.0, 0.0])
-        entry[0] += o.seconds
-        entry[1] += o.runs
-    grouped: dict[tuple, list] = {}
-    for o in more.ops:
-        entry = grouped.setdefault(key(o), [o, 0.0, 0])
-        entry[1] += o.seconds
-        entry[2] += o.runs
-    ops = []
-    for k, (o, seconds, runs) in grouped.items():
-        # an op the K-layer program lacks is taken as it is in the 2K-layer one, not grown
-        before_s, before_runs = totals.get(k, (seconds, runs))
-        ops.append(replace(o, seconds=line(before_s, seconds), runs=round(line(before_runs, runs))))
-    comms = list(more.comms)
-    scale = line(few.exposed_comm_s, more.exposed_comm_s) / more.exposed_comm_s if more.exposed_comm_s else 1.0
-    total = line(few.comm_s, more.comm_s) / more.comm_s if more.comm_s else 1.0
-    comms = [replace(c, exposed_s=c.exposed_s * scale, seconds=c.seconds * total) for c in comms]
-    return StepPrediction(
-        line(few.step_s, more.step_s),
-        line(few.compute_s, more.compute_s),
-        line(few.matmul_flops, more.matmul_flops),
-        ops,
-        comms,
-    )
+    if layers_compiled == 0 or layers_compiled >= layers:
+        return layers
+    return layers_compiled
 
 
 def build_mesh(spec: str, devices, slices: int, dcn_axis: str):
@@ -366,13 +327,17 @@ def show(p: Prediction, console: Console) -> None:
         f"{p.model} ({p.parameters / 1e9:.2f} B params), seq {p.seq}, batch {p.batch_per_device}/chip, "
         f"remat {p.remat}, attention {p.attention}",
         f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}",
+        *(
+            [f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)"]
+            if p.layers_compiled < p.layers
+            else []
+        ),
         f"step            {p.step_s:.3f} s  (compute {p.compute_s:.3f} s + exposed communication "
         f"{p.exposed_comm_s:.3f} s of {p.comm_s:.3f} s)",
         f"model TFLOP/s   {p.tflops_per_chip:.1f} per chip, MFU {p.mfu:.1%}  [{p.flops_convention}]",
         f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
         f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
-        f"memory per chip {format_bytes(p.memory_bytes)}{f' ({p.memory_note})' if p.memory_note else ''} of "
-        f"{format_bytes(p.hbm_bytes)} HBM: {fit}",
+        f"memory per chip {format_bytes(p.memory_bytes)} of {format_bytes(p.hbm_bytes)} HBM: {fit}",
         f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
         f"HBM {p.efficiency['hbm']:.2f}" + ("" if p.calibrated else " (v6e's: this chip has no calibration run)"),
     ]

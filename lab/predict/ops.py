@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lab.hardware import ChipProfile
 from lab.hlo.schedule import ScheduledModule, Window, _communicates, flops, overlap_report, parse_schedule
@@ -160,6 +160,13 @@ class ReadSchedule:
     chip: ChipProfile
     work: dict = field(default_factory=dict)  # (computation, name) -> (matmul FLOPs, HBM bytes)
     links: dict = field(default_factory=dict)  # id(window) -> (seconds, network, placement, mesh axes)
+    # read deeper than compiled (`lab.predict.depth`): loops run more often, ops and transfers grow
+    trips: dict = field(default_factory=dict)  # (computation, while) -> trips run instead of its own
+    scale: dict = field(default_factory=dict)  # (computation, instruction) -> factor on its FLOPs and bytes
+
+    def read_as(self, trips: dict, scale: dict) -> ReadSchedule:
+        """The same program with loops run `trips` times and ops scaled by `scale` (`lab.predict.depth`)."""
+        return replace(self, trips=dict(trips), scale=dict(scale), work={}, links={})
 
     def predict(self, efficiency: Efficiency) -> StepPrediction:
         simulator = _Simulator(self, efficiency)
@@ -185,6 +192,7 @@ class _Simulator:
     def __init__(self, read: ReadSchedule, efficiency: Efficiency):
         self.schedule, self.mesh, self.chip, self.efficiency = read.schedule, read.mesh, read.chip, efficiency
         self._work, self._comm_seconds = read.work, read.links
+        self._trips, self._scale = read.trips, read.scale
         self.starts: dict[tuple[str, str], Window] = {}
         self.dones: dict[tuple[str, str], Window] = {}
         for w in read.windows:
@@ -222,7 +230,7 @@ class _Simulator:
 
     def _loop(self, computation: str, instruction: Instruction, clock: _Clock, runs: int) -> None:
         body = instruction.attr(r"\bbody=%?([\w.\-]+)")
-        trips = trip_count(self.schedule, instruction)
+        trips = self._trips.get((computation, instruction.name)) or trip_count(self.schedule, instruction)
         if not body or trips < 1:
             return
         inner = _Clock()
@@ -243,7 +251,8 @@ class _Simulator:
             moved = 0.0
             if not _communicates(self.schedule, instruction):
                 moved = op_bytes(self.schedule, computation, instruction)
-            self._work[key] = (op_flops(self.schedule, computation, instruction), moved)
+            factor = self._scale.get(key, 1.0)
+            self._work[key] = (factor * op_flops(self.schedule, computation, instruction), factor * moved)
         matmul, moved = self._work[key]
         compute = matmul / (self.chip.peak_bf16_flops * self.efficiency.matmul)
         memory = moved / (self.chip.hbm_bandwidth * self.efficiency.hbm)
@@ -268,7 +277,8 @@ class _Simulator:
                 self._comm_seconds[key] = (0.0, "chip", "no mesh axes", ())
             else:
                 where = program_placement(self.mesh, c, self.chip)
-                cost = predict(c.kind, c.size_bytes, where, self.chip)
+                size = c.size_bytes * self._scale.get((window.computation, window.start), 1.0)
+                cost = predict(c.kind, size, where, self.chip)
                 self._comm_seconds[key] = (cost.seconds if cost else 0.0, where.network, str(where), where.axes)
         return self._comm_seconds[key]
 
@@ -317,7 +327,7 @@ class _Simulator:
                     tuple(axes),
                     network,
                     link,
-                    c.size_bytes,
+                    int(c.size_bytes * self._scale.get((window.computation, window.start), 1.0)),
                     runs,
                     seconds * runs,
                     exposed,

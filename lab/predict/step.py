@@ -18,8 +18,8 @@ A program that does not fit the chip's HBM is still a prediction, not an
 error. libtpu refuses to compile it; ``--xla_tpu_no_crash_on_oom=true`` (in
 ``LIBTPU_INIT_ARGS``, set before libtpu starts) lets some such compiles finish
 with a memory analysis, but a single buffer larger than HBM, or a program far
-over, still fails (`DoesNotFit`). `lab.predict.command` then compiles one and
-two layers under scan and extrapolates time and memory to the full depth.
+over, still fails (`DoesNotFit`). `lab.predict.command` then compiles two
+layers under scan and reads that program at the full depth (`lab.predict.depth`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.model import ModelConfig, run_blocks
+from lab.predict.depth import LAYERS_SCOPE
 from lab.training.step import TrainConfig, Trainer
 
 REMATS = {"full": "full", "minimal": "dots", "none": "none"}  # the predictor's names -> lab.parallel.layout's
@@ -75,7 +76,9 @@ class _ChunkedLossTrainer(Trainer):
 
     def _loss(self, params, tokens_BT):
         model = nnx.merge(self.graphdef, params)
-        x_BSD, stats = run_blocks(model.blocks, model.embed(tokens_BT[:, :-1], self.layout), self.layout)
+        x_BSD = model.embed(tokens_BT[:, :-1], self.layout)
+        with jax.named_scope(LAYERS_SCOPE):  # names the layer loops, to read the program deeper (lab.predict.depth)
+            x_BSD, stats = run_blocks(model.blocks, x_BSD, self.layout)
         loss = chunked_next_token_loss(model, x_BSD, tokens_BT[:, 1:], self.layout)
         balance = 0.0 if stats is None else stats.balance_loss.sum()
         return loss + balance, (loss, stats)

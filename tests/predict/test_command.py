@@ -84,6 +84,11 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL, "--target", "tpu:v5e:3x7"], "libtpu does not know"),
         (["--model", SMALL, "--target", "cpu:8"], "compiles for tpu"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--layers-compiled", "1"], "without its loop"),
+        (
+            ["--model", SMALL.replace("layers=2", "layers=8"), "--target", "tpu:v5e:2x2", "--mesh", "stage=2,fsdp=2"]
+            + ["--layers-compiled", "2"],
+            "stage axis",
+        ),
     ],
 )
 def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
@@ -110,3 +115,37 @@ def test_a_model_too_big_for_the_chips_says_by_how_much_and_what_would_fit(capsy
     assert not out["fits"] and out["over_by_bytes"] == out["memory_bytes"] - out["hbm_bytes"] > 0
     assert f"does not fit by {out['over_by_bytes'] / 2**30:.2f} GiB per chip" in out["advice"]
     assert "--batch-per-device 1" in out["advice"] and "tensor" in out["advice"] and "more chips" in out["advice"]
+
+
+def test_a_step_too_big_to_compile_whole_is_read_from_two_layers(monkeypatch):
+    from lab.predict import command
+    from lab.predict.step import DoesNotFit
+
+    real, asked = command._compile, []
+
+    def refuse_the_whole_depth(model, layers, *args):
+        asked.append(layers)
+        if layers == model.layers:
+            raise DoesNotFit("RESOURCE_EXHAUSTED: the whole depth")
+        return real(model, layers, *args)
+
+    monkeypatch.setattr(command, "_compile", refuse_the_whole_depth)
+    deep = SMALL.replace("layers=2", "layers=12")
+    p = run_prediction(Predict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=128))
+    # two layers, not one: XLA compiles a one-layer scan without its loop (`_compiled_layers`)
+    assert asked == [12, 2] and p.layers_compiled == 2 and p.layers == 12 and p.step_s > 0
+
+
+def test_two_layers_read_at_twelve_predict_what_twelve_compiled_do():
+    # the step and its memory, from one compile of 2 layers, against the 12 compiled whole (lab.predict.depth);
+    # seq 2048 makes the loss's chunk loop 2 trips too, and batch 2 a carried activation of leading dimension 2:
+    # neither may be taken for the layers
+    deep = SMALL.replace("layers=2", "layers=12")
+    args = dict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=2048, batch_per_device=2)
+    whole = run_prediction(Predict(**args))
+    read = run_prediction(Predict(**args, layers_compiled=2))
+    assert whole.layers_compiled == 12 and read.layers_compiled == 2
+    assert read.step_s == pytest.approx(whole.step_s, rel=0.03)
+    assert read.memory_bytes == pytest.approx(whole.memory_bytes, rel=0.15)
+    # the runs of a layer's ops are read at 12 layers: the hardware FLOPs of the step match
+    assert read.hardware_flops_per_step == pytest.approx(whole.hardware_flops_per_step, rel=0.01)
