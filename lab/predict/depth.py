@@ -150,19 +150,60 @@ def _sliced(schedule: ScheduledModule, computation: str, value: str) -> bool:
     return False
 
 
+# ops whose result is their operand's data moved, viewed or reduced: stacked when their operand is
+_CARRIES = {
+    "bitcast",
+    "copy",
+    "copy-start",
+    "copy-done",
+    "reshape",
+    "transpose",
+    "convert",
+    "send",
+    "all-reduce",
+    "all-reduce-start",
+    "all-reduce-done",
+    "reduce-scatter",
+    "all-gather",
+    "all-gather-start",
+    "all-gather-done",
+    "async-start",
+    "async-done",
+}
+
+
 def _scale(schedule: ScheduledModule, dims: set, growth: float) -> dict[tuple[str, str], float]:
     """Each entry instruction that touches stacked arrays (the optimizer's update, a gradient's all-reduce across
-    slices): 1 + (growth - 1) x the stacked share of its operands' and result's bytes."""
+    slices): 1 + (growth - 1) x the stacked share of its operands' and result's bytes.
+
+    An array is stacked when its dimensions are those of a stacked buffer, or when it is one moved, viewed or
+    reduced (`_CARRIES`) or mostly computed (a fusion, by bytes) from stacked arrays: XLA flattens the gradients it
+    sends across slices (f32[2, 256, 14336] goes as f32[7168, 8, 128]).
+    """
     entry = schedule.entry
     shapes = schedule.shapes(entry)
+    stacked_values: set[str] = set()
     out = {}
     for i in schedule.computations[entry]:
-        if i.opcode in ("while", "parameter", "tuple", "get-tuple-element", "bitcast"):
+        if i.opcode in ("while", "parameter", "tuple"):
             continue
-        touched = arrays(i.shape) + [a for name in i.operands for a in arrays(shapes.get(name, ""))]
-        stacked = nbytes(a for a in touched if a[1] in dims)
-        if stacked:
-            out[(entry, i.name)] = 1 + (growth - 1) * stacked / nbytes(touched)
+        operands = [(name, arrays(shapes.get(name, ""))) for name in i.operands]
+        read = nbytes(a for _, group in operands for a in group)
+        from_stacked = nbytes(a for name, group in operands if name in stacked_values for a in group)
+        from_stacked += nbytes(
+            a for name, group in operands if name not in stacked_values for a in group if a[1] in dims
+        )
+        result = arrays(i.shape)
+        if any(a[1] in dims for a in result) or (
+            from_stacked and (i.opcode in _CARRIES or (i.opcode == "fusion" and from_stacked > read / 2))
+        ):
+            stacked_values.add(i.name)
+        if i.opcode in ("get-tuple-element", "bitcast"):
+            continue  # no work of their own
+        written = nbytes(result) if i.name in stacked_values else 0
+        touched = nbytes(result) + read
+        if touched and (written or from_stacked):
+            out[(entry, i.name)] = 1 + (growth - 1) * (written + from_stacked) / touched
     return out
 
 

@@ -29,6 +29,7 @@ def _observations() -> page.Observations:
         held_out_70b=_point("llama3.1-70b", step=41.9, layers=2),
         grid=(_point(mesh="fsdp=256"), _point(mesh="fsdp=64,tensor=4", step=4.2)),
         dcn=(_point(), _point(slices=4, dcn=0.05, step=4.6)),
+        dcn_read=_point(slices=4, dcn=0.05, step=4.61, layers=2),
         wall_s=200.0,
         compiles=25,
     )
@@ -41,7 +42,7 @@ def _verdicts(obs) -> list[str]:
 
 
 def test_the_page_agrees_on_consistent_observations():
-    assert _verdicts(_observations()) == ["agrees"] * 5
+    assert _verdicts(_observations()) == ["agrees"] * 7
 
 
 @pytest.mark.parametrize(
@@ -52,6 +53,8 @@ def test_the_page_agrees_on_consistent_observations():
         (2, lambda o: replace(o, held_out_70b=replace(o.held_out_70b, step_s=50.0))),
         (3, lambda o: replace(o, read_8b=replace(o.read_8b, step_s=4.8))),
         (4, lambda o: replace(o, read_8b=replace(o.read_8b, memory_bytes=16 * 2**30))),  # 20% under the whole
+        (5, lambda o: replace(o, dcn_read=replace(o.dcn_read, step_s=4.8))),
+        (6, lambda o: replace(o, dcn_read=replace(o.dcn_read, memory_bytes=25 * 2**30))),
     ],
 )
 def test_each_check_can_fail(index, perturb):

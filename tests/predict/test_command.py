@@ -11,6 +11,7 @@ from lab.predict.command import Predict, model_flops, run_prediction
 from lab.predict.ops import _taps
 from lab.predict.spec import parse_model
 
+LAYERS_2 = ("--target", "tpu:v5e:2x2", "--layers-compiled", "2")
 SMALL = "layers=2,d_model=256,heads=4,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu"
 
 
@@ -84,11 +85,7 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL, "--target", "tpu:v5e:3x7"], "libtpu does not know"),
         (["--model", SMALL, "--target", "cpu:8"], "compiles for tpu"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--layers-compiled", "1"], "without its loop"),
-        (
-            ["--model", SMALL.replace("layers=2", "layers=8"), "--target", "tpu:v5e:2x2", "--mesh", "stage=2,fsdp=2"]
-            + ["--layers-compiled", "2"],
-            "stage axis",
-        ),
+        (["--model", SMALL.replace("layers=2", "layers=8"), "--mesh", "stage=2,fsdp=2", *LAYERS_2], "stage axis"),
     ],
 )
 def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
@@ -141,7 +138,7 @@ def test_two_layers_read_at_twelve_predict_what_twelve_compiled_do():
     # seq 2048 makes the loss's chunk loop 2 trips too, and batch 2 a carried activation of leading dimension 2:
     # neither may be taken for the layers
     deep = SMALL.replace("layers=2", "layers=12")
-    args = dict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=2048, batch_per_device=2)
+    args = {"model": deep, "target": "tpu:v5e:2x2", "mesh": "fsdp=4", "seq": 2048, "batch_per_device": 2}
     whole = run_prediction(Predict(**args))
     read = run_prediction(Predict(**args, layers_compiled=2))
     assert whole.layers_compiled == 12 and read.layers_compiled == 2
