@@ -65,10 +65,11 @@ class Predict:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     layers_compiled: int = 0
-    """0: compile every layer; K (2 or more): compile K layers under scan and read that program at the model's
-    depth, its layer loops run L/K times as often and its stacked buffers L/K times as large (lab.predict.depth;
-    for a step whose whole program does not fit HBM; barely faster: the layers are one scanned body, which is
-    what the compile spends its time on)"""
+    """0: compile every layer (or 2, read at the model's depth, when the layers' saved inputs alone exceed HBM or
+    libtpu refuses the whole step); K (2 or more): compile K layers under scan and read that program at the
+    model's depth, its layer loops run L/K times as often and its stacked buffers L/K times as large
+    (lab.predict.depth; barely faster than the whole: the layers are one scanned body, which is what the compile
+    spends its time on)"""
     json: bool = False
     """print one JSON object instead of tables"""
 
@@ -145,6 +146,9 @@ def run_prediction(command: Predict, efficiency=None):
     pipelined = dict(mesh.shape).get("stage", 1) > 1
     if compiled_layers < model.layers and pipelined:
         raise LabError(_PIPELINED)
+    whole = compiled_layers == model.layers > FALLBACK_LAYERS and not pipelined
+    if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
+        compiled_layers = FALLBACK_LAYERS
     try:
         compiled, step, memory, predict_s = _compile(model, compiled_layers, mesh, chip, efficiency, command)
     except DoesNotFit as err:
@@ -237,6 +241,17 @@ _PIPELINED = (
     "which lab.predict.depth does not read deeper; compile every layer (--layers-compiled 0)"
 )
 FALLBACK_LAYERS = 2  # the fewest layers whose scan XLA keeps as a loop (see `_compiled_layers`)
+
+
+def _saved_inputs_bytes(model, command: Predict) -> int:
+    """At least the bytes per chip of the one buffer in which the layers' scan saves each layer's input.
+
+    Every remat policy saves a layer's input [b, S, D] for the backward pass, stacked over the L layers; a chip
+    holds b = batch per device x tensor sequences, split at most tensor ways: L x batch per device x S x D at least.
+    libtpu refuses a program one of whose buffers exceeds HBM, after most of a compile (two minutes for a 70B).
+    """
+    itemsize = {"bfloat16": 2, "float32": 4}[command.compute_dtype]
+    return model.layers * command.batch_per_device * command.seq * model.embed * itemsize
 
 
 def _compiled_layers(layers_compiled: int, layers: int) -> int:

@@ -146,3 +146,15 @@ def test_two_layers_read_at_twelve_predict_what_twelve_compiled_do():
     assert read.memory_bytes == pytest.approx(whole.memory_bytes, rel=0.15)
     # the runs of a layer's ops are read at 12 layers: the hardware FLOPs of the step match
     assert read.hardware_flops_per_step == pytest.approx(whole.hardware_flops_per_step, rel=0.01)
+
+
+def test_a_step_whose_saved_layer_inputs_exceed_hbm_is_read_from_two_layers_without_trying_the_whole():
+    # 2000 layers x 8 sequences x 4096 tokens x 256 x 2 B = 31 GiB of saved inputs per chip against 16: libtpu
+    # would refuse the whole program after compiling most of it, so lab predict goes straight to two layers
+    from lab.predict import command
+
+    deep = SMALL.replace("layers=2", "layers=2000")
+    cmd = Predict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=4096, batch_per_device=8)
+    p = run_prediction(cmd)
+    assert command._saved_inputs_bytes(parse_model(deep), cmd) > p.hbm_bytes
+    assert p.layers_compiled == 2 and p.layers == 2000 and not p.fits
