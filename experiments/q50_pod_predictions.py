@@ -21,8 +21,9 @@ so it is compiled with two layers under scan and that program is read at 80
 (`lab.predict.depth`: the layer loops run 40 times as often, the buffers stacked
 over layers are 40 times as large; XLA compiles a scan of one layer without its
 loop, so one layer is not a starting point); the page checks that reading, time
-and memory, on the 8B, which also compiles whole. A grid of layouts and a sweep of DCN slices are predicted the
-same way at a shorter sequence, to keep the page within its time budget.
+and memory, on the 8B, which also compiles whole, and on one point of the DCN
+sweep. A grid of layouts and a sweep of DCN slices are compiled whole at a
+shorter sequence, to keep the page within its time budget.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from lab.report import Result, Table
 from lab.verdict import Check, Claim, check
 
 QUESTION = "#50"
-HEAVY = "about 15 minutes here: three full-size and eleven reduced TPU compiles of Llama-sized steps"
+HEAVY = "about 13 minutes here: three full-size and twelve reduced TPU compiles of Llama-sized steps"
 COMPILE_ONLY = True  # compiles for TPU topologies through libtpu, whatever target `lab report` uses
 CALIBRATION = calibration.LLAMA31_8B
 HELD_OUT = calibration.LLAMA31_70B
