@@ -157,8 +157,8 @@ def _leaves(node, path=(), limit=8):
 def _perturbed(value):
     if isinstance(value, bool):
         return [not value]
-    if isinstance(value, int):
-        return [value + 1, value - 1]
+    if isinstance(value, int):  # a count off by one; a size in bytes (1 KiB or more) off by a factor too
+        return [value + 1, value - 1, *([value * 2, value // 2] if abs(value) >= 1024 else [])]
     if isinstance(value, float):  # a little either way, and far enough to reorder a ranking
         return [value * 1.5, value * 0.5, value * 10] if value else [1.0]
     if isinstance(value, str):
