@@ -215,7 +215,7 @@ def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
     import time
 
     from lab.predict.depth import deeper
-    from lab.predict.ops import read_schedule, trip_count
+    from lab.predict.ops import read_schedule
     from lab.predict.step import compile_step
 
     compiled = compile_step(
@@ -230,7 +230,7 @@ def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
     read = read_schedule(compiled.hlo, mesh, chip)
     memory = _memory_bytes(compiled.memory)
     if layers < model.layers:
-        depth = deeper(read.schedule, layers, model.layers, trip_count)
+        depth = deeper(read.schedule, layers, model.layers)
         read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
     step = read.predict(efficiency)
     return compiled, step, memory, time.perf_counter() - started

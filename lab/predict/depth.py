@@ -7,7 +7,7 @@ program with its layer loops running L/K times as often and its stacked buffers
 fit HBM, or would take minutes to compile, is read from a program of K layers:
 
 * **time**: the K-layer program priced by `lab.predict.ops` with each layer
-  loop's trip count t (K, or K/P per stage) read as t·L/K. A loop is a layer
+  loop's trip count t (K) read as t·L/K. A loop is a layer
   loop when JAX named it under `LAYERS_SCOPE` (``jvp(layers)/while`` forward,
   ``transpose(jvp(layers))/while`` backward). Outside the loops, an op that
   touches stacked arrays (the optimizer's update, a gradient's all-reduce
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from lab.errors import LabError
 from lab.hlo.schedule import ScheduledModule
 from lab.hlo.text import Instruction, arrays, nbytes
+from lab.predict.ops import trip_count
 
 LAYERS_SCOPE = "layers"  # the named scope lab.predict.step puts the blocks' scan under
 STACKED_STATE = "['blocks']"  # lab.model.Transformer.blocks: the scanned layers' parameters, in the state's paths
@@ -71,8 +72,8 @@ def layer_loops(schedule: ScheduledModule) -> list[Instruction]:
     ]
 
 
-def deeper(schedule: ScheduledModule, compiled: int, layers: int, trip_count) -> Deeper:
-    """Read `schedule` (compiled with `compiled` layers) as `layers` deep; `trip_count(schedule, while)`."""
+def deeper(schedule: ScheduledModule, compiled: int, layers: int) -> Deeper:
+    """Read `schedule` (compiled with `compiled` layers) as `layers` deep."""
     loops = layer_loops(schedule)
     if not loops:
         raise LabError(
@@ -89,12 +90,11 @@ def deeper(schedule: ScheduledModule, compiled: int, layers: int, trip_count) ->
     state = _stacked_state(schedule, t)
     carried = {loop.name: _carried(schedule, loop, t, state) for loop in loops}
     dims = {d for i in state.values() for _, d in i} | {d for c in carried.values() for _, d in c}
-    growth = layers / compiled
     return Deeper(
         compiled,
         layers,
         trips,
-        _scale(schedule, dims, growth),
+        _scale(schedule, dims, layers / compiled),
         sum(nbytes(a) for a in state.values()) + max((nbytes(c) for c in carried.values()), default=0),
     )
 

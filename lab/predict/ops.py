@@ -159,7 +159,7 @@ class ReadSchedule:
     mesh: object
     chip: ChipProfile
     work: dict = field(default_factory=dict)  # (computation, name) -> (matmul FLOPs, HBM bytes)
-    links: dict = field(default_factory=dict)  # id(window) -> (seconds, network, placement, mesh axes)
+    links: dict = field(default_factory=dict)  # id(window) -> (seconds, network, placement, mesh axes, bytes)
     # read deeper than compiled (`lab.predict.depth`): loops run more often, ops and transfers grow
     trips: dict = field(default_factory=dict)  # (computation, while) -> trips run instead of its own
     scale: dict = field(default_factory=dict)  # (computation, instruction) -> factor on its FLOPs and bytes
@@ -273,13 +273,13 @@ class _Simulator:
         key = id(window)
         if key not in self._comm_seconds:
             c = window.collective
+            size = int(c.size_bytes * self._scale.get((window.computation, window.start), 1.0))
             if not c.axes and not c.across_slices:
-                self._comm_seconds[key] = (0.0, "chip", "no mesh axes", ())
+                self._comm_seconds[key] = (0.0, "chip", "no mesh axes", (), size)
             else:
                 where = program_placement(self.mesh, c, self.chip)
-                size = c.size_bytes * self._scale.get((window.computation, window.start), 1.0)
                 cost = predict(c.kind, size, where, self.chip)
-                self._comm_seconds[key] = (cost.seconds if cost else 0.0, where.network, str(where), where.axes)
+                self._comm_seconds[key] = (cost.seconds if cost else 0.0, where.network, str(where), where.axes, size)
         return self._comm_seconds[key]
 
     def _start(self, window: Window, clock: _Clock, runs: int) -> None:
@@ -319,7 +319,7 @@ class _Simulator:
     def comm_list(self) -> list[CommCost]:
         out = []
         for window, runs, exposed in self._comms.values():
-            seconds, network, link, axes = self._seconds(window)
+            seconds, network, link, axes, size = self._seconds(window)
             c = window.collective
             out.append(
                 CommCost(
@@ -327,7 +327,7 @@ class _Simulator:
                     tuple(axes),
                     network,
                     link,
-                    int(c.size_bytes * self._scale.get((window.computation, window.start), 1.0)),
+                    size,
                     runs,
                     seconds * runs,
                     exposed,
