@@ -233,12 +233,27 @@ def _parse(argv: list[str]):
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            return tyro.cli(_commands(), args=argv, prog="lab", config=(tyro.conf.OmitSubcommandPrefixes,))
+            return tyro.cli(
+                _commands(), args=_flags_as_values(argv), prog="lab", config=(tyro.conf.OmitSubcommandPrefixes,)
+            )
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise LabError(_one_line(captured.getvalue())) from None
         sys.stderr.write(captured.getvalue())
         raise
+
+
+def _flags_as_values(argv: list[str]) -> list[str]:
+    """``--libtpu-flags "--xla_a=1 --xla_b=2"`` as ``--libtpu-flags=--xla_a=1 --xla_b=2``.
+
+    The value of an option of compiler flags (``--*-flags``) starts with ``--``, which the parser would read as the
+    next option and then say the flags' option has no value: the token after it is its value, whatever it starts with.
+    """
+    joined, tokens = [], iter(argv)
+    for token in tokens:
+        value = next(tokens, None) if token.startswith("--") and token.endswith("-flags") else None
+        joined.append(token if value is None else f"{token}={value}")
+    return joined
 
 
 def _one_line(box: str) -> str:

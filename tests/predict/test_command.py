@@ -94,6 +94,14 @@ def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
     assert len(err.splitlines()) == 1 and words in err
 
 
+def test_compiler_flags_are_taken_as_the_help_writes_them():
+    from lab.cli import _parse
+
+    flags = "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_overlap_compute_collective_tc=true"
+    for argv in (["--libtpu-flags", flags], [f"--libtpu-flags={flags}"]):
+        assert _parse(["predict", *argv, "--seq", "128"]) == Predict(seq=128, libtpu_flags=flags)
+
+
 def test_padded_convolution_windows_count_only_real_taps():
     # a [.., 1] input under a window of 64 padded 63 each side: 64 outputs, one real tap each
     assert _taps(n=1, w=64, n_out=64, lo=63, stride=1, dilation=1) == 64
@@ -149,12 +157,13 @@ def test_two_layers_read_at_twelve_predict_what_twelve_compiled_do():
 
 
 def test_a_step_whose_saved_layer_inputs_exceed_hbm_is_read_from_two_layers_without_trying_the_whole():
-    # 5000 layers x 1 sequence x 1024 tokens x 2048 x 2 B = 19.5 GiB of saved inputs per chip against 16: libtpu
-    # would refuse the whole program after compiling most of it, so lab predict goes straight to two layers
+    # 40000 layers x 1 sequence x 1024 tokens x 256 x 2 B = 19.5 GiB of saved inputs per chip against 16: libtpu
+    # would refuse the whole program after compiling most of it, so lab predict goes straight to two layers (narrow
+    # and deep rather than wide: the two layers it compiles are the small model's)
     from lab.predict import command
 
-    deep = "layers=5000,d_model=2048,heads=8,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu"
+    deep = SMALL.replace("layers=2", "layers=40000")
     cmd = Predict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=1024, batch_per_device=1)
     p = run_prediction(cmd)
     assert command._saved_inputs_bytes(parse_model(deep), cmd) > p.hbm_bytes
-    assert p.layers_compiled == 2 and p.layers == 5000 and not p.fits
+    assert p.layers_compiled == 2 and p.layers == 40000 and not p.fits
