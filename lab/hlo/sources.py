@@ -19,24 +19,50 @@ computation::
     StackFrames
     1 {file_location_id=1 parent_frame_id=1}
 
-A frame names a location and its caller (``parent_frame_id``; a frame that is
-its own parent, or 0, has none). The line a user wants is the innermost frame
-in *their* code: frames in installed libraries (jax, flax, optax, anything
-under ``site-packages``) are walked past, so a matmul inside ``nnx.Linear``
-points at the line of the model that called the layer.
+A frame names a location and its caller. XLA prints the caller one-based
+(``parent_frame_id`` is the caller's id plus one, and a frame without a caller
+prints 1); tables whose roots print 0 name the caller by its own id. Either
+way a chain is read innermost first up to the frame without a caller.
+
+The line a user wants is the innermost frame in *their* code. JAX keeps whole
+tracebacks in the locations but drops the frames of its own tree and of the
+Python installation it runs from, so which library frames survive depends on
+how the user installed: in a virtual environment flax and optax frames are
+kept, in the machine's Python they are dropped. The lab walks past library
+frames by its own rule (anything under ``site-packages``, ``dist-packages``, a
+``lib/pythonX.Y`` folder, or this interpreter's install and user-site
+folders), so a matmul inside ``nnx.Linear`` points at the line of the model
+that called the layer, whatever the layout.
 """
 
 from __future__ import annotations
 
 import re
+import site
+import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 
 from lab.hlo.text import parse_metadata, unescape
 
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _ROW = re.compile(r"^(\d+)\s+(.*)$")
-_LIBRARY = re.compile(r"(site-packages|dist-packages)/|/lib/python\d|^<frozen |/jax/_src/")
+_LIBRARY = re.compile(r"(site-packages|dist-packages)/|/lib/python\d+(\.\d+)?/|^<frozen |/jax/_src/")
+
+
+@cache
+def _install_folders() -> tuple[str, ...]:
+    """This interpreter's standard-library, site-packages and user-site folders."""
+    paths = {sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths.update(site.getsitepackages() if hasattr(site, "getsitepackages") else ())
+    paths.add(site.getusersitepackages())
+    return tuple(sorted(path.rstrip("/") + "/" for path in paths if path))
+
+
+def is_library(file: str) -> bool:
+    """Whether `file` belongs to an installed library or Python itself rather than the user's project."""
+    return bool(_LIBRARY.search(file)) or file.startswith(_install_folders())
 
 
 @dataclass(frozen=True)
@@ -49,7 +75,7 @@ class Frame:
 
     @property
     def in_library(self) -> bool:
-        return bool(_LIBRARY.search(self.file))
+        return is_library(self.file)
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
@@ -103,10 +129,15 @@ def stack_frames(hlo_text: str) -> StackFrames:
             key: (int(f.get("file_name_id") or 0), int(f.get("function_name_id") or 0), int(f.get("line") or 0))
             for key, f in locations.items()
         },
-        parents={
-            key: (int(f.get("file_location_id") or 0), int(f.get("parent_frame_id") or 0)) for key, f in frames.items()
-        },
+        parents=_callers(frames),
     )
+
+
+def _callers(frames: Mapping[int, Mapping[str, str]]) -> dict[int, tuple[int, int]]:
+    """Frame id -> (location id, caller id), the caller read one-based unless the table's roots print 0."""
+    printed = {key: int(f.get("parent_frame_id") or 0) for key, f in frames.items()}
+    shift = 0 if 0 in printed.values() else 1
+    return {key: (int(f.get("file_location_id") or 0), printed[key] - shift) for key, f in frames.items()}
 
 
 def source_of(metadata: Mapping[str, str], frames: StackFrames) -> Frame | None:

@@ -2,8 +2,10 @@
 
 from pathlib import Path
 
+import pytest
+
 from lab.hlo import parse_collectives
-from lab.hlo.sources import Frame, source_of, stack_frames
+from lab.hlo.sources import Frame, is_library, source_of, stack_frames
 
 DATA = Path(__file__).parents[1] / "data" / "hlo"
 
@@ -61,3 +63,80 @@ def test_the_recorded_fixture_names_its_lines():
     assert collectives and all(
         c.source_file == "tests/test_hlo.py" and c.source_line in (113, 114, 116) for c in collectives
     )
+
+
+def _inner(x):
+    return x * 2.0
+
+
+def _middle(x):
+    return _inner(x) + 1.0
+
+
+def _outer(x):
+    return _middle(x)
+
+
+def test_a_compiled_chain_reads_every_caller_up_to_the_outermost():
+    import jax
+    import jax.numpy as jnp
+
+    lowered = jax.jit(_outer).lower(jnp.ones(4))
+    text = lowered.compile().as_text()
+    frames = stack_frames(text)
+    chains = [frames.chain(key) for key in frames.parents]
+    functions = {tuple(f.function for f in chain if f.file == __file__) for chain in chains}
+    # the multiply sits in _inner, called by _middle, called by _outer, called by this test
+    assert ("_inner", "_middle", "_outer", test_a_compiled_chain_reads_every_caller_up_to_the_outermost.__name__) in {
+        chain[:4] for chain in functions
+    }
+
+
+@pytest.mark.parametrize(
+    "file, library",
+    [
+        ("/home/me/venv/lib/python3.11/site-packages/flax/nnx/nn/linear.py", True),
+        ("/opt/conda/envs/train/lib/python3.12/site-packages/optax/_src/transform.py", True),
+        ("/home/me/.local/lib/python3.11/site-packages/jax/_src/numpy/lax_numpy.py", True),
+        ("/usr/lib/python3/dist-packages/numpy/core/numeric.py", True),
+        ("/usr/lib/python3.11/functools.py", True),
+        ("<frozen runpy>", True),
+        ("/home/me/src/jax/_src/pjit.py", True),
+        ("/home/me/project/train.py", False),
+        ("/home/me/python3.11/train.py", False),
+        ("/home/me/site_packages_notes/model.py", False),
+        ("train.py", False),
+    ],
+)
+def test_library_frames_are_told_from_the_users_own_files(file, library):
+    assert is_library(file) is library
+
+
+def test_this_interpreters_own_folders_count_as_libraries():
+    import sysconfig
+
+    assert is_library(sysconfig.get_path("purelib") + "/anything.py")
+    assert is_library(sysconfig.get_path("stdlib") + "/json/decoder.py")
+
+
+def test_an_example_whose_layers_live_in_a_venv_points_at_the_users_line(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    packages = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    packages.mkdir(parents=True)
+    (packages / "layers.py").write_text("def dense(x):\n    return x @ x.T\n")
+    (tmp_path / "train.py").write_text(
+        "import layers\n\n\ndef step(x):\n    y = x + 1.0\n    return layers.dense(y)  # the user's line\n"
+    )
+    monkeypatch.syspath_prepend(str(packages))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    train = importlib.import_module("train")
+    text = jax.jit(train.step).lower(jnp.ones((4, 4))).compile().as_text()
+    frames = stack_frames(text)
+    dot = next(line for line in text.splitlines() if " dot(" in line)
+    frame_id = int(dot.split("stack_frame_id=")[1].split()[0].rstrip("}"))
+    assert frames.chain(frame_id)[0].file == str(packages / "layers.py")  # JAX kept the library's frame
+    assert source_of({"stack_frame_id": frame_id}, frames) == Frame(str(tmp_path / "train.py"), 6, "step")
