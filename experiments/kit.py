@@ -43,12 +43,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from lab import hlo
-from lab.devices import topology_devices, topology_shape
 from lab.errors import LabError
-from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.hlo import Collective
 from lab.mesh import MeshSpec
 from lab.report import Table
+from lab.targets.devices import topology_devices, topology_shape
+from lab.targets.hardware import ChipProfile, profile_for_device_kind
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,15 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from experiments import kit
-from lab import bench, hardware, hlo, theory
+from lab import bench, hlo, theory
 from lab.bench import Timing, measure_collective
 from lab.collectives import KINDS, build_program
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets import hardware
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.units import format_bytes, size_sweep
 from lab.verdict import Check, Claim, check
 

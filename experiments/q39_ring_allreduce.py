@@ -35,12 +35,12 @@ from experiments import kit
 from lab import theory
 from lab.bench import Timing, crossover, time_interleaved
 from lab.collectives import build_program, ring_pairs, send
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.units import format_bytes, parse_size, size_sweep
 from lab.verdict import Check, Claim, check
 

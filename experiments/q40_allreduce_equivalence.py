@@ -30,12 +30,12 @@ from experiments import kit
 from lab import hlo, theory
 from lab.bench import Timing, time_interleaved
 from lab.collectives import all_gather, all_reduce, reduce_scatter
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.units import format_bytes, parse_size
 from lab.verdict import Check, Claim, check
 

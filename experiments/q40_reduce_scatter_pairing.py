@@ -26,13 +26,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from experiments import kit
-from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.errors import LabError
 from lab.hlo.text import arrays, computations, parse_instruction
 from lab.mesh import MeshSpec
 from lab.model import preset
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.training.step import TrainConfig, Trainer
 from lab.verdict import Check, Claim, check
 

@@ -33,7 +33,6 @@ from matplotlib.figure import Figure
 from experiments import kit
 from lab import theory
 from lab.bench import Timing, time_interleaved
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.hlo.text import bits
 from lab.mesh import MeshSpec
@@ -42,6 +41,7 @@ from lab.parallel.expert import MoEConfig, expert_parallel, gshard, init_experts
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 

@@ -34,7 +34,6 @@ import optax
 from flax import nnx
 from matplotlib.figure import Figure
 
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.model import Attention, ModelConfig, RMSNorm, WholeWeights, next_token_loss
 from lab.moe import Balance, RouterConfig, update_bias
@@ -42,6 +41,7 @@ from lab.parallel.expert import ExpertParams, MoEConfig, moe_local
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.theory import switch_aux_loss_range
 from lab.verdict import Check, Claim, check
 

@@ -38,7 +38,6 @@ from matplotlib.figure import Figure
 
 from experiments import kit
 from lab import hlo, theory
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.model import preset
 from lab.parallel.pipeline import loop
@@ -75,6 +74,7 @@ from lab.parallel.pipeline.timing import (
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.verdict import Check, Claim, check
 
 QUESTION = "#43"

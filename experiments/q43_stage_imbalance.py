@@ -28,7 +28,6 @@ import jax
 import numpy as np
 
 from lab import theory
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.model import preset
 from lab.parallel.pipeline import loop
@@ -57,6 +56,7 @@ from lab.parallel.pipeline.timing import (
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.verdict import Check, Claim, check
 
 QUESTION = "#43"

@@ -32,7 +32,6 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from lab import theory
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.errors import LabError
 from lab.model import preset
 from lab.parallel.pipeline import loop
@@ -58,6 +57,7 @@ from lab.parallel.pipeline.timing import (
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 

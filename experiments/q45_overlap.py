@@ -32,14 +32,14 @@ from matplotlib.figure import Figure
 from experiments import kit
 from lab import hlo, theory
 from lab.bench import Timing, time_interleaved
-from lab.devices import DEFAULT_TARGET, devices_for
-from lab.hardware import profile
 from lab.hlo import schedule
 from lab.mesh import MeshSpec
 from lab.parallel import collective_matmul
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
+from lab.targets.hardware import profile
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 

@@ -35,14 +35,14 @@ from matplotlib.figure import Figure
 from experiments import kit
 from lab import hlo, theory
 from lab.bench import Timing, time_interleaved
-from lab.devices import DEFAULT_TARGET, devices_for, quiet_native_stderr
-from lab.hardware import profile
 from lab.mesh import MeshSpec
 from lab.model import preset
 from lab.parallel import bucketing
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for, quiet_native_stderr
+from lab.targets.hardware import profile
 from lab.units import format_bytes, parse_size
 from lab.verdict import Check, Claim, check
 

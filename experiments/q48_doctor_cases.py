@@ -24,13 +24,13 @@ from dataclasses import dataclass, replace
 import jax
 
 from experiments import kit
-from lab.devices import DEFAULT_TARGET, devices_for, topology_devices
 from lab.doctor.checks import COMM_BOUND_PROBLEM, INPUT_PROBLEM, Finding
 from lab.doctor.diagnosis import Diagnosis, diagnose
 from lab.model import preset
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for, topology_devices
 from lab.training.run import RunConfig, trainer_for
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check

@@ -8,7 +8,7 @@ an embedding, a weight-normalized MLP and a tied output layer, AdamW from
 optax, the weights and both moments sharded over ``fsdp``, the batch over
 ``data``, nothing else said, the rest left to XLA's partitioner (Auto axes).
 
-`lab.explanation` compiles it on this target and, compile-only, for a TPU
+`lab.explanation.explain` compiles it on this target and, compile-only, for a TPU
 topology, and for every collective says which line of the example made it,
 the JAX op, and why it is there, by following its data in the optimized HLO
 (`lab.hlo.attribution`): a parameter moved, a gradient reduced, an input
@@ -29,12 +29,13 @@ from pathlib import Path
 import jax
 
 from experiments import kit
-from lab import hlo, user_program
-from lab.devices import DEFAULT_TARGET, devices_for
-from lab.explanation import Explanation, explain_inspection
+from lab import hlo
+from lab.explanation import program
+from lab.explanation.explain import Explanation, explain_inspection
 from lab.mesh import MeshSpec
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 
@@ -107,16 +108,16 @@ class Observations:
 def measure(config: Config) -> Observations:
     file = EXAMPLES / config.program.split(":")[0]
     spec = f"{EXAMPLES / config.program}"
-    builder = user_program.load(spec)
+    builder = program.load(spec)
     devices = devices_for(config.target)
     mesh = MeshSpec.parse(config.mesh).build(devices, explicit=False)
-    fn, args = user_program.build(builder, mesh, spec)
+    fn, args = program.build(builder, mesh, spec)
     here = _compiled(fn, args, mesh, config.target, file)
     tpu = kit.tpu_chips(config.tpu_topology)
     compiled_tpu = None
     if isinstance(tpu, kit.TpuChips):
         tpu_mesh = MeshSpec.parse(config.mesh).build(tpu.devices, explicit=False)
-        tpu_fn, tpu_args = user_program.build(builder, tpu_mesh, spec, compile_only=True)
+        tpu_fn, tpu_args = program.build(builder, tpu_mesh, spec, compile_only=True)
         compiled_tpu = _compiled(tpu_fn, tpu_args, tpu_mesh, tpu.target, file)
     return Observations(
         setup=Setup.of(config.target, devices, config.mesh),
@@ -334,7 +335,7 @@ may be `jax.ShapeDtypeStruct`, so nothing is allocated) and explains every colle
   declared sharding is not the one the computation wants), **activation** (a value whose shape carries the batch,
   or a scalar: the loss), and **surprise** for the rest;
 - *cost*: the link its mesh axes use on the target (ICI/DCN on TPUs, NVLink/InfiniBand on GPUs) and the lab's
-  closed form for that link (`lab.topology`, `lab.theory`).
+  closed form for that link (`lab.targets.topology`, `lab.theory`).
 
 The checks compare what the explanation read from the compiled module with what the example declares, read from
 its own Python objects: the argument names and shapes from its pytrees, the weights from its params tree, the

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from experiments import kit
 from lab import hlo
-from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.errors import LabError
 from lab.hlo.text import bits
 from lab.mesh import MeshSpec
@@ -24,6 +23,7 @@ from lab.model import ModelConfig, preset
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.training.step import TrainConfig, Trainer
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check

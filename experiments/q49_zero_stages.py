@@ -22,7 +22,6 @@ from matplotlib.figure import Figure
 from experiments import kit
 from lab import theory
 from lab.bench import Timing
-from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.hlo.text import bits
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
@@ -30,6 +29,7 @@ from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
 from lab.rules import STRATEGIES
+from lab.targets.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.training.step import TrainConfig, Trainer
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check

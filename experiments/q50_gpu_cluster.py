@@ -13,7 +13,7 @@ each collective the nodes its replica groups span (the HLO's device ids mapped
 to the devices' ``process_index``: the node), so which link each one crosses
 is read from the compiled program, not assumed from the mesh. Every time on
 this page is a prediction from the compiled program on the lab's link model
-(`lab.topology`), not a measurement: no GPU ran.
+(`lab.targets.topology`), not a measurement: no GPU ran.
 
 One module, one question: the layer program, the closed forms it is judged
 against and the page's tables are kept together (about 600 lines) so that the
@@ -34,15 +34,15 @@ from matplotlib.figure import Figure
 
 from experiments import kit
 from lab import hlo, theory
-from lab.devices import devices_for, parse_target
 from lab.errors import LabError
-from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.hlo.schedule import flops, parse_schedule
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
-from lab.topology import Placement, placement, predict
+from lab.targets.devices import devices_for, parse_target
+from lab.targets.hardware import ChipProfile, profile_for_device_kind
+from lab.targets.topology import Placement, placement, predict
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 
@@ -310,7 +310,7 @@ def compute_s(step: LayerStep) -> float:
 
 
 def communication_s(step: LayerStep, network: str | None = None) -> float:
-    """The collectives' predicted seconds on their placements (`lab.topology.predict`), on one network or all."""
+    """The collectives' predicted seconds on their placements (`lab.targets.topology.predict`), one network or all."""
     chip, total = chip_of(step), 0.0
     for c in step.crossings:
         where = step.where(c.seen.axes) if c.seen.axes else None
@@ -360,7 +360,7 @@ One decoder layer's training step at a fixed global batch of B tokens, on N = M�
   2·(8-1)/8·A_group per GPU each, all on NVLink.
 * NCCL's ring all-reduce moves 2(N-1)/N·S per GPU, all-gather and reduce-scatter (N-1)/N·S (nccl-tests'
   PERFORMANCE.md; `lab.theory.bus_bandwidth_factor`); times are bytes over the tier's bandwidth (H100 SXM:
-  NVLink 450 GB/s per GPU each way, IB 50 GB/s per GPU), NVLink rings adding 0.47 us a step (`lab.topology`).
+  NVLink 450 GB/s per GPU each way, IB 50 GB/s per GPU), NVLink rings adding 0.47 us a step (`lab.targets.topology`).
 
 Both layouts send the same IB bytes per GPU for the weights, 2·(M-1)/M·W/8: TP does not shrink what crosses
 InfiniBand on a rail-optimised cluster, it moves FSDP's node-internal share and adds activations on NVLink. What
@@ -590,7 +590,7 @@ def _notes(obs: Observations) -> list[str]:
         f'{"/".join(map(str, sync))} per program says "is_sync":true (XLA:GPU found nothing to overlap them with '
         "and runs them synchronously): the overlapped step is a bound the schedule does not reach for those.",
         "The node of each GPU is its device's process_index (compile-only devices: one host per node, see "
-        "lab.gpu_targets); a collective's groups are the HLO's device ids mapped to them, not the mesh's axes.",
+        "lab.targets.gpu); a collective's groups are the HLO's device ids mapped to them, not the mesh's axes.",
         "The link model: NVLink 450 GB/s per GPU each way, InfiniBand 50 GB/s per GPU (one 400 Gb/s NIC per GPU), "
         "no IB latency term (the scaling book gives none); hierarchical collectives are bounded by their slower tier. "
         "The NVLink and InfiniBand columns of the step table are the collectives placed on each: a hierarchical "

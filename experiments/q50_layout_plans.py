@@ -27,8 +27,6 @@ from functools import partial
 
 from matplotlib.figure import Figure
 
-from lab.devices import topology_shape
-from lab.hardware import profile
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman, spread
 from lab.plan.space import Problem
@@ -36,6 +34,8 @@ from lab.predict.spec import parse_model
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import topology_shape
+from lab.targets.hardware import profile
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 
@@ -234,9 +234,9 @@ def _compiled(problem: Problem, layouts, plan) -> tuple[list[Compiled], list[str
 def measure(config: Config) -> Observations:
     # local: libtpu must see lab predict's flags before the first topology starts it
     from lab.plan.compiled import compilable
-    from lab.predict.step import prepare_libtpu
+    from lab.targets import libtpu
 
-    prepare_libtpu()
+    libtpu.prepare()
     planned = []
     for case in track(config.cases, "cases"):
         problem = _problem(case.model, case.target, case.slices, case.sequences, case.seq)
@@ -316,7 +316,7 @@ pipeline's micro-batches M and a remat policy. Per chip (`lab.plan.closed_form`)
   XLA attention's softmax, the saved activations written and read back, the loss's fp32 logits, and AdamW reading
   and writing 16 bytes of state per stored parameter). Exposed communication: fsdp's per-layer gathers and
   reduce-scatters beyond the layer's compute, data's gradient all-reduce, tensor's four (six with `full`) activation
-  all-reduces per layer, stage's permutes, expert's all-to-alls, each priced on its torus links (`lab.topology`)
+  all-reduces per layer, stage's permutes, expert's all-to-alls, each priced on its torus links (`lab.targets.topology`)
   and, across slices, on DCN.
 
 Where the two orders disagree, the page swaps one term of the closed form for the compiler's (compute with the

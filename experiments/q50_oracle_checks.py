@@ -36,13 +36,13 @@ from jax.sharding import PartitionSpec as P
 
 from experiments import kit
 from lab import theory
-from lab.devices import DEFAULT_TARGET, topology_devices, topology_shape
 from lab.errors import LabError
-from lab.hardware import profile
 from lab.mesh import MeshSpec
 from lab.provenance import Setup
 from lab.report import Result, Table
-from lab.topology import placement
+from lab.targets.devices import DEFAULT_TARGET, topology_devices, topology_shape
+from lab.targets.hardware import profile
+from lab.targets.topology import placement
 from lab.units import format_bytes
 from lab.verdict import Check, check
 
@@ -80,7 +80,7 @@ class BookExample:
     source: str  # book part and question
     operation: str
     kind: str  # collective kind, as lab.theory names it
-    chip: str  # lab.hardware profile
+    chip: str  # lab.targets.hardware profile
     network: tuple[int, ...] | int  # a TPU slice's torus, or the devices on a switch
     dims: tuple[int, ...]  # torus dimensions spanned; () on a switch
     size_bytes: int  # S, the nccl-tests size: the gathered result, or the all-reduce buffer
@@ -568,7 +568,7 @@ def _notes(examples, predictions, compiled) -> list[str]:
     if placed:
         notes.append(
             "v4 slices are built with libtpu's megacore chip configuration (one device per chip, as the book counts); "
-            "lab.devices' default v4 topology has two devices per chip, one "
+            "lab.targets.devices' default v4 topology has two devices per chip, one "
             "per TensorCore. On the 4x4x4 slice the lab's mesh put "
             + ", ".join(f"{axis} on torus dimension {dim}" for axis, dim in sorted(placed.items()))
             + " (mesh_utils' choice); every dimension of a 4x4x4 cube has "

@@ -174,15 +174,16 @@ def _published(run, layers_compiled: int):
 
 
 def measure(config: Config) -> Observations:
-    # local: libtpu must read lab.predict's flags before it starts (lab.predict.step.prepare_libtpu)
-    from lab.devices import topology_devices
+    # local: libtpu must read lab.predict's flags before it starts (lab.targets.libtpu.prepare)
     from lab.predict.command import Predict, build_mesh, run_prediction
     from lab.predict.ops import read_schedule
     from lab.predict.spec import parse_model
-    from lab.predict.step import compile_step, prepare_libtpu
+    from lab.predict.step import compile_step
+    from lab.targets import libtpu
+    from lab.targets.devices import topology_devices
 
     started = time.perf_counter()
-    prepare_libtpu()
+    libtpu.prepare()
     devices = topology_devices(config.calibration_topology)
     mesh = build_mesh(CALIBRATION.mesh, devices, 1, "data")
     chip = _chip(devices)
@@ -253,7 +254,7 @@ def _log(what: str, started: float) -> None:
 
 
 def _chip(devices):
-    from lab.hardware import profile_for_device_kind
+    from lab.targets.hardware import profile_for_device_kind
 
     return profile_for_device_kind(devices[0].device_kind)
 
@@ -313,7 +314,7 @@ def judge(obs: Observations, config: Config) -> Result:
 THEORY = r"""
 Per instruction of the scheduled program (`lab.predict.ops`), with P the chip's peak bf16 FLOP/s and W its HBM
 bandwidth: t = max(FLOPs / (P · e_matmul), bytes / (W · e_hbm)); a Pallas flash kernel's FLOPs from its shapes; a
-loop's body priced in its steady state times its trip count; a collective by `lab.topology` on its links. The
+loop's body priced in its steady state times its trip count; a collective by `lab.targets.topology` on its links. The
 compute stream runs in schedule order and waits at each async collective's done for what has not yet arrived.
 
 Calibration: e_hbm = 0.9 (assumed, not fitted); e_matmul solved by bisection so that the 8B's predicted step equals

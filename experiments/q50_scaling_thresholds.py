@@ -14,7 +14,7 @@ sweep of per-chip batch. What is observed is the program the compiler wrote:
 its FLOPs (XLA's cost analysis) and its collectives (kinds, bytes, the mesh
 axes and so the torus links they use). Its compute time is those FLOPs at the
 chip's peak, its communication time those collectives priced on their links
-(`lab.topology`, with hop latency); where the two cross is the threshold XLA's
+(`lab.targets.topology`, with hop latency); where the two cross is the threshold XLA's
 own program has, next to the book's. Nothing here runs on a TPU: every time on
 this page is a model of the compiled program, and the page says so.
 
@@ -38,14 +38,14 @@ from matplotlib.figure import Figure
 
 from experiments import kit
 from lab import hlo, theory
-from lab.devices import parse_target, topology_devices
-from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.mesh import MeshSpec
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import parse_target, topology_devices
+from lab.targets.hardware import ChipProfile, profile_for_device_kind
+from lab.targets.topology import Placement, placement, predict
 from lab.theory.scaling import fsdp_tp_comm_to_compute, fsdp_tp_min_batch_per_chip_at
-from lab.topology import Placement, placement, predict
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 
@@ -208,7 +208,7 @@ def memory_s(step: MlpStep) -> float:
 
 
 def collective_costs(step: MlpStep) -> tuple[theory.CollectiveCost | None, ...]:
-    """Each collective's cost on the links its mesh axes use (`lab.topology.predict`); None within a chip."""
+    """Each collective's cost on the links its mesh axes use (`lab.targets.topology.predict`); None within a chip."""
     chip = chip_of(step)
     out = []
     for c in step.collectives:

@@ -43,10 +43,10 @@ from experiments.q50_scaling_thresholds import (
     torus_axes,
 )
 from lab import theory
-from lab.devices import parse_target, topology_devices
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import parse_target, topology_devices
 from lab.theory.scaling import fsdp_tp_comm_to_compute
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
@@ -408,8 +408,8 @@ def _notes(obs: Observations, config: Config) -> list[str]:
                     f"{m.name}, {_strategy(s)}: the HLO's collectives over fsdp have groups of "
                     + ", ".join(f"{g} chips where the axis has {n}" for g, n in groups)
                     + f" across {m.slices} slices: the groups a multi-slice program's HLO shows hold one slice's "
-                    "share of the axis, while the roofline (lab.topology) prices the whole axis as one ring over "
-                    "DCN. Which of the two the hardware would run is not settled by this run (compile-only), so "
+                    "share of the axis, while the roofline (lab.targets.topology) prices the whole axis as one ring "
+                    "over DCN. Which of the two the hardware would run is not settled by this run (compile-only), so "
                     "nothing refines its ratio: "
                     f"{ratio(s):.2f} by the roofline, {bandwidth_rule_s(s) / compute_s(s):.2f} by the bandwidth "
                     f"rule on the HLO's groups, {_book_ratio(s, config):.2f} by the book."

@@ -37,13 +37,13 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from lab import hlo
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.mesh import MeshSpec
 from lab.model import preset
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
 from lab.rules import DATA_AXES
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.training import run as training_run
 from lab.training.run import WARMUP_STEPS, RunConfig
 from lab.units import format_bytes

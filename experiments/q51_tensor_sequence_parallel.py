@@ -30,7 +30,6 @@ from matplotlib.ticker import NullFormatter
 from experiments import kit
 from lab import hlo, theory
 from lab.bench import Timing, time_interleaved
-from lab.devices import DEFAULT_TARGET, devices_for
 from lab.hlo.text import bits, computations, parse_instruction
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig
@@ -38,6 +37,7 @@ from lab.parallel.tensor import STYLES, TensorParallel, reference_loss, train_st
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
 from lab.theory import activation_bytes_per_layer
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check

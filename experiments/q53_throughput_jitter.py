@@ -37,11 +37,11 @@ from types import SimpleNamespace
 import numpy as np
 from matplotlib.figure import Figure
 
-from lab.devices import DEFAULT_TARGET, devices_for
-from lab.hardware import profile
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for
+from lab.targets.hardware import profile
 from lab.training import run as training_run
 from lab.training.data import Loader
 from lab.training.page import plot_step_times
@@ -153,7 +153,7 @@ class Run:
 @dataclass(frozen=True)
 class Observations:
     setup: Setup
-    host_copy_bandwidth: float  # bytes per second, measured on this host (lab.hardware's cpu profile)
+    host_copy_bandwidth: float  # bytes per second, measured on this host (lab.targets.hardware's cpu profile)
     runs: tuple[Run, ...]  # in CASES order
 
     def run(self, case: str) -> Run:

@@ -20,13 +20,13 @@ from functools import partial
 from matplotlib.figure import Figure
 
 from lab.bench import Timing
-from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.hlo.schedule import flops, parse_schedule
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
+from lab.targets.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.training.step import TrainConfig, Trainer
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check

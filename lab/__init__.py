@@ -4,8 +4,8 @@ Data flows one way: a mesh spec becomes a `jax.sharding.Mesh` with the five
 axes (lab.mesh); a strategy's rules tables place each logical axis on them
 (lab.rules, lab.parallel); a program is written with `shard_map` and explicit
 collectives (lab.collectives) or with sharding annotations, compiled, and its
-optimized HLO read back (lab.hlo); the closed forms (lab.theory, lab.hardware,
-lab.topology) predict it; `check` gives the verdicts (lab.verdict) and
+optimized HLO read back (lab.hlo); the closed forms (lab.theory, lab.targets.hardware,
+lab.targets.topology) predict it; `check` gives the verdicts (lab.verdict) and
 lab.report writes the pages. Training runs are lab.training, their diagnosis
 lab.doctor. tests/test_architecture.py keeps the layers in that order.
 
@@ -27,18 +27,18 @@ _PUBLIC = {  # each public name, and the module that defines it
     "NAMES": "lab.collectives",
     "CollectiveProgram": "lab.collectives",
     "build_program": "lab.collectives",
-    "DEFAULT_TARGET": "lab.devices",
-    "Target": "lab.devices",
-    "devices_for": "lab.devices",
-    "parse_target": "lab.devices",
+    "DEFAULT_TARGET": "lab.targets.devices",
+    "Target": "lab.targets.devices",
+    "devices_for": "lab.targets.devices",
+    "parse_target": "lab.targets.devices",
     "Finding": "lab.doctor.checks",
     "Diagnosis": "lab.doctor.diagnosis",
     "diagnose": "lab.doctor.diagnosis",
     "LabError": "lab.errors",
-    "Explanation": "lab.explanation",
-    "explain": "lab.explanation",
-    "ChipProfile": "lab.hardware",
-    "profile": "lab.hardware",
+    "Explanation": "lab.explanation.explain",
+    "explain": "lab.explanation.explain",
+    "ChipProfile": "lab.targets.hardware",
+    "profile": "lab.targets.hardware",
     "Collective": "lab.hlo",
     "Inspection": "lab.hlo",
     "inspect": "lab.hlo",
@@ -54,7 +54,7 @@ _PUBLIC = {  # each public name, and the module that defines it
     "get_strategy": "lab.rules",
     "CollectiveCost": "lab.theory",
     "collective_cost": "lab.theory",
-    "placement": "lab.topology",
+    "placement": "lab.targets.topology",
     "RunConfig": "lab.training.run",
     "RunLog": "lab.training.run",
     "SeriesSummary": "lab.training.series",

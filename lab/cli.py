@@ -32,21 +32,22 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from lab import hlo, inputs, progress, user_program
+from lab import hlo, inputs, progress
 from lab import report as pages
 from lab.bench import measure_collective
 from lab.collectives import build_program
-from lab.devices import DEFAULT_TARGET, devices_for, parse_target
 from lab.doctor.diagnosis import diagnose
 from lab.errors import LabError
-from lab.explanation import explain_hlo, explain_inspection
+from lab.explanation import program
+from lab.explanation.explain import explain_hlo, explain_inspection
 from lab.hlo import dumps
 from lab.hlo import text as hlo_text
 from lab.mesh import MeshSpec, describe, slice_local_shape
 from lab.plan.command import Plan, plan
 from lab.predict.command import Predict, predict
 from lab.registry import experiments, get
-from lab.topology import describe_axes
+from lab.targets.devices import DEFAULT_TARGET, devices_for, parse_target
+from lab.targets.topology import describe_axes
 from lab.training import page as training_page
 from lab.training import run as training_run
 
@@ -305,17 +306,17 @@ def inspect(command: Inspect) -> int:
     compile_only = parse_target(command.target).compile_only
     mesh = MeshSpec.parse(command.mesh or _DEFAULT_MESH).build(devices, explicit=command.axis_types == "explicit")
     if command.fn is not None:
-        builder = user_program.load(command.fn)
-        fn, args = user_program.build(builder, mesh, command.fn, compile_only=compile_only)
+        builder = program.load(command.fn)
+        fn, args = program.build(builder, mesh, command.fn, compile_only=compile_only)
         title = command.fn
     else:
         element = inputs.dtype("--dtype", command.dtype)
-        program = build_program(command.program, mesh, command.axes)
-        fn, args = program.fn, (program.abstract_input(parse_size(command.size), element),)
+        built = build_program(command.program, mesh, command.axes)
+        fn, args = built.fn, (built.abstract_input(parse_size(command.size), element),)
         title = f"{command.program} over {','.join(command.axes)}"
     started = time.perf_counter()
     with (
-        user_program.blamed(title, "compiling it", compile_only),
+        program.blamed(title, "compiling it", compile_only),
         jax.set_mesh(mesh),
     ):  # as the user's script compiles it
         found = hlo.inspect(fn, *args, mesh=mesh)

@@ -6,7 +6,7 @@ For one step of an SPMD program on one chip (the scaling book, Part 1
 * compute:       T_math = FLOPs per chip / peak FLOP/s
 * memory:        T_hbm  = bytes accessed per chip / HBM bandwidth
 * communication: T_comm = the sum of each collective's predicted time on the
-  links its mesh axes use (lab.topology), counted without overlap.
+  links its mesh axes use (lab.targets.topology), counted without overlap.
 
 XLA's cost analysis of the partitioned module gives FLOPs and bytes per chip;
 the collectives come from its optimized HLO. With perfect overlap the step
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.hlo import Collective, Inspection
 from lab.hlo.schedule import bytes_accessed, parse_schedule
 from lab.hlo.schedule import flops as schedule_flops
-from lab.topology import Placement, predict, program_placement
+from lab.targets.hardware import ChipProfile, profile_for_device_kind
+from lab.targets.topology import Placement, predict, program_placement
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def devices():
-    from lab.devices import devices_for
+    from lab.targets.devices import devices_for
 
     return devices_for("cpu:8")
 

@@ -33,14 +33,14 @@ import jax
 import numpy as np
 
 from lab import hlo
-from lab.devices import devices_for, parse_target
 from lab.doctor import checks
 from lab.doctor.checks import LAYERS, SEVERITIES, Finding
-from lab.hardware import profile, profile_for_device_kind
 from lab.hlo import Inspection, schedule
 from lab.roofline import roofline
 from lab.rules import sharding_report, spec_axes
-from lab.topology import slice_shape
+from lab.targets.devices import devices_for, parse_target
+from lab.targets.hardware import profile, profile_for_device_kind
+from lab.targets.topology import slice_shape
 from lab.training import run as training_run
 from lab.training.run import RunConfig, RunLog, trainer_for
 from lab.training.step import Trainer, TrainState
@@ -129,7 +129,7 @@ def _compile(config: RunConfig, devices) -> _Compiled:
         return _Compiled(trainer, state, trainer.inspect_step(config.global_batch), "")
     except jax.errors.JaxRuntimeError as err:  # the TPU compiler refuses a program that cannot fit in HBM
         # "Invalid TPU program" is the same refusal once lab predict has started libtpu in this process with
-        # --xla_tpu_no_crash_on_oom=true (`lab.predict.step.prepare_libtpu`)
+        # --xla_tpu_no_crash_on_oom=true (`lab.targets.libtpu.prepare`)
         if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
             raise
         return _Compiled(trainer, state, None, str(err).splitlines()[0])
@@ -216,7 +216,7 @@ def _capacity(devices, override: float | None) -> tuple[float, str]:
     if "bytes_limit" in stats:
         return float(stats["bytes_limit"]), "the runtime's bytes_limit"
     chip = profile_for_device_kind(device.device_kind)
-    return chip.hbm_bytes, f"{chip.name} HBM (lab.hardware)"
+    return chip.hbm_bytes, f"{chip.name} HBM (lab.targets.hardware)"
 
 
 # --- layout -------------------------------------------------------------------------------------

@@ -28,11 +28,11 @@ import jax
 from jax.sharding import NamedSharding
 from rich.table import Table
 
-from lab.devices import quiet_native_stderr
 from lab.errors import LabError
 from lab.hlo.collectives import Collective, CollectiveTotal, Skipped, parse_collectives, summarize
 from lab.hlo.text import Shape, module_name
 from lab.mesh import AXES, slice_local_shape
+from lab.targets.devices import quiet_native_stderr
 from lab.units import format_bytes
 
 

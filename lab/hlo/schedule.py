@@ -283,7 +283,7 @@ def overlap_report(
     mesh_shape: Sequence[int] | None = None,
     axis_names: Sequence[str] | None = None,
 ) -> OverlapReport:
-    """Windows of every collective in `hlo_text` (scheduled HLO), priced on `chip` (a lab.hardware.ChipProfile).
+    """Windows of every collective in `hlo_text` (scheduled HLO), priced on `chip` (a lab.targets.hardware.ChipProfile).
 
     `topology` is the TPU slice's torus, e.g. (4, 4); without it (or on a
     switched chip) collectives are priced on the chip's links as a switch.

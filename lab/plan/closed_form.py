@@ -33,7 +33,7 @@ closed form and the compiled prediction price alike):
 * the pipeline's bubble (`lab.theory.pipeline_step_time`: the SPMD pipeline
   runs M + P - 1 ticks);
 * per axis the collectives it implies, priced on its links
-  (`lab.topology.placement` on the compile-only chips, `lab.theory.predict_on_rings`,
+  (`lab.targets.topology.placement` on the compile-only chips, `lab.theory.predict_on_rings`,
   DCN by `lab.theory.predict_on_switch`):
 
   * ``fsdp``: per layer and tick, each weight all-gathered forward and again
@@ -70,7 +70,7 @@ from dataclasses import dataclass, replace
 from lab import theory
 from lab.mesh import AXES, MeshSpec
 from lab.plan.space import Layout, Problem
-from lab.topology import Placement, placement
+from lab.targets.topology import Placement, placement
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and gradients; fp32 master + Adam moments
 ACTIVATION_BYTES = 2  # bf16 compute
@@ -82,7 +82,7 @@ class AxisCost:
     """The collectives one mesh axis implies per step."""
 
     axis: str
-    link: str  # where they run, as lab.topology.Placement says (and "+ DCN x K" across slices)
+    link: str  # where they run, as lab.targets.topology.Placement says (and "+ DCN x K" across slices)
     collectives: int  # per step
     size_bytes: float  # S per device, summed over the step's collectives
     seconds: float  # transfer time, all of them
@@ -524,7 +524,7 @@ def _links(problem: Problem, layout: Layout) -> dict[str, _Link]:
 @functools.cache
 def _placements(topology: str, shape: tuple[int, ...]) -> dict[str, Placement | None]:
     """Where each axis of a one-slice mesh of `shape` runs, on libtpu's compile-only chips of `topology`."""
-    from lab.devices import topology_devices  # local: starts libtpu's topology client, which memory never needs
+    from lab.targets.devices import topology_devices  # local: starts libtpu's topology client, which memory never needs
 
     mesh = MeshSpec(**dict(zip(AXES, shape))).build(topology_devices(topology))
     return {a: (placement(mesh, (a,)) if n > 1 else None) for a, n in zip(AXES, shape)}

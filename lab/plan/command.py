@@ -65,9 +65,10 @@ class Plan:
 
 def problem_of(command: Plan) -> Problem:
     """The command's model, batch and pod; a LabError names what is wrong."""
-    # local: lab.devices and lab.hardware pull in JAX; the CLI imports this module before choosing a target
-    from lab.devices import parse_target, topology_shape
-    from lab.hardware import profile
+    # local: lab.targets.devices and lab.targets.hardware pull in JAX; the CLI imports this module before it chooses
+    # a target
+    from lab.targets.devices import parse_target, topology_shape
+    from lab.targets.hardware import profile
 
     target = parse_target(command.target)
     if target.platform != "tpu" or not target.compile_only:
@@ -99,10 +100,10 @@ def problem_of(command: Plan) -> Problem:
 def make_plan(command: Plan) -> Ranking:
     """Closed form over every layout, then the compiled re-ranking of the best `compile_top`."""
     # local: lab predict's compile starts libtpu, which must see its flags before anything else starts it
-    from lab.predict.step import prepare_libtpu
+    from lab.targets import libtpu
 
     problem = problem_of(command)
-    prepare_libtpu()
+    libtpu.prepare()
     plan = closed_form_plan(problem)
     if command.compile_top and plan.candidates:
         # local: compiling imports the training step (flax, optax); a closed-form plan never needs it

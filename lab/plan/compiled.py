@@ -27,7 +27,8 @@ from lab.plan.rank import CompiledPrediction
 from lab.plan.space import Layout, Problem
 from lab.predict.command import _memory_bytes, build_mesh  # one reading of the compiler's peak, shared
 from lab.predict.ops import predict_step
-from lab.predict.step import compile_step, prepare_libtpu
+from lab.predict.step import compile_step
+from lab.targets import libtpu
 
 
 def compilable(problem: Problem, layout: Layout) -> str:
@@ -45,9 +46,9 @@ def compile_layout(problem: Problem, layout: Layout) -> CompiledPrediction | str
     if reason:
         return reason
     # local: the topology's devices start libtpu, which must first see lab predict's flags
-    from lab.devices import topology_devices
+    from lab.targets.devices import topology_devices
 
-    prepare_libtpu()
+    libtpu.prepare()
     devices = topology_devices(problem.topology, problem.slices)
     local = {a: (n // problem.slices if a == layout.slices_axis else n) for a, n in layout.sizes.items()}
     spec = ",".join(f"{a}={local[a]}" for a in AXES)

@@ -31,11 +31,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lab.errors import LabError
-from lab.hardware import ChipProfile
 from lab.mesh import AXES, MeshSpec
 from lab.model import ModelConfig
 from lab.predict import calibration
 from lab.predict.ops import Efficiency
+from lab.targets.hardware import ChipProfile
 
 REMATS = ("none", "minimal", "full")  # lab.predict.step.REMATS' names, least recompute first
 ATTENTIONS = ("flash", "xla")

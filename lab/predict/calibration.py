@@ -1,7 +1,7 @@
 """The efficiency constants of a prediction, and the published runs that set them.
 
 The op-by-op model (`lab.predict.ops`) needs two numbers the chip profiles
-(`lab.hardware`) do not have: what fraction of the peak bf16 FLOP/s a large
+(`lab.targets.hardware`) do not have: what fraction of the peak bf16 FLOP/s a large
 matmul fusion reaches, and what fraction of the HBM bandwidth a memory-bound
 fusion reaches. They are the chip's, not a run's: one value per TPU
 generation, used for every model, batch and layout.

@@ -122,8 +122,9 @@ def model_flops(config, tokens: int) -> float:
 def run_prediction(command: Predict, efficiency=None):
     """Compile and predict; returns the `Prediction` (`efficiency`: the chip's calibrated constants unless given)."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
-    from lab.devices import parse_target, topology_devices
-    from lab.predict.step import DoesNotFit, prepare_libtpu
+    from lab.predict.step import DoesNotFit
+    from lab.targets import libtpu
+    from lab.targets.devices import parse_target, topology_devices
 
     target = parse_target(command.target)
     if target.platform != "tpu" or not target.compile_only:
@@ -137,7 +138,7 @@ def run_prediction(command: Predict, efficiency=None):
     if command.seq < 1:
         raise LabError(f"--seq {command.seq}: use 1 or more")
     model = replace(parse_model(command.model), seq=command.seq, attention=command.attention)
-    prepare_libtpu(command.libtpu_flags)
+    libtpu.prepare(command.libtpu_flags)
     devices = topology_devices(target.topology, command.slices)
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     chip = _chip(devices)
@@ -288,8 +289,8 @@ def build_mesh(spec: str, devices, slices: int, dcn_axis: str):
 
 
 def _chip(devices):
-    # local: lab.hardware is light, but keeps this module's import list to what the handler needs first
-    from lab.hardware import profile_for_device_kind
+    # local: lab.targets.hardware is light, but keeps this module's import list to what the handler needs first
+    from lab.targets.hardware import profile_for_device_kind
 
     return profile_for_device_kind(devices[0].device_kind)
 

@@ -23,8 +23,8 @@ order it runs, so each can be priced on its own:
   steady state (a collective the scheduler starts in one iteration and
   finishes in the next then waits as it would), times its trip count (the
   condition's bound);
-* a collective: the lab's link model (`lab.topology.placement` and
-  `lab.topology.predict`) on the ICI or DCN links of its mesh axes.
+* a collective: the lab's link model (`lab.targets.topology.placement` and
+  `lab.targets.topology.predict`) on the ICI or DCN links of its mesh axes.
 
 The schedule decides overlap. The compute stream runs the instructions in
 order; an async collective starts when its start instruction is reached (after
@@ -43,10 +43,10 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
-from lab.hardware import ChipProfile
 from lab.hlo.schedule import ScheduledModule, Window, _communicates, flops, overlap_report, parse_schedule
 from lab.hlo.text import Instruction, arrays, nbytes
-from lab.topology import predict, program_placement
+from lab.targets.hardware import ChipProfile
+from lab.targets.topology import predict, program_placement
 
 # bookkeeping, addressing and DMA: no compute-unit time
 _FREE = {

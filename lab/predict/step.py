@@ -15,16 +15,15 @@ things change at full size:
   ``minimal`` saves every matmul output (`dots_saveable`), ``none`` saves all.
 
 A program that does not fit the chip's HBM is still a prediction, not an
-error. libtpu refuses to compile it; ``--xla_tpu_no_crash_on_oom=true`` (in
-``LIBTPU_INIT_ARGS``, set before libtpu starts) lets some such compiles finish
-with a memory analysis, but a single buffer larger than HBM, or a program far
+error. libtpu refuses to compile it; ``--xla_tpu_no_crash_on_oom=true`` (set
+before libtpu starts by `lab.targets.libtpu.prepare`) lets some such compiles
+finish with a memory analysis, but a single buffer larger than HBM, or a program far
 over, still fails (`DoesNotFit`). `lab.predict.command` then compiles two
 layers under scan and reads that program at the full depth (`lab.predict.depth`).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 
@@ -39,36 +38,7 @@ from lab.predict.depth import LAYERS_SCOPE
 from lab.training.step import TrainConfig, Trainer
 
 REMATS = {"full": "full", "minimal": "dots", "none": "none"}  # the predictor's names -> lab.parallel.layout's
-NO_CRASH_ON_OOM = "--xla_tpu_no_crash_on_oom=true"
 LOSS_CHUNK = 1024  # tokens of each sequence whose logits exist at once
-
-
-def prepare_libtpu(flags: str = "") -> None:
-    """Put `flags` (``LIBTPU_INIT_ARGS`` syntax) and the no-crash-on-OOM flag where libtpu reads them at start.
-
-    libtpu reads ``LIBTPU_INIT_ARGS`` once, when its backend starts; flags given after that are refused with a
-    LabError rather than ignored in silence.
-    """
-    wanted = " ".join(dict.fromkeys([NO_CRASH_ON_OOM, *flags.split()]))
-    current = os.environ.get("LIBTPU_INIT_ARGS", "")
-    missing = [f for f in wanted.split() if f not in current.split()]
-    if not missing:
-        return
-    if _libtpu_started():
-        if missing == [NO_CRASH_ON_OOM]:
-            return  # a step that does not fit then fails to compile, and `compile_step` says so
-        raise LabError(
-            f"libtpu already started in this process without {' '.join(missing)}; run lab predict in a fresh "
-            "process (or export LIBTPU_INIT_ARGS before it starts)"
-        )
-    os.environ["LIBTPU_INIT_ARGS"] = " ".join([*current.split(), *missing])
-
-
-def _libtpu_started() -> bool:
-    # local: the topology cache is the only record of whether libtpu has been loaded in this process
-    from lab.devices import topology_devices
-
-    return topology_devices.cache_info().currsize > 0
 
 
 class _ChunkedLossTrainer(Trainer):

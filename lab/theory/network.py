@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from lab.collectives import KINDS
 from lab.errors import LabError
-from lab.hardware import ChipProfile
+from lab.targets.hardware import ChipProfile
 from lab.theory.collectives import _PASSES, CollectiveCost, _check_count_and_size, _check_kind
 
 
@@ -57,7 +57,7 @@ def predict_on_rings(
     """The same, for a group spanning `extents` chips along torus dimensions that wrap or not.
 
     A group covering part of a dimension (2 of its 4 chips, say) is a line
-    however the slice is wired: `lab.topology.placement` gives extents and wraps.
+    however the slice is wired: `lab.targets.topology.placement` gives extents and wraps.
     """
     _check_network_kind(kind)
     devices = math.prod(extents)

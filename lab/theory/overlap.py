@@ -131,7 +131,10 @@ def bucketed_allreduce_time(
     """
     count = bucket_count(grad_bytes, bucket_bytes)
     sizes = [min(bucket_bytes, grad_bytes - k * bucket_bytes) for k in range(count)]
-    costs = [collective_cost("all-reduce", s, devices, algorithm=algorithm, alpha=alpha, beta=beta) for s in sizes]
+    priced = {
+        s: collective_cost("all-reduce", s, devices, algorithm=algorithm, alpha=alpha, beta=beta) for s in set(sizes)
+    }
+    costs = [priced[s] for s in sizes]  # every bucket but the last has one size: price each size once
     seconds = [c.seconds for c in costs]
     comm_s, latency_s = sum(seconds), sum(c.latency_s for c in costs)
     if not overlap:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 from lab.errors import LabError
-from lab.hardware import ChipProfile
+from lab.targets.hardware import ChipProfile
 
 
 def ici_arithmetic_intensity(chip: ChipProfile) -> float:

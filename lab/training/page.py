@@ -30,8 +30,8 @@ def _notes(log: RunLog) -> list[str]:
         )
     if any(s.mfu > 1 for s in log.steps):
         notes.append(
-            "MFU above 1: on cpu the peak is lab.hardware's measured numpy matmul rate, which undershoots what XLA's "
-            "multi-threaded kernels reach on a shared machine; read MFU there "
+            "MFU above 1: on cpu the peak is lab.targets.hardware's measured numpy matmul rate, which undershoots what "
+            "XLA's multi-threaded kernels reach on a shared machine; read MFU there "
             "as a ratio between layouts, not as utilisation"
         )
     return notes

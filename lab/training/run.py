@@ -15,7 +15,7 @@ then. Four things make it a lab rather than a demo:
   the blocking part of a checkpoint save; tokens/s = B·S / step time; model
   FLOPs utilisation (Chowdhery et al. 2022, PaLM, Appendix B) = (6Ψ_active +
   12·L·H·K·S) FLOPs per token × tokens/s ÷ peak FLOP/s of the chips
-  (`lab.hardware`); the gradient norm and what the model reports (MoE load).
+  (`lab.targets.hardware`); the gradient norm and what the model reports (MoE load).
 * **A readable timeline.** The page reads the step-time series with
   `lab.training.series` (periodic, random, trend or steady), and ``--profile``
   records a `jax.profiler` trace whose device time `lab.training.profiling` splits by
@@ -24,7 +24,7 @@ then. Four things make it a lab rather than a demo:
   host; every process builds the same global batch (each device loads only
   its slice) and only process 0 writes the log and the page. The processes
   first agree on their options; when one stops, the others stop too within
-  the heartbeat timeout, each saying why in one line (`lab.native`).
+  the heartbeat timeout, each saying why in one line (`lab.targets.native`).
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.profiler import StepTraceAnnotation, TraceAnnotation
 
-from lab import inputs, native, progress
-from lab.devices import DEFAULT_TARGET, describe_devices, devices_for, distributed_devices
+from lab import inputs, progress
 from lab.errors import LabError
-from lab.hardware import profile, profile_for_device_kind
 from lab.mesh import MeshSpec, describe
 from lab.model import preset
+from lab.targets import native
+from lab.targets.devices import DEFAULT_TARGET, describe_devices, devices_for, distributed_devices
+from lab.targets.hardware import profile, profile_for_device_kind
 from lab.training import data as input_pipeline
 from lab.training import profiling
 from lab.training.checkpoint import CheckpointPolicy, Checkpoints

@@ -149,7 +149,9 @@ def test_a_1b_model_with_ddp_does_not_fit_a_v5e(devices):
     diagnosis = diagnose(RunConfig(target="tpu:v5e:2x2", mesh="data=4", model="1b", strategy="ddp", global_batch=8))
     memory = diagnosis.start_here
     assert memory.layer == "memory" and "RESOURCE_EXHAUSTED" in memory.evidence[0]
-    assert memory.numbers["peak_bytes"] > memory.numbers["capacity_bytes"] == 16 * GIB  # v5e's HBM from lab.hardware
+    assert (
+        memory.numbers["peak_bytes"] > memory.numbers["capacity_bytes"] == 16 * GIB
+    )  # v5e's HBM from lab.targets.hardware
     assert memory.numbers["states_bytes"] > 10 * GIB  # 1b parameters and two Adam moments, fp32, whole on every chip
     assert "compile-only" in diagnosis.not_run
     assert {f.severity for f in diagnosis.findings if f.layer in ("input", "numerics")} == {"not applicable"}

@@ -5,12 +5,12 @@ from dataclasses import replace
 import pytest
 
 from experiments.q50_gpu_cluster import Config, judge, measure
-from lab import gpu_targets
 from lab.registry import get
 from lab.report import render
+from lab.targets import gpu
 from tests.experiments.support import pinned
 
-pytestmark = pytest.mark.skipif(not gpu_targets.cuda_plugin_installed(), reason="needs the gpu extra (CUDA plugin)")
+pytestmark = pytest.mark.skipif(not gpu.cuda_plugin_installed(), reason="needs the gpu extra (CUDA plugin)")
 SMALL = Config(nodes=(2,), models=("8b",), sequences=16, sequence_length=256)
 
 

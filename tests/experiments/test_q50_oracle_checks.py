@@ -3,12 +3,12 @@
 import pytest
 
 from experiments.q50_oracle_checks import EXAMPLES, Config, compile_example, large_n_limit_seconds, predict
-from lab.devices import topology_devices
 from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.registry import get
 from lab.report import render
-from lab.topology import placement
+from lab.targets.devices import topology_devices
+from lab.targets.topology import placement
 from tests.experiments.support import pinned
 
 EXAMPLE = {e.name: e for e in EXAMPLES}

@@ -226,13 +226,13 @@ def test_tpu_fixture_primitives_v5e():
 
 @pytest.fixture(scope="module")
 def v5e():
-    from lab.devices import topology_devices
+    from lab.targets.devices import topology_devices
 
     return topology_devices("v5e:4x4")
 
 
 def test_live_tpu_primitives_v5e_and_v5p(v5e):
-    from lab.devices import topology_devices
+    from lab.targets.devices import topology_devices
 
     for devices in (v5e, topology_devices("v5p:2x2x2")):
         mesh = MeshSpec.parse("data=2,fsdp=2,tensor=-1").build(devices)
@@ -244,7 +244,7 @@ def test_live_tpu_primitives_v5e_and_v5p(v5e):
 
 
 def test_live_tpu_fsdp_tp_step_v5p():
-    from lab.devices import topology_devices
+    from lab.targets.devices import topology_devices
 
     mesh = MeshSpec.parse("data=2,fsdp=2,tensor=2").build(topology_devices("v5p:2x2x2"))
     fn, args = fsdp_tp_step(mesh)
@@ -271,7 +271,7 @@ def test_replica_group_ids_are_mesh_positions_not_device_ids(v5e):
 
 
 def write_fixtures() -> None:
-    from lab.devices import devices_for, topology_devices
+    from lab.targets.devices import devices_for, topology_devices
 
     root = str(Path(__file__).resolve().parents[2]) + "/"
     cases = {

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 
 from lab.errors import LabError
-from lab.hardware import profile
 from lab.hlo.schedule import flops, flops_in_flight, overlap_report, parse_schedule, timeline, window_flops
 from lab.mesh import MeshSpec
 from lab.parallel.collective_matmul import build_matmul
+from lab.targets.hardware import profile
 
 DATA = Path(__file__).parents[1] / "data" / "hlo"
 SHAPE = (64, 32, 48)  # M, K, F: every split dimension a multiple of 8
@@ -85,8 +85,8 @@ def tpu_reports():
     """The plain and the ring all-gather matmul compiled for v5e:2x4 (compile-only), with their overlap reports."""
     import jax.numpy as jnp
 
-    from lab.devices import topology_devices, topology_shape
     from lab.hlo import inspect
+    from lab.targets.devices import topology_devices, topology_shape
 
     try:
         chips = topology_devices("v5e:2x4")

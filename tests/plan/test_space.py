@@ -7,10 +7,10 @@ from dataclasses import replace
 import pytest
 
 from lab.errors import LabError
-from lab.hardware import profile
 from lab.mesh import AXES
 from lab.model import ModelConfig
 from lab.plan.space import Problem, check_problem, layouts, meshes, micro_batch_choices
+from lab.targets.hardware import profile
 
 SMALL = ModelConfig(vocab=512, embed=128, heads=4, kv_heads=2, head_dim=32, mlp=384, layers=6, seq=64)
 

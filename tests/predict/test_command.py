@@ -5,11 +5,11 @@ import json
 import pytest
 
 from lab.cli import main
-from lab.hardware import profile
 from lab.hlo.text import parse_instruction
 from lab.predict.command import Predict, model_flops, run_prediction
 from lab.predict.ops import _taps
 from lab.predict.spec import parse_model
+from lab.targets.hardware import profile
 
 LAYERS_2 = ("--target", "tpu:v5e:2x2", "--layers-compiled", "2")
 SMALL = "layers=2,d_model=256,heads=4,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu"
@@ -100,6 +100,36 @@ def test_compiler_flags_are_taken_as_the_help_writes_them():
     flags = "--xla_tpu_enable_async_collective_fusion=true --xla_tpu_overlap_compute_collective_tc=true"
     for argv in (["--libtpu-flags", flags], [f"--libtpu-flags={flags}"]):
         assert _parse(["predict", *argv, "--seq", "128"]) == Predict(seq=128, libtpu_flags=flags)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ("--2a886c8_chip_config_name=default", "Unknown command line flag '2a886c8_chip_config_name'"),
+        ("--xla_tpu_enable_async_collective_fusion=maybe", "Illegal value 'maybe'"),
+        ("xla_tpu_enable_async_collective_fusion=true", "is not a flag; write each as --name=value"),
+    ],
+)
+def test_a_flag_libtpu_rejects_is_one_line_and_exit_2_before_any_compile(flags, words, capsys, monkeypatch):
+    import os
+
+    from lab.targets import devices
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("a topology started before the flags were checked")
+
+    monkeypatch.setattr(devices, "topology_devices", no_compile)
+    before = os.environ.get("LIBTPU_INIT_ARGS")
+    assert main(["predict", "--model", SMALL, *LAYERS_2, "--libtpu-flags", flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert os.environ.get("LIBTPU_INIT_ARGS") == before  # nothing of the bad flags left for libtpu to read
+
+
+def test_flags_libtpu_knows_pass_its_check():
+    from lab.targets import libtpu
+
+    libtpu.check(("--xla_tpu_enable_async_collective_fusion=true", "--xla_tpu_no_crash_on_oom=true"))
 
 
 def test_padded_convolution_windows_count_only_real_taps():

@@ -3,7 +3,7 @@
 import pytest
 
 from lab.errors import LabError
-from lab.hardware import profile
+from lab.targets.hardware import profile
 from lab.theory.network import predict_on_switch, predict_on_torus
 
 MiB = 2**20

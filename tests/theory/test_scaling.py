@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lab.hardware import profile
+from lab.targets.hardware import profile
 from lab.theory.scaling import (
     data_parallel_min_batch_per_chip,
     dcn_arithmetic_intensity,

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lab.devices import distributed_devices
 from lab.errors import LabError
+from lab.targets.devices import distributed_devices
 from lab.training.run import RunConfig, run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def _free_port() -> int:
 def _start(code: str, process_id: int, port: int, tmp_path: Path, log: str | None = None) -> subprocess.Popen:
     """One process of the run; its output goes to a file (`log`, default process<id>.log) so that a full pipe never
     blocks it."""
-    # TMPDIR: JAX's native log (lab.native) goes to the test's folder, not the machine's /tmp
+    # TMPDIR: JAX's native log (lab.targets.native) goes to the test's folder, not the machine's /tmp
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     with open(tmp_path / (log or f"process{process_id}.log"), "w") as out:  # the child keeps its own copy of the file
         return subprocess.Popen(
@@ -103,8 +103,8 @@ DIE = """
     import os, sys, time
     import jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from lab import native
-    from lab.devices import distributed_devices
+    from lab.targets import native
+    from lab.targets.devices import distributed_devices
     process_id, coordinator = int(sys.argv[1]), sys.argv[2]
     devices = distributed_devices("cpu:4", coordinator, 2, process_id, timeout_s=60, heartbeat_s=5)
     mesh = jax.make_mesh((8,), ("x",), devices=devices)

@@ -10,7 +10,7 @@ every collective XLA wrote it gives
   counts), whether the schedule runs it asynchronously;
 * where it is: the line of the user's code and the JAX op name
   (`lab.hlo.sources`), and the link it crosses on the target's machine
-  (`lab.topology`: ICI or DCN on TPUs, NVLink or InfiniBand on GPUs, the host
+  (`lab.targets.topology`: ICI or DCN on TPUs, NVLink or InfiniBand on GPUs, the host
   for emulated CPU devices) with the lab's predicted time on that link;
 * why it is there (`lab.hlo.attribution`): the parameter it gathers, the
   gradient it reduces, the input it reshards, the activations it moves; the
@@ -36,7 +36,6 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.errors import LabError
-from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.hlo import Collective, Inspection, Skipped, inspect, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute
 from lab.hlo.schedule import overlap_report
@@ -44,7 +43,8 @@ from lab.hlo.sources import Frame, source_of, stack_frames
 from lab.hlo.text import module_name
 from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
-from lab.topology import predict, program_placement
+from lab.targets.hardware import ChipProfile, profile_for_device_kind
+from lab.targets.topology import predict, program_placement
 from lab.units import format_bytes
 
 _HINT = (

@@ -16,7 +16,7 @@ A target is named by a short string:
   lowered and compiled by the TPU compiler but never executed.
 * ``gpu:<chip>:<nodes>x<gpus per node>`` such as ``gpu:h100:4x8``: compile-only
   NVIDIA GPU clusters. The CUDA plugin builds devices from a target config
-  written from the chip's public specification (`lab.gpu_targets`), one NVLink
+  written from the chip's public specification (`lab.targets.gpu`), one NVLink
   domain per node, nodes joined by InfiniBand; XLA:GPU compiles for them with
   no GPU present.
 """
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import jax
 from jax.experimental import topologies
 
-from lab import gpu_targets, native
 from lab.errors import LabError
+from lab.targets import gpu, native
 
 DEFAULT_TARGET = "cpu:8"
 MAX_CPU_DEVICES = 512  # XLA:CPU compiles for every emulated device in one process: thousands never finish
@@ -47,7 +47,7 @@ MAX_CPU_DEVICES = 512  # XLA:CPU compiles for every emulated device in one proce
 _TOPOLOGY = re.compile(r"^tpu:(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$", re.ASCII)
 _TARGET_FORMS = (
     "cpu:N (e.g. cpu:8), gpu, tpu, tpu:<gen>:<topology>[ slices=K] (e.g. tpu:v5e:4x4, tpu:v5p:8x8x16), "
-    f"or {gpu_targets.GPU_TARGET_FORM}"
+    f"or {gpu.GPU_TARGET_FORM}"
 )
 
 
@@ -85,7 +85,7 @@ def parse_target(spec: str) -> Target:
     if text in ("gpu", "tpu"):
         return Target(platform=text)
     if text.startswith("gpu:"):
-        chip, nodes, per_node = gpu_targets.parse_cluster(text)
+        chip, nodes, per_node = gpu.parse_cluster(text)
         return Target("gpu", topology=f"{chip}:{nodes}x{per_node}")
     if text.startswith("cpu:"):
         count = text[4:]
@@ -176,10 +176,10 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
 @functools.cache
 def gpu_cluster_devices(cluster: str) -> tuple:
     """Compile-only devices of a GPU cluster ("h100:4x8": 4 nodes of 8 GPUs), built by the CUDA plugin."""
-    chip, nodes, per_node = gpu_targets.parse_cluster(f"gpu:{cluster}")
+    chip, nodes, per_node = gpu.parse_cluster(f"gpu:{cluster}")
     with contextlib.suppress(RuntimeError):
         jax.config.update("jax_platforms", "cpu")  # the host backend; the GPUs are compile-only
-    if not gpu_targets.cuda_plugin_installed():
+    if not gpu.cuda_plugin_installed():
         raise LabError(
             f"target gpu:{cluster} needs JAX's CUDA plugin (no GPU); install it with: pip install 'jax[cuda12]' "
             "(or pip install -e '.[gpu]')"
@@ -187,11 +187,11 @@ def gpu_cluster_devices(cluster: str) -> tuple:
     # The plugin checks the CUDA libraries against a driver only when CUDA is a platform to run on; say so anyway
     # in case the host's JAX_PLATFORMS asks for it: nothing here runs on a GPU.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    config = gpu_targets.target_config(gpu_targets.spec(chip))
+    config = gpu.target_config(gpu.spec(chip))
     with quiet_native_stderr() as noise:
         try:
             description = topologies.get_topology_desc(
-                platform="cuda", target_config=config, topology=gpu_targets.xla_topology(nodes, per_node)
+                platform="cuda", target_config=config, topology=gpu.xla_topology(nodes, per_node)
             )
         except (NotImplementedError, RuntimeError) as err:  # JaxRuntimeError is a RuntimeError
             detail = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
@@ -255,7 +255,7 @@ def distributed_devices(
     (``SLURM_*``) or Open MPI provides. For ``cpu:N`` each process emulates N devices and the processes talk
     over gloo (TCP). `timeout_s` bounds the wait for the others to join; a process that stops sending
     heartbeats for `heartbeat_s` makes the coordination service stop every other process. From this call on,
-    JAX's native log goes to a file and its fatal aborts become one line on the terminal (`lab.native`).
+    JAX's native log goes to a file and its fatal aborts become one line on the terminal (`lab.targets.native`).
     """
     target = parse_target(target) if isinstance(target, str) else target
     if target.compile_only:
@@ -283,7 +283,7 @@ def distributed_devices(
     # without it SIGTERM stops the process as the lab's own handler says: one line, exit 143.
     jax.config.update("jax_enable_preemption_service", False)
     # From here on the runtime's C++ log goes to a file, and its fatal aborts (a peer's heartbeats stop, the others
-    # never join, an id joins twice) become one line on the terminal: see lab.native.
+    # never join, an id joins twice) become one line on the terminal: see lab.targets.native.
     native.divert(f"process{process_id if process_id is not None else 'x'}", timeout_s)
     try:
         jax.distributed.initialize(

@@ -20,12 +20,12 @@ across multiple hosts" (``gpu_topology.proto``). An HGX/DGX H100 node is one hos
 whose 8 GPUs share NVSwitches, and nodes meet over InfiniBand, so the lab's
 ``gpu:h100:4x8`` is topology ``4x1x8``: 4 partitions of one host of 8 GPUs.
 Each compile-only device then reports ``process_index`` = its host (node) and
-``coords`` = (partition, host in partition, GPU in host); `lab.topology` reads
+``coords`` = (partition, host in partition, GPU in host); `lab.targets.topology` reads
 the node from ``process_index``.
 
 The target configs here are written from NVIDIA's public specifications, each
 number with its source (`GpuSpec`), not copied from a dump of a real GPU; memory
-size and bandwidth come from the chip profile (`lab.hardware`), so one number
+size and bandwidth come from the chip profile (`lab.targets.hardware`), so one number
 has one source.
 """
 
@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 
 from lab.errors import LabError
-from lab.hardware import H100, H200, ChipProfile
+from lab.targets.hardware import H100, H200, ChipProfile
 
 HOPPER_WHITEPAPER = (
     "https://resources.nvidia.com/en-us-tensor-core (NVIDIA H100 Tensor Core GPU Architecture, Table 2-3)"
@@ -55,7 +55,7 @@ class GpuSpec:
 
     name: str  # the lab's chip name, as in the target "gpu:h100:4x8"
     device_kind: str  # what jax's device.device_kind says on the real GPU (and on these compile-only ones)
-    profile: ChipProfile  # peak FLOP/s, memory, NVLink and InfiniBand (lab.hardware)
+    profile: ChipProfile  # peak FLOP/s, memory, NVLink and InfiniBand (lab.targets.hardware)
     compute_capability: tuple[int, int]
     sm_count: int
     clock_ghz: float

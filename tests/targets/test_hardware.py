@@ -5,7 +5,7 @@ import math
 import pytest
 
 from lab.errors import LabError
-from lab.hardware import PROFILES, measure_cpu_profile, profile, profile_for_device_kind
+from lab.targets.hardware import PROFILES, measure_cpu_profile, profile, profile_for_device_kind
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ def test_profile_for_device_kind(device_kind, name):
 
 
 def test_compile_only_tpu_devices_map_to_their_profile():
-    from lab.devices import topology_devices
+    from lab.targets.devices import topology_devices
 
     (device, *_) = topology_devices("v5e:2x2")
     assert profile_for_device_kind(device.device_kind).name == "v5e"
@@ -125,7 +125,7 @@ def test_hopper_fp8_is_twice_bf16_and_the_two_networks_are_nvlink_over_infiniban
 
 
 def test_compile_only_gpu_kinds_map_to_their_profile():
-    from lab.gpu_targets import SPECS
+    from lab.targets.gpu import SPECS
 
     for name, gpu in SPECS.items():
         assert profile_for_device_kind(gpu.device_kind).name == name

@@ -16,7 +16,7 @@ import pytest
 
 from lab.cli import main
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CASES = {
     "nnx_fsdp.py:train_step": "data=2,fsdp=4",
     "shard_map_collectives.py:tensor_parallel_mlp": "data=2,tensor=4",
@@ -112,8 +112,8 @@ def test_a_tpu_topology_compile_only_places_each_collective_on_ici_and_prices_it
 
 def test_the_python_api_renders_as_tables_html_and_json(devices):
     import lab
+    from lab.explanation.program import build, load
     from lab.mesh import MeshSpec
-    from lab.user_program import build, load
 
     mesh = MeshSpec.parse("data=2,fsdp=4").build(devices, explicit=False)
     fn, args = build(load(str(EXAMPLES / "nnx_fsdp.py:train_step")), mesh, "nnx_fsdp")
@@ -217,7 +217,7 @@ def test_a_gpu_cluster_compile_only_puts_fsdp_on_nvlink_and_data_on_infiniband(c
 
 
 def test_a_gpu_module_from_the_test_data_reads_with_its_async_pairs(capsys):
-    module = Path(__file__).parent / "data" / "hlo" / "gpu_h100_2x4_matmul.hlo"
+    module = Path(__file__).parents[1] / "data" / "hlo" / "gpu_h100_2x4_matmul.hlo"
     found = inspect_json(capsys, "--hlo", str(module), "--mesh", "data=2,tensor=4", "--target", "gpu:h100:1x8")
     assert found["collectives"] and all(c["link"] == "nvlink" for c in found["collectives"])
     # two of the four NCCL pairs are marked is_sync (run in place, nothing overlaps them), two are async

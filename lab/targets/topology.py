@@ -20,7 +20,7 @@ an axis, the groups of devices that differ only along it either
 On a GPU cluster (`gpu:<chip>:<nodes>x<gpus>`) the GPUs of a node meet
 through NVSwitches, all one hop apart, and nodes meet over InfiniBand, one NIC
 per GPU (a "rail"). Each GPU device names its node by ``process_index`` (the
-host; compile-only devices report it too, see `lab.gpu_targets`), so for an
+host; compile-only devices report it too, see `lab.targets.gpu`), so for an
 axis's groups
 
 * all in one node: the collective runs on NVLink (``"nvlink"``), a ring at one
@@ -48,8 +48,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lab import theory
-from lab.hardware import ChipProfile, profile_for_device_kind
 from lab.mesh import axes_across_slices, device_groups, one_slice
+from lab.targets.hardware import ChipProfile, profile_for_device_kind
 
 DIMENSION_NAMES = "xyz"
 

@@ -247,7 +247,7 @@ def measure_cpu_profile(copy_bytes: int = 256 * 2**20, matmul_size: int = 1024, 
         dcn_bandwidth=None,
         hop_latency_s=0.0,  # not measured here: the emulated devices' synchronisation cost is what bench.py times
         chips_per_host=1,
-        sources=("measured by lab.hardware.measure_cpu_profile",),
+        sources=("measured by lab.targets.hardware.measure_cpu_profile",),
         note="emulated cpu:N devices share this one memory bus and these cores: "
         "N devices do not add bandwidth or FLOP/s",
     )

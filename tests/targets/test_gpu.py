@@ -4,24 +4,25 @@ from pathlib import Path
 
 import pytest
 
-from lab import gpu_targets, hlo
-from lab.devices import devices_for, gpu_cluster_devices, parse_target
+from lab import hlo
 from lab.errors import LabError
-from lab.hardware import H100, H200, profile_for_device_kind
 from lab.mesh import MeshSpec
-from lab.topology import placement
+from lab.targets import gpu
+from lab.targets.devices import devices_for, gpu_cluster_devices, parse_target
+from lab.targets.hardware import H100, H200, profile_for_device_kind
+from lab.targets.topology import placement
 
-pytestmark = pytest.mark.skipif(not gpu_targets.cuda_plugin_installed(), reason="needs the gpu extra (CUDA plugin)")
-DATA = Path(__file__).parent / "data" / "hlo"
+pytestmark = pytest.mark.skipif(not gpu.cuda_plugin_installed(), reason="needs the gpu extra (CUDA plugin)")
+DATA = Path(__file__).parents[1] / "data" / "hlo"
 
 
 @pytest.mark.parametrize("chip, profile", [("h100", H100), ("h200", H200)])
 def test_the_spec_rebuilds_the_datasheet_peak_and_the_config_carries_it(chip, profile):
-    gpu = gpu_targets.spec(chip)
-    assert gpu.peak_bf16_flops == pytest.approx(profile.peak_bf16_flops, rel=1e-3)  # 132 SMs x 4096 x 1.83 GHz
-    text = gpu_targets.target_config(gpu)
+    spec = gpu.spec(chip)
+    assert spec.peak_bf16_flops == pytest.approx(profile.peak_bf16_flops, rel=1e-3)  # 132 SMs x 4096 x 1.83 GHz
+    text = gpu.target_config(spec)
     assert "core_count: 132" in text and "cuda_compute_capability { major: 9 minor: 0 }" in text
-    assert f"memory_bandwidth: {int(profile.hbm_bandwidth)}" in text and f'"{gpu.device_kind}"' in text
+    assert f"memory_bandwidth: {int(profile.hbm_bandwidth)}" in text and f'"{spec.device_kind}"' in text
 
 
 @pytest.mark.parametrize(
@@ -66,7 +67,7 @@ def test_a_mesh_that_does_not_fit_the_cluster_is_a_lab_error():
 
 
 def test_a_missing_plugin_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(gpu_targets, "cuda_plugin_installed", lambda: False)
+    monkeypatch.setattr(gpu, "cuda_plugin_installed", lambda: False)
     with pytest.raises(LabError, match=r"needs JAX's CUDA plugin.*pip install -e '\.\[gpu\]'"):
         gpu_cluster_devices.__wrapped__("h100:3x8")  # past the cache: a fresh build
 

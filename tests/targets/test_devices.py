@@ -2,8 +2,8 @@
 
 import pytest
 
-from lab.devices import Target, devices_for, parse_target, topology_devices
 from lab.errors import LabError
+from lab.targets.devices import Target, devices_for, parse_target, topology_devices
 from tests.conftest import run_python
 
 
@@ -53,7 +53,7 @@ def test_another_count_after_jax_started_is_an_error(devices):
 def test_a_fresh_process_gets_the_count_it_asks_for():
     done = run_python(
         """
-        from lab.devices import devices_for
+        from lab.targets.devices import devices_for
         print(len(devices_for("cpu:3")))
         """
     )

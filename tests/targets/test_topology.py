@@ -3,10 +3,10 @@
 import pytest
 
 from lab import theory
-from lab.devices import topology_devices
-from lab.hardware import profile
 from lab.mesh import MeshSpec
-from lab.topology import placement, predict, slice_shape
+from lab.targets.devices import topology_devices
+from lab.targets.hardware import profile
+from lab.targets.topology import placement, predict, slice_shape
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_cpu_devices_get_a_host_placement_and_no_prediction(mesh222):
 
 
 def test_a_collective_across_nodes_is_bounded_by_its_slower_tier():
-    from lab.topology import Placement
+    from lab.targets.topology import Placement
 
     chip, size = profile("h100"), 64 * 2**20
     one_per_node = Placement(("fsdp",), 4, "infiniband", nodes=4)
