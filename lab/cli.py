@@ -91,7 +91,8 @@ class Inspect:
     dump: Path | None = None
     """a folder XLA_FLAGS=--xla_dump_to=DIR wrote on any machine: lists its optimized modules, explains one"""
     module: str | None = None
-    """with --dump: the module to explain, by name or id (default: the largest, the step)"""
+    """with --dump: the module to explain, by name or id (default: the one spanning the most partitions, then with
+    the most collectives: the step)"""
     hlo: Path | None = None
     """read one optimized-HLO text file instead of compiling"""
     program: str = "all-reduce"
@@ -346,24 +347,54 @@ _DEFAULT_MESH = "data=2,fsdp=2,tensor=2"
 
 
 def _inspect_dump_folder(command: Inspect) -> int:
-    """List the optimized modules of an XLA dump folder and explain one (the largest by default)."""
+    """List the optimized modules of an XLA dump folder and explain one (by default the one spanning the most
+    partitions, then with the most collectives: `lab.hlo.dumps.pick`)."""
 
     modules = dumps.find_modules(command.dump)
     chosen = dumps.pick(modules, command.module)
+    because = "asked for with --module" if command.module else dumps.why(chosen, modules)
     text = inputs.hlo_text(chosen.path)
     memory = chosen.memory_bytes()
     explained = _explain_text(command, text, {"total": memory} if memory is not None else {})
     assignment = chosen.device_assignment()
     if command.json:
         listing = [
-            {"id": m.id, "name": m.name, "backend": m.backend, "lines": m.lines, "file": str(m.path)} for m in modules
+            {
+                "id": m.id,
+                "name": m.name,
+                "backend": m.backend,
+                "lines": m.lines,
+                "partitions": m.partitions,
+                "collectives": m.collectives,
+                "file": str(m.path),
+            }
+            for m in modules
         ]
-        _print_json({"modules": listing, "chosen": chosen.id, "device_assignment": assignment, **explained.to_json()})
+        _print_json(
+            {
+                "modules": listing,
+                "chosen": chosen.id,
+                "chosen_because": because,
+                "device_assignment": assignment,
+                **explained.to_json(),
+            }
+        )
         return 0
-    table = Table("id", "module", "backend", "HLO lines", "", title=f"optimized modules in {command.dump}")
+    table = Table(
+        "id",
+        "module",
+        "backend",
+        "partitions",
+        "collectives",
+        "HLO lines",
+        "",
+        title=f"optimized modules in {command.dump}",
+    )
     for m in modules:
-        table.add_row(m.id, m.name, m.backend or "-", f"{m.lines:,}", "<- explained" if m is chosen else "")
+        marker = "<- explained" if m is chosen else ""
+        table.add_row(m.id, m.name, m.backend or "-", str(m.partitions), str(m.collectives), f"{m.lines:,}", marker)
     _out.print(table)
+    _out.print(f"explained: {chosen.id}:{chosen.name}, {because} (choose another with --module)", highlight=False)
     if assignment:
         _out.print(f"device assignment (partition -> device id): {list(assignment)}", highlight=False)
     _out.print(explained)
@@ -549,7 +580,8 @@ def report(command: Report) -> int:
         raise LabError("--rejudge and --stale exclude each other: re-judge what was measured, or measure again")
     if command.only is not None and not (command.only and all(command.only)):
         raise LabError("--only needs experiment names, e.g. --only collectives overlap (see `lab list`)")
-    chosen = [get(n) for n in command.only] if command.only else list(experiments().values())
+    chosen = [get(n) for n in dict.fromkeys(command.only)] if command.only else list(experiments().values())
+    inputs.output_folder("--results", command.results)  # before measuring: a folder it cannot write loses the run
     heavy = [e for e in chosen if e.heavy and not command.only and not command.rejudge]
     for experiment in heavy:
         _out.print(f"left out: {experiment.name} ({experiment.heavy}); `lab report --only {experiment.name}`")
@@ -575,7 +607,7 @@ def report(command: Report) -> int:
     if partial or heavy:
         results = _merge_existing(results, command.results)
     elapsed = time.perf_counter() - started
-    names = (tuple(command.only or ()) or tuple(e.name for e in chosen)) if partial else ()
+    names = (tuple(dict.fromkeys(command.only or ())) or tuple(e.name for e in chosen)) if partial else ()
     index = pages.write_index(
         results,
         command.results,

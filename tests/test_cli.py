@@ -99,10 +99,11 @@ def test_bench_prints_an_nccl_tests_table(capsys, devices):
 def test_report_only_rejudge_and_stale(capsys, devices, tmp_path, monkeypatch):
     from lab.registry import get
 
-    assert main(["report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
+    # a name given twice is one page, listed once
+    assert main(["report", "--only", "allreduce_equivalence", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
     page = tmp_path / "allreduce_equivalence"
     measured = json.loads((page / "result.json").read_text())
-    assert "allreduce_equivalence/README.md" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "README.md").read_text().count("(allreduce_equivalence/README.md)") == 1
 
     # --rejudge measures nothing: the same observations give the same checks, and the provenance is kept
     assert main(["report", "--rejudge", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
@@ -116,6 +117,20 @@ def test_report_only_rejudge_and_stale(capsys, devices, tmp_path, monkeypatch):
     monkeypatch.setattr(type(get("allreduce_equivalence")), "code_hash", property(lambda self: "changed"))
     assert main(["report", "--stale", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
     assert "stale: allreduce_equivalence" in capsys.readouterr().out
+
+
+def test_a_results_folder_it_cannot_write_is_one_line_before_measuring(capsys, tmp_path, monkeypatch):
+    from lab.registry import Experiment
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("measured before the results folder was checked")
+
+    monkeypatch.setattr(Experiment, "run", no_run)
+    (tmp_path / "a_file").write_text("")
+    results = tmp_path / "a_file" / "results"
+    assert main(["report", "--only", "allreduce_equivalence", "--results", str(results)]) == 2
+    err = capsys.readouterr().err
+    assert "is not writable" in err and len(err.strip().splitlines()) == 1
 
 
 def test_rejudge_without_a_measured_page_says_what_to_run(capsys, tmp_path):

@@ -14,8 +14,12 @@ the module's buffers take) and a ``module_<id>.<name>/compile_options.textproto`
 holding the module's device assignment (the physical device id of each
 partition, in partition order). A dump of a whole program holds many modules:
 the step, its initializer, small jitted helpers; `find_modules` lists them
-and `pick` chooses one, by default the largest (most instruction lines),
-which in a training program is the step.
+and `pick` chooses one. By default it takes the module that spans the most
+partitions (``num_partitions=`` in its header; XLA omits it when it is 1),
+then the one with the most collectives, then the longest: a helper compiled
+for one device can be the longest file of a dump (a multi-slice program's
+``jit__multi_slice``), but a training step is the program that runs on every
+device and communicates. `DumpedModule.why` says which rule decided.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ _OPTIMIZED = re.compile(
 )
 _TOTAL_BYTES = re.compile(r"^Total bytes:\s*(\d+)", re.MULTILINE)
 _DEVICE_IDS = re.compile(r"replica_device_ids:\s*(\d+)")
+_PARTITIONS = re.compile(rb"\bnum_partitions=(\d+)")
+_COLLECTIVE = re.compile(
+    rb"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute)(?:-start)?\("
+)
 MAX_MODULES = 10_000  # a folder with more optimized modules than this is not one program's dump
 
 
@@ -42,7 +50,9 @@ class DumpedModule:
     name: str  # the module's name (jit_train_step)
     backend: str  # "cpu", "sm_9.0_gpu", "" (TPU writes none)
     path: Path
-    lines: int  # lines of optimized HLO: the size `pick` compares
+    lines: int  # lines of optimized HLO
+    partitions: int  # num_partitions of its header (1 when XLA wrote none)
+    collectives: int  # collective instructions (an async pair counted once)
 
     @property
     def prefix(self) -> Path:
@@ -92,16 +102,21 @@ def find_modules(folder: Path) -> tuple[DumpedModule, ...]:
         raise LabError(f"--dump {folder} holds no optimized HLO module{hint}")
     return tuple(
         sorted(
-            (DumpedModule(m["id"], m["name"], m["backend"] or "", p, _count_lines(p)) for m, p in found),
+            (DumpedModule(m["id"], m["name"], m["backend"] or "", p, *_scan(p)) for m, p in found),
             key=lambda module: module.id,
         )
     )
 
 
+def _rank(module: DumpedModule) -> tuple:
+    return (module.partitions, module.collectives, module.lines, module.id)
+
+
 def pick(modules: tuple[DumpedModule, ...], wanted: str | None = None) -> DumpedModule:
-    """The module named `wanted` (its name, id or file name), or the largest when None."""
+    """The module named `wanted` (its name, id or file name), or when None the one that spans the most partitions,
+    then has the most collectives, then the most lines."""
     if wanted is None:
-        return max(modules, key=lambda m: (m.lines, m.id))
+        return max(modules, key=_rank)
     matches = [m for m in modules if wanted in (m.name, m.id, m.id.lstrip("0") or "0", m.path.name)]
     if not matches:
         names = ", ".join(f"{m.id}:{m.name}" for m in modules[:12]) + (" ..." if len(modules) > 12 else "")
@@ -112,6 +127,26 @@ def pick(modules: tuple[DumpedModule, ...], wanted: str | None = None) -> Dumped
     return matches[0]
 
 
-def _count_lines(path: Path) -> int:
+def why(chosen: DumpedModule, modules: tuple[DumpedModule, ...]) -> str:
+    """Which rule of `pick` set `chosen` apart from the runner-up, in words."""
+    others = [m for m in modules if m is not chosen]
+    if not others:
+        return "the only optimized module"
+    second = max(others, key=_rank)
+    for field, words in (("partitions", "partitions"), ("collectives", "collectives"), ("lines", "HLO lines")):
+        if getattr(chosen, field) != getattr(second, field):
+            mine, theirs = getattr(chosen, field), getattr(second, field)
+            return f"the most {words} ({mine:,}; next {second.id}:{second.name} with {theirs:,})"
+    return f"ties {second.id}:{second.name} on partitions, collectives and lines; the later id"
+
+
+def _scan(path: Path) -> tuple[int, int, int]:
+    """(lines, partitions, collectives) of one module's text, read once line by line."""
+    lines, partitions, collectives = 0, 1, 0
     with path.open("rb") as handle:
-        return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
+        for lines, line in enumerate(handle, 1):
+            if lines == 1 or line.startswith(b"HloModule"):
+                header = _PARTITIONS.search(line)
+                partitions = int(header[1]) if header else partitions
+            collectives += bool(_COLLECTIVE.search(line))
+    return lines, partitions, collectives

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from lab import inputs
 from lab.errors import LabError
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
@@ -115,6 +116,8 @@ def make_plan(command: Plan) -> Ranking:
 
 def plan(command: Plan) -> int:
     """The ``lab plan`` handler: tables (or --json) and the plot; nothing fitting is a result, not an error."""
+    if command.plot is not None:
+        _plot_file(command.plot)  # before the compiles: a bad name costs nothing
     result = make_plan(command)
     if command.plot is not None:
         command.plot.parent.mkdir(parents=True, exist_ok=True)
@@ -124,6 +127,17 @@ def plan(command: Plan) -> int:
         return 0
     show(result, Console(width=160), command.top)
     return 0
+
+
+def _plot_file(path: Path) -> None:
+    """A file matplotlib can write by its name: a format it knows, not a folder, in a folder this user may write."""
+    inputs.output_file("--plot", path)
+    formats = Figure().canvas.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise LabError(
+            f"--plot {str(path)!r}: give a file name ending in an image format matplotlib writes "
+            f"({', '.join('.' + f for f in sorted(formats))}), e.g. --plot plan.png"
+        )
 
 
 # --------------------------------------------------------------------------- views

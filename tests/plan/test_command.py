@@ -86,3 +86,26 @@ def test_every_generation_plans_one_slice_and_several(capsys, target, slices):
         sizes = [int(part.split("=")[1]) for part in c["mesh"].split(",")]
         assert np.prod(sizes) == chips and c["step_s"] > 0 and 0 < c["mfu"] < 1
         assert (c["slices_axis"] is None) == (slices == 1)
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("plan.txt", "give a file name ending in an image format matplotlib writes"),
+        ("plan", "give a file name ending in an image format"),  # matplotlib would write plan.png beside it
+        ("folder", "is a folder; give a file name"),
+    ],
+)
+def test_a_plot_name_matplotlib_cannot_write_is_one_line_before_the_plan(capsys, tmp_path, monkeypatch, name, words):
+    from lab.plan import command
+
+    (tmp_path / "folder").mkdir()
+
+    def no_plan(*args, **kwargs):
+        raise AssertionError("planned before the plot's name was checked")
+
+    monkeypatch.setattr(command, "make_plan", no_plan)
+    assert main(["plan", "--model", SMALL, "--seq", "128", "--plot", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # nothing written
