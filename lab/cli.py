@@ -461,6 +461,9 @@ def bench(command: Bench) -> int:
     """Sweep sizes for each collective and print an nccl-tests-style table."""
 
     sizes = size_sweep(command.begin, command.end, command.factor)
+    if not command.ops or not command.axes:
+        empty = "--ops" if not command.ops else "--axes"
+        raise LabError(f"{empty} is empty: name at least one, e.g. --ops all-reduce --axes data")
     inputs.dtype("--dtype", command.dtype)
     inputs.number("--iters", command.iters, low=1, high=10_000)
     inputs.number("--warmup", command.warmup, low=0, high=1_000)

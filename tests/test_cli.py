@@ -24,6 +24,7 @@ from lab.cli import main
         (["report", "--only"], "--only needs experiment names"),
         (["run", "nonexistent"], "Unrecognized options: nonexistent"),
         (["bench", "--factor", "x"], "invalid literal"),
+        (["bench", "--ops"], "--ops is empty: name at least one"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, argv, words):
