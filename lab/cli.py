@@ -35,7 +35,7 @@ from rich.table import Table
 from lab import hlo, inputs, progress
 from lab import report as pages
 from lab.bench import measure_collective
-from lab.collectives import build_program
+from lab.collectives import KINDS, build_program
 from lab.doctor.diagnosis import diagnose
 from lab.errors import LabError
 from lab.explanation import program
@@ -125,7 +125,7 @@ class Bench:
 
     suite: tyro.conf.Positional[Literal["collectives"]] = "collectives"
     """what to benchmark (later issues add more suites)"""
-    ops: tuple[str, ...] = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+    ops: tuple[str, ...] = KINDS
     begin: Annotated[str, tyro.conf.arg(aliases=("-b",))] = "1K"
     """smallest size per device"""
     end: Annotated[str, tyro.conf.arg(aliases=("-e",))] = "64M"

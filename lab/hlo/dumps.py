@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from lab.collectives import KINDS
 from lab.errors import LabError
 
 _OPTIMIZED = re.compile(
@@ -36,8 +37,8 @@ _OPTIMIZED = re.compile(
 _TOTAL_BYTES = re.compile(r"^Total bytes:\s*(\d+)", re.MULTILINE)
 _DEVICE_IDS = re.compile(r"replica_device_ids:\s*(\d+)")
 _PARTITIONS = re.compile(rb"\bnum_partitions=(\d+)")
-_COLLECTIVE = re.compile(
-    rb"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute)(?:-start)?\("
+_COLLECTIVE = re.compile(  # an instruction of one of the kinds; an async pair is counted at its -start
+    rb"\s(?:" + b"|".join(kind.encode() for kind in (*KINDS, "ragged-all-to-all")) + rb")(?:-start)?\("
 )
 MAX_MODULES = 10_000  # a folder with more optimized modules than this is not one program's dump
 
@@ -145,8 +146,7 @@ def _scan(path: Path) -> tuple[int, int, int]:
     lines, partitions, collectives = 0, 1, 0
     with path.open("rb") as handle:
         for lines, line in enumerate(handle, 1):
-            if lines == 1 or line.startswith(b"HloModule"):
-                header = _PARTITIONS.search(line)
-                partitions = int(header[1]) if header else partitions
+            header = _PARTITIONS.search(line) if lines == 1 else None  # the HloModule line
+            partitions = int(header[1]) if header else partitions
             collectives += bool(_COLLECTIVE.search(line))
     return lines, partitions, collectives
