@@ -598,6 +598,7 @@ def report(command: Report) -> int:
     started, results = time.perf_counter(), []
     with progress.session():
         for experiment in progress.track(chosen, "lab report"):
+            page_started = time.perf_counter()
             if command.rejudge:
                 result = experiment.rejudge(command.results / experiment.name)
             else:
@@ -605,7 +606,7 @@ def report(command: Report) -> int:
                 result = experiment.run(_config_for(experiment, command.target))
             pages.write(result, command.results)
             results.append(result)
-            _print_result(result, command.results / experiment.name / "README.md")
+            _print_result(result, command.results / experiment.name / "README.md", time.perf_counter() - page_started)
     partial = bool(command.only or command.stale)
     if partial or heavy:
         results = _merge_existing(results, command.results)
@@ -664,11 +665,12 @@ def _merge_existing(results, folder: Path):
     return results
 
 
-def _print_result(result, page: Path) -> None:
-
+def _print_result(result, page: Path, seconds: float | None = None) -> None:
+    """The page's verdicts in one line (with the seconds it took, in a report), then each check that differs."""
     verdict = tally(result.checks) if result.checks else "no checks"
     differs = [c for c in result.checks if c.verdict == "differs"]
-    _out.print(f"  {result.name}: {verdict} -> {page}", highlight=False)
+    took = f" ({seconds:.0f} s)" if seconds is not None else ""
+    _out.print(f"  {result.name}: {verdict} -> {page}{took}", highlight=False)
     for c in differs:
         _out.print(f"    [red]differs[/red]: {c.quantity}: theory {c.theory}, observed {c.observed}", highlight=False)
 

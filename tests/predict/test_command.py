@@ -1,6 +1,7 @@
 """``lab predict`` end to end on small topologies, its bad inputs, and the op-by-op pricing's parts."""
 
 import json
+from functools import partial
 
 import pytest
 
@@ -27,7 +28,7 @@ def test_a_small_step_on_v5e_predicts_every_reported_quantity(capsys):
                 "--mesh",
                 "fsdp=4",
                 "--seq",
-                "512",
+                "128",
                 "--batch-per-device",
                 "2",
                 "--json",
@@ -55,7 +56,7 @@ def test_a_small_step_on_v5e_predicts_every_reported_quantity(capsys):
     # remat full recomputes the forward: the program runs more matmul FLOPs than the model convention counts
     assert out["hardware_flops_per_step"] > 0.9 * out["model_flops_per_step"]
     assert out["model_flops_per_step"] == model_flops(
-        parse_model(SMALL).__class__(**{**parse_model(SMALL).__dict__, "seq": 512}), 2 * 4 * 512
+        parse_model(SMALL).__class__(**{**parse_model(SMALL).__dict__, "seq": 128}), 2 * 4 * 128
     )
 
 
@@ -171,12 +172,16 @@ def test_a_step_too_big_to_compile_whole_is_read_from_two_layers(monkeypatch):
     assert asked == [12, 2] and p.layers_compiled == 2 and p.layers == 12 and p.step_s > 0
 
 
-def test_two_layers_read_at_twelve_predict_what_twelve_compiled_do():
+def test_two_layers_read_at_twelve_predict_what_twelve_compiled_do(monkeypatch):
     # the step and its memory, from one compile of 2 layers, against the 12 compiled whole (lab.predict.depth);
-    # seq 2048 makes the loss's chunk loop 2 trips too, and batch 2 a carried activation of leading dimension 2:
-    # neither may be taken for the layers
+    # the loss's chunk loop runs 2 trips too (chunks of 512 of 1024 tokens: libtpu's compile time grows with the
+    # tokens, so the loop is made short rather than the sequence long), and batch 2 makes a carried activation of
+    # leading dimension 2: neither may be taken for the layers
+    from lab.predict import step
+
+    monkeypatch.setattr(step, "chunked_next_token_loss", partial(step.chunked_next_token_loss, chunk=512))
     deep = SMALL.replace("layers=2", "layers=12")
-    args = {"model": deep, "target": "tpu:v5e:2x2", "mesh": "fsdp=4", "seq": 2048, "batch_per_device": 2}
+    args = {"model": deep, "target": "tpu:v5e:2x2", "mesh": "fsdp=4", "seq": 1024, "batch_per_device": 2}
     whole = run_prediction(Predict(**args))
     read = run_prediction(Predict(**args, layers_compiled=2))
     assert whole.layers_compiled == 12 and read.layers_compiled == 2
@@ -187,13 +192,13 @@ def test_two_layers_read_at_twelve_predict_what_twelve_compiled_do():
 
 
 def test_a_step_whose_saved_layer_inputs_exceed_hbm_is_read_from_two_layers_without_trying_the_whole():
-    # 40000 layers x 1 sequence x 1024 tokens x 256 x 2 B = 19.5 GiB of saved inputs per chip against 16: libtpu
+    # 80000 layers x 1 sequence x 512 tokens x 256 x 2 B = 19.5 GiB of saved inputs per chip against 16: libtpu
     # would refuse the whole program after compiling most of it, so lab predict goes straight to two layers (narrow
     # and deep rather than wide: the two layers it compiles are the small model's)
     from lab.predict import command
 
-    deep = SMALL.replace("layers=2", "layers=40000")
-    cmd = Predict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=1024, batch_per_device=1)
+    deep = SMALL.replace("layers=2", "layers=80000")
+    cmd = Predict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=512, batch_per_device=1)
     p = run_prediction(cmd)
     assert command._saved_inputs_bytes(parse_model(deep), cmd) > p.hbm_bytes
-    assert p.layers_compiled == 2 and p.layers == 40000 and not p.fits
+    assert p.layers_compiled == 2 and p.layers == 80000 and not p.fits
