@@ -10,9 +10,9 @@ what to give instead (a `LabError`: exit code 2, nothing written):
   runs as float32, so it is refused rather than relabelled;
 * files that must be HLO text: a regular file, of a sane size, UTF-8, with an
   ``HloModule`` header (``/dev/zero`` or a binary file is refused up front);
-* paths the run will write: a folder that is not a file, a file that is not a
-  folder, somewhere this user may write, and page names that stay inside the
-  results folder.
+* paths the run will write: a folder that is not a file, a file that is a
+  regular file (not a folder, a device or a link), somewhere this user may
+  write, and page names that stay inside the results folder.
 """
 
 from __future__ import annotations
@@ -102,9 +102,13 @@ def output_folder(option: str, path: Path) -> Path:
 
 
 def output_file(option: str, path: Path) -> Path:
-    """A file the run will write: not a folder, in a folder this user may write."""
+    """A file the run will write: a new name or a regular file (not a folder, a device or a link, which writing
+    through a temporary file and a rename would replace), in a folder this user may write."""
     if path.is_dir():
         raise LabError(f"{option} {str(path)!r} is a folder; give a file name")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        kind = "a link" if path.is_symlink() else "a device or pipe, not a regular file"
+        raise LabError(f"{option} {str(path)!r} is {kind}; give the name of a regular file the lab may replace")
     _writable(option, path.parent)
     return path
 

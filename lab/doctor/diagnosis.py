@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -145,11 +146,25 @@ def _why_not_run(config: RunConfig, memory: Finding) -> str:
 
 
 def _run(config: RunConfig, devices) -> RunLog:
-    """A short `lab train` run, without its page, its log written to a folder that is then removed."""
+    """A short `lab train` run in a scratch folder that is then removed: its log and its checkpoints go there, so
+    the doctor never writes into the run it diagnoses (given --resume, it resumes from a copy of the checkpoints)."""
 
     with tempfile.TemporaryDirectory(prefix="lab-doctor-") as folder:
+        scratch = Path(folder)
+        checkpoints = None if config.checkpoint_dir is None else scratch / "checkpoints"
+        if config.resume and config.checkpoint_dir.is_dir():
+            shutil.copytree(config.checkpoint_dir, checkpoints, ignore=shutil.ignore_patterns(".lock"))
         return training_run.run(
-            replace(config, page=False, results=Path(folder), log=None, name="doctor", halt_on_nan=False), devices
+            replace(
+                config,
+                page=False,
+                results=scratch,
+                log=None,
+                name="doctor",
+                halt_on_nan=False,
+                checkpoint_dir=checkpoints,
+            ),
+            devices,
         )
 
 

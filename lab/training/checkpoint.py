@@ -23,15 +23,17 @@ in uint32 arithmetic, computed on the devices: addition modulo 2^32 does not
 depend on the order of the terms, so the sum is the same however the array is
 sharded, and a state saved on one mesh verifies on another. A step whose files
 cannot be read, whose checksums differ, or whose values are not finite is
-skipped for the next older one, and moved aside (``<step>.corrupt``) so that
+skipped for the next older one, and moved aside (``<step>.corrupt``, or
+``.corrupt.2`` when a copy is already there: moving aside never fails) so that
 keeping the newest ``keep`` steps never deletes the intact step the run
-resumed from. Nothing is trained on weights that failed the check.
+resumed from. Each save also records its own step number beside the
+checksums, so a step folder copied under another number is refused the same
+way. Nothing is trained on weights that failed the check.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from lab.errors import LabError
+from lab.training.lock import hold
+
+STEP_KEY = "__step__"  # saved beside the checksums: the step a checkpoint holds
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class Checkpoints:
             return False
         plain = {name: _relabel(array, _without_reduced(array.sharding)) for name, array in flat_names(state).items()}
         sums = checksums(plain)  # before the save starts: an async save must not race the next step's donation
+        sums[STEP_KEY] = step  # the step knows its own number: a folder copied under another is caught on restore
         args = ocp.args.Composite(state=ocp.args.StandardSave(plain), checksums=ocp.args.JsonSave(sums))
         return self.manager.save(step, args=args, force=force)
 
@@ -153,6 +159,9 @@ class Checkpoints:
         except Exception as err:  # orbax and tensorstore raise many types for a truncated or missing file
             raise _Corrupt(f"its files cannot be read ({type(err).__name__})") from None
         state, saved = restored["state"], dict(restored["checksums"] or {})
+        recorded = saved.pop(STEP_KEY, step)  # checkpoints from before the step was recorded pass
+        if recorded != step:
+            raise _Corrupt(f"it holds step {recorded}'s state under the number {step} (a copied folder)")
         found = checksums(state)
         wrong = sorted(name for name in expected if saved.get(name) != found[name])
         if wrong:
@@ -166,7 +175,7 @@ class Checkpoints:
         """Rename a step that failed verification, so it is neither restored nor counted among the kept ones."""
         folder = Path(self.policy.directory).absolute() / str(step)
         if jax.process_index() == 0 and folder.is_dir():
-            folder.rename(folder.with_name(f"{step}.corrupt"))
+            folder.rename(_unused(folder.with_name(f"{step}.corrupt")))
         self.manager.reload()
 
     def _check_matches(self, step: int, expected: dict[str, Any]) -> None:
@@ -229,24 +238,19 @@ def _relabel(array: jax.Array, sharding) -> jax.Array:
     )
 
 
+def _unused(path: Path) -> Path:
+    """`path`, or `path`.2, .3, ...: the first name nothing holds (a step corrupted twice keeps both copies)."""
+    candidates = (path.with_name(f"{path.name}.{n}") if n > 1 else path for n in itertools.count(1))
+    return next(c for c in candidates if not c.exists())
+
+
 def _lock(directory: Path):
     """Hold the folder's lock for this run: a second run on the same folder is refused, not interleaved."""
-    directory.mkdir(parents=True, exist_ok=True)
-    handle = (directory / ".lock").open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        owner = handle.read().strip() or "another process"
-        handle.close()
-        raise LabError(
-            f"checkpoint folder {str(directory)!r} is in use by another run ({owner}); wait for it, "
-            "or give this run its own --checkpoint-dir"
-        ) from None
-    handle.truncate(0)
-    handle.write(f"pid {os.getpid()}\n")
-    handle.flush()
-    return handle
+    return hold(
+        directory / ".lock",
+        f"checkpoint folder {str(directory)!r}",
+        "wait for it, or give this run its own --checkpoint-dir",
+    )
 
 
 class _Corrupt(Exception):

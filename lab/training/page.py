@@ -21,7 +21,12 @@ def _notes(log: RunLog) -> list[str]:
     """What a reader of the page should not miss: a resumed start, axes that only repeat work."""
 
     sizes = MeshSpec.parse(log.config.mesh).sizes
-    notes = [f"started at step {log.start_step} (resumed from a checkpoint)"] if log.start_step else []
+    notes = []
+    if log.start_step:
+        notes.append(
+            f"started at step {log.start_step} (resumed from a checkpoint); the loss plot also shows the "
+            f"{len(log.earlier)} earlier steps the metrics log kept, the step times only this run's"
+        )
     if log.idle_axes:
         idle = ", ".join(f"{axis}={sizes[axis]}" for axis in log.idle_axes)
         notes.append(
@@ -73,7 +78,7 @@ def result(log: RunLog):
 
     loss_figure = Figure(figsize=(6, 3))
     axes = loss_figure.subplots()
-    axes.plot([s.step for s in log.steps], log.losses, marker=".")
+    axes.plot([s.step for s in log.history], [s.loss for s in log.history], marker=".")
     axes.set(xlabel="step", ylabel="loss", title=f"loss, mesh {log.config.mesh}")
     time_figure = Figure(figsize=(6, 3))
     axes = time_figure.subplots()
@@ -104,6 +109,7 @@ def result(log: RunLog):
         provenance=provenance(target=log.config.target, devices=log.devices, mesh=log.config.mesh),
         observations={
             "steps": [asdict(s) for s in log.steps],
+            "earlier_steps": [asdict(s) for s in log.earlier],  # a resumed run: what its log kept from before
             "compile_s": log.compile_s,
             "profile_device_s": log.profile,
         },

@@ -29,6 +29,7 @@ then. Four things make it a lab rather than a demo:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -52,7 +53,7 @@ from lab.targets import native
 from lab.targets.devices import DEFAULT_TARGET, describe_devices, devices_for, distributed_devices
 from lab.targets.hardware import profile, profile_for_device_kind
 from lab.training import data as input_pipeline
-from lab.training import profiling
+from lab.training import lock, profiling
 from lab.training.checkpoint import CheckpointPolicy, Checkpoints
 from lab.training.series import analyze
 from lab.training.step import TrainConfig, Trainer
@@ -88,7 +89,8 @@ class RunConfig:
     name: str = "train"
     """the run's name: its page folder"""
     log: Path | None = None
-    """JSONL metrics, one line per step (default <results>/<name>/metrics.jsonl)"""
+    """JSONL metrics, one line per step (default <results>/<name>.metrics.jsonl, beside the page's folder, which a
+    page write replaces whole)"""
     checkpoint_dir: Path | None = None
     """save the state here (orbax); none: no checkpoints"""
     checkpoint_every: int = 0
@@ -154,6 +156,7 @@ class RunLog:
         0  # the training state (weights, master weights, optimizer), all devices together: what a checkpoint saves
     )
     steps: list[StepMetrics] = field(default_factory=list)
+    earlier: list[StepMetrics] = field(default_factory=list)  # a resumed run: the steps its log kept, 0..start_step-1
     profile: dict[str, float] = field(
         default_factory=dict
     )  # device seconds per part of the step, from --profile's trace
@@ -161,6 +164,11 @@ class RunLog:
     @property
     def losses(self) -> list[float]:
         return [s.loss for s in self.steps]
+
+    @property
+    def history(self) -> list[StepMetrics]:
+        """Every step the run's log holds: the earlier run's up to the checkpoint, then this run's."""
+        return self.earlier + self.steps
 
     @property
     def timed_steps(self) -> list[StepMetrics]:
@@ -202,11 +210,23 @@ def run(config: RunConfig, devices=None) -> RunLog:
     _check(config)
     devices = _devices(config) if devices is None else devices
     try:
-        return _train(config, devices)
+        with _results_lock(config):
+            return _train(config, devices)
     except jax.errors.JaxRuntimeError as err:
         if jax.process_count() == 1:
             raise  # one process: a runtime failure is a bug to see whole
         native.await_verdict(err, HEARTBEAT_S)
+
+
+def _results_lock(config: RunConfig):
+    """Process 0 holds ``<results>/.<name>.lock`` for the run: its page and log are no other run's."""
+    if jax.process_index() != 0:
+        return contextlib.nullcontext()
+    return lock.hold(
+        config.results / f".{config.name}.lock",
+        f"--results {str(config.results)!r} --name {config.name!r}",
+        "wait for it, or give this run another --name",
+    )
 
 
 def _train(config: RunConfig, devices) -> RunLog:
@@ -215,6 +235,7 @@ def _train(config: RunConfig, devices) -> RunLog:
     trainer.layout.check_batch(
         config.global_batch, config.micro_batches
     )  # before any compile: a bad batch fails at once
+    logged = _logged(config)  # before the restore and the compile: a damaged log is refused first
     checkpoints = _checkpoints(config)
     start_step, state = _initial_state(config, trainer, checkpoints)
     started = time.perf_counter()
@@ -230,7 +251,8 @@ def _train(config: RunConfig, devices) -> RunLog:
         trainer.layout.idle_axes,
         sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.abstract_state())),
     )
-    writer = _log_writer(config, start_step)
+    log.earlier.extend(s for s in logged if s.step < start_step)
+    writer = _log_writer(config, log.earlier)
     loader = input_pipeline.Loader(
         lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
         config.input_ms / 1e3,
@@ -299,8 +321,7 @@ def _check(config: RunConfig) -> None:
     inputs.page_name("--name", config.name)
     if config.page:
         inputs.output_folder("--results", config.results)
-    if config.log is not None:
-        inputs.output_file("--log", config.log)
+    inputs.output_file("--log", log_path(config))  # the default one too: beside the page, never through a link
     for option, folder in (("--checkpoint-dir", config.checkpoint_dir), ("--profile", config.profile)):
         if folder is not None:
             inputs.output_folder(option, folder)
@@ -440,8 +461,22 @@ def _describe(devices) -> str:
     return describe_devices(devices)
 
 
-def _log_writer(config: RunConfig, start_step: int):
-    """A function appending one JSON line per step (process 0 only; the others write nothing).
+def log_path(config: RunConfig) -> Path:
+    """Where the run's JSONL log goes: --log, or beside the page's folder (never inside it: a page is replaced
+    whole when it is written)."""
+    return config.log or config.results / f"{config.name}.metrics.jsonl"
+
+
+def _logged(config: RunConfig) -> list[StepMetrics]:
+    """The steps a resumed run's log holds (process 0 reads it; a fresh run starts a fresh log)."""
+    if not config.resume or jax.process_index() != 0:
+        return []
+    return [_metrics(line) for line in _lines(log_path(config))]
+
+
+def _log_writer(config: RunConfig, kept: list[StepMetrics]):
+    """A function appending one JSON line per step, after the `kept` lines (process 0 only; the others write
+    nothing).
 
     A resumed run keeps the lines of the steps its checkpoint holds (0 to start_step - 1) and drops the later
     ones, which the interrupted run logged after its last checkpoint and this run is about to redo: no step is
@@ -449,12 +484,11 @@ def _log_writer(config: RunConfig, start_step: int):
     """
     if jax.process_index() != 0:
         return lambda metrics: None
-    path = config.log or config.results / config.name / "metrics.jsonl"
+    path = log_path(config)
     path.parent.mkdir(parents=True, exist_ok=True)
-    kept = [line for line in _lines(path) if json.loads(line)["step"] < start_step] if config.resume else []
     staged = path.with_name(f".{path.name}.tmp")
-    staged.write_text("".join(f"{line}\n" for line in kept))
-    staged.replace(path)  # the log is replaced whole: an interrupted rewrite leaves the old one
+    staged.write_text("".join(json.dumps(asdict(metrics)) + "\n" for metrics in kept))
+    staged.replace(path)  # the log is replaced whole (a regular file: lab.inputs refuses links and devices)
 
     def write(metrics: StepMetrics) -> None:
         with path.open("a") as out:
@@ -463,15 +497,31 @@ def _log_writer(config: RunConfig, start_step: int):
     return write
 
 
-def _lines(path: Path) -> list[str]:
-    """The complete JSON lines of a log (a line cut off by a kill is dropped)."""
+def _metrics(line: dict) -> StepMetrics:
+    """A log line back as the step's metrics; a line lab train did not write is refused, not guessed at."""
+    try:
+        return StepMetrics(**line)
+    except TypeError:
+        raise LabError(
+            f"{line!r:.80} in the metrics log is not a line lab train wrote; resume with another --log, or move "
+            "the old log aside"
+        ) from None
+
+
+def _lines(path: Path) -> list:
+    """The lines of a log, parsed. The last may be cut off by a kill and is then dropped; a damaged line before it
+    (another tool's output, a byte that is not UTF-8) is refused: resuming past it would lose steps silently."""
     if not path.is_file():
         return []
+    texts = path.read_bytes().decode("utf-8", errors="replace").splitlines()
     lines = []
-    for line in path.read_text().splitlines():
+    for number, text in enumerate(texts, 1):
         try:
-            json.loads(line)
+            lines.append(json.loads(text))
         except ValueError:
-            continue
-        lines.append(line)
+            if number < len(texts):
+                raise LabError(
+                    f"line {number} of the metrics log {str(path)!r} is damaged ({text!r:.60}); resume with another "
+                    "--log, or move the old log aside"
+                ) from None
     return lines

@@ -1,6 +1,7 @@
 """Orbax checkpoints: restore onto another mesh, survive a killed save, refuse foreign or corrupt folders."""
 
 import re
+import shutil
 import textwrap
 
 import jax
@@ -209,3 +210,27 @@ def test_a_second_run_on_the_same_folder_is_refused_until_the_first_closes(devic
     assert "is in use by another run (pid" in result.stdout, result.stderr
     first.close()
     Checkpoints(CheckpointPolicy(tmp_path)).close()  # free again
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's clean-up, as above
+def test_a_step_damaged_twice_and_a_step_copied_under_another_number_fall_back_to_the_intact_one(devices, tmp_path):
+    mesh = MeshSpec.parse("fsdp=8").build(devices)
+    checkpoints = Checkpoints(CheckpointPolicy(tmp_path, every=1, keep=3))
+    for step in (1, 2):
+        checkpoints.save(step, _state(mesh, P("fsdp"), P(), scale=step))
+    checkpoints.wait()
+    (tmp_path / "2.corrupt").mkdir()  # step 2 was damaged once before and moved aside; now it is damaged again
+    (tmp_path / "2.corrupt" / "_CHECKPOINT_METADATA").write_text("{}")
+    for path in _data_files(tmp_path / "2"):
+        _flip(path)
+    shutil.copytree(tmp_path / "1", tmp_path / "6")  # step 1's folder copied under a higher number
+    checkpoints.manager.reload()
+
+    specs = {"params": {"w": P("fsdp"), "b": P()}, "count": P()}
+    step, _ = checkpoints.restore(_abstract(_state(mesh, P("fsdp"), P()), mesh, specs))
+    assert step == 1 and [s.split(":")[0] for s in checkpoints.skipped] == ["step 6", "step 2"]
+    assert "holds step 1's state under the number 6" in checkpoints.skipped[0]
+    assert (
+        (tmp_path / "6.corrupt").is_dir() and (tmp_path / "2.corrupt").is_dir() and (tmp_path / "2.corrupt.2").is_dir()
+    )
+    checkpoints.close()

@@ -76,7 +76,7 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(devices, tmp_p
     for process_id in (0, 1):
         losses = json.loads((tmp_path / f"losses{process_id}.json").read_text())
         np.testing.assert_allclose(losses, single.losses, rtol=1e-5)
-    assert (tmp_path / "train" / "metrics.jsonl").read_text().count("\n") == RUN.steps  # process 0 alone wrote the log
+    assert (tmp_path / "train.metrics.jsonl").read_text().count("\n") == RUN.steps  # process 0 alone wrote the log
 
 
 # `lab train` as typed, with the test's bound on the wait for the others to join (the command waits 60 s)

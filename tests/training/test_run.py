@@ -2,7 +2,7 @@
 
 import json
 import shutil
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +12,7 @@ from lab.cli import main
 from lab.errors import LabError
 from lab.model import preset
 from lab.training.page import result
-from lab.training.run import RunConfig, flops_per_token, run, synthetic_batch
+from lab.training.run import RunConfig, StepMetrics, flops_per_token, run, synthetic_batch
 
 STEPS = 4
 PARITY_RTOL = 1e-5  # fp32: the layouts sum the same numbers in another order
@@ -60,7 +60,7 @@ def test_layout_matches_the_one_device_control(control, layout):
 
 
 def test_log_has_one_line_per_step_with_metrics(layout):
-    lines = [json.loads(line) for line in (layout.config.results / "train" / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (layout.config.results / "train.metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == list(range(STEPS))
     assert [line["checkpoint"] for line in lines] == [False, True, False, True]
     assert all(line["tokens_per_s"] > 0 and line["mfu"] > 0 and line["grad_norm"] > 0 for line in lines)
@@ -136,16 +136,81 @@ def test_an_moe_run_logs_and_shows_its_expert_load(devices, tmp_path):
     assert "expert_load_max_over_mean" in table.columns
 
 
+def _line(step: int) -> str:
+    return json.dumps(asdict(StepMetrics(step, 1.0, 1.0, 0.1, 0.0, 0.0, 1.0, 0.1)))
+
+
 def test_a_resumed_log_keeps_the_steps_up_to_the_checkpoint_and_redoes_none(tmp_path):
-    from lab.training.run import _log_writer
+    from lab.training.run import _log_writer, _logged
 
     log = tmp_path / "metrics.jsonl"
     # the killed run logged steps 0..12 and half of 13; its last checkpoint holds 10 steps (0..9)
-    log.write_text("".join(json.dumps({"step": k, "loss": 1.0}) + "\n" for k in range(13)) + '{"step": 13, "lo')
-    _log_writer(RunConfig(log=log, resume=True, checkpoint_dir=tmp_path), start_step=10)
+    log.write_text("".join(_line(k) + "\n" for k in range(13)) + _line(13)[:20])
+    resumed = RunConfig(log=log, resume=True, checkpoint_dir=tmp_path)
+    assert [s.step for s in _logged(resumed)] == list(range(13))
+    _log_writer(resumed, [s for s in _logged(resumed) if s.step < 10])
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(10))
-    _log_writer(RunConfig(log=log), start_step=0)  # a fresh run starts a fresh log
+    _log_writer(RunConfig(log=log), [])  # a fresh run starts a fresh log
     assert log.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        ("[1, 2]", "is not a line lab train wrote"),
+        ('{"step": 3}', "is not a line lab train wrote"),
+        ("\udcff", "damaged"),
+    ],
+    ids=["not-an-object", "not-lab-train", "not-utf8"],
+)
+def test_a_damaged_log_is_refused_before_the_restore_and_the_compile(tmp_path, damage, words, monkeypatch):
+    from lab.training import run as training_run
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_bytes(f"{_line(0)}\n{damage}\n{_line(1)}\n".encode("utf-8", errors="surrogateescape"))
+    monkeypatch.setattr(training_run, "_checkpoints", lambda config: pytest.fail("restored before the log was read"))
+    with pytest.raises(LabError, match=words):
+        run(RunConfig(log=log, resume=True, checkpoint_dir=tmp_path, results=tmp_path))
+
+
+def test_the_log_beside_the_page_survives_it_and_a_resumed_page_shows_every_step(tmp_path, capsys):
+    results, checkpoints = tmp_path / "results", tmp_path / "checkpoints"
+    argv = ["train", "--mesh", "fsdp=8", "--results", str(results), "--name", "t"]
+    argv += ["--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1"]
+    assert main([*argv, "--steps", "3"]) == 0
+    assert (results / "t" / "README.md").is_file()
+    assert [json.loads(line)["step"] for line in (results / "t.metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+    # lab doctor with the run's own options (as the divergence message advises) leaves its checkpoints alone
+    before = {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")}
+    assert main(["doctor", *argv[1:], "--steps", "5", "--resume"]) == 0
+    assert {p: p.stat().st_mtime_ns for p in checkpoints.rglob("*")} == before
+
+    assert main([*argv, "--steps", "5", "--resume"]) == 0
+    logged = [json.loads(line)["step"] for line in (results / "t.metrics.jsonl").read_text().splitlines()]
+    observed = json.loads((results / "t" / "result.json").read_text())["observations"]
+    assert logged == [0, 1, 2, 3, 4]
+    assert [s["step"] for s in observed["earlier_steps"]] == [0, 1, 2] and [s["step"] for s in observed["steps"]] == [
+        3,
+        4,
+    ]
+
+
+def test_a_second_run_with_the_same_results_and_name_is_refused(devices, tmp_path):
+    from lab.training import lock
+
+    held = lock.hold(tmp_path / ".t.lock", "the first run", "")
+    with pytest.raises(LabError, match=r"--name 't' is in use by another run \(pid \d+\)"):
+        run(RunConfig(mesh="fsdp=8", steps=1, results=tmp_path, name="t"), devices)
+    held.close()
+
+
+def test_a_log_path_that_is_a_link_or_a_device_is_refused(devices, tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere.jsonl")
+    for log, kind in ((tmp_path / "link", "is a link"), (Path("/dev/null"), "is a device or pipe")):
+        with pytest.raises(LabError, match=kind):
+            run(RunConfig(log=log, results=tmp_path), devices)
+    assert not (tmp_path / "elsewhere.jsonl").exists()
 
 
 def test_a_run_whose_loss_becomes_nan_stops_with_one_line_pointing_at_the_doctor(devices, tmp_path, monkeypatch):
