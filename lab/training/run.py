@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import time
 import zlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -53,8 +52,9 @@ from lab.targets import native
 from lab.targets.devices import DEFAULT_TARGET, describe_devices, devices_for, distributed_devices
 from lab.targets.hardware import profile, profile_for_device_kind
 from lab.training import data as input_pipeline
-from lab.training import lock, profiling
+from lab.training import lock, metrics_log, profiling
 from lab.training.checkpoint import CheckpointPolicy, Checkpoints
+from lab.training.metrics_log import StepMetrics
 from lab.training.series import analyze
 from lab.training.step import TrainConfig, Trainer
 
@@ -122,22 +122,6 @@ class RunConfig:
 
 
 WARMUP_STEPS = 2  # left out of step-time statistics
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """One line of the JSONL log."""
-
-    step: int
-    loss: float
-    grad_norm: float
-    seconds: float  # the whole iteration: data + compute + save
-    data_s: float  # waiting for the batch (input pipeline and host-to-device)
-    save_s: float  # the blocking part of a checkpoint save
-    tokens_per_s: float
-    mfu: float
-    checkpoint: bool = False  # a save started in this step
-    extra: dict[str, float] = field(default_factory=dict)  # further scalars the step returns (MoE load, ...)
 
 
 @dataclass(frozen=True)
@@ -235,7 +219,7 @@ def _train(config: RunConfig, devices) -> RunLog:
     trainer.layout.check_batch(
         config.global_batch, config.micro_batches
     )  # before any compile: a bad batch fails at once
-    logged = _logged(config)  # before the restore and the compile: a damaged log is refused first
+    logged = metrics_log.logged(config)  # before the restore and the compile: a damaged log is refused first
     checkpoints = _checkpoints(config)
     start_step, state = _initial_state(config, trainer, checkpoints)
     started = time.perf_counter()
@@ -252,7 +236,7 @@ def _train(config: RunConfig, devices) -> RunLog:
         sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(trainer.abstract_state())),
     )
     log.earlier.extend(s for s in logged if s.step < start_step)
-    writer = _log_writer(config, log.earlier)
+    writer = metrics_log.writer(config, log.earlier)
     loader = input_pipeline.Loader(
         lambda step: synthetic_batch(model.vocab, config.global_batch, model.seq + 1, config.seed, step),
         config.input_ms / 1e3,
@@ -321,7 +305,9 @@ def _check(config: RunConfig) -> None:
     inputs.page_name("--name", config.name)
     if config.page:
         inputs.output_folder("--results", config.results)
-    inputs.output_file("--log", log_path(config))  # the default one too: beside the page, never through a link
+    inputs.output_file(
+        "--log", metrics_log.path_of(config)
+    )  # the default one too: beside the page, never through a link
     for option, folder in (("--checkpoint-dir", config.checkpoint_dir), ("--profile", config.profile)):
         if folder is not None:
             inputs.output_folder(option, folder)
@@ -459,69 +445,3 @@ def _peak_flops(devices) -> float:
 def _describe(devices) -> str:
 
     return describe_devices(devices)
-
-
-def log_path(config: RunConfig) -> Path:
-    """Where the run's JSONL log goes: --log, or beside the page's folder (never inside it: a page is replaced
-    whole when it is written)."""
-    return config.log or config.results / f"{config.name}.metrics.jsonl"
-
-
-def _logged(config: RunConfig) -> list[StepMetrics]:
-    """The steps a resumed run's log holds (process 0 reads it; a fresh run starts a fresh log)."""
-    if not config.resume or jax.process_index() != 0:
-        return []
-    return [_metrics(line) for line in _lines(log_path(config))]
-
-
-def _log_writer(config: RunConfig, kept: list[StepMetrics]):
-    """A function appending one JSON line per step, after the `kept` lines (process 0 only; the others write
-    nothing).
-
-    A resumed run keeps the lines of the steps its checkpoint holds (0 to start_step - 1) and drops the later
-    ones, which the interrupted run logged after its last checkpoint and this run is about to redo: no step is
-    logged twice, none is lost.
-    """
-    if jax.process_index() != 0:
-        return lambda metrics: None
-    path = log_path(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_name(f".{path.name}.tmp")
-    staged.write_text("".join(json.dumps(asdict(metrics)) + "\n" for metrics in kept))
-    staged.replace(path)  # the log is replaced whole (a regular file: lab.inputs refuses links and devices)
-
-    def write(metrics: StepMetrics) -> None:
-        with path.open("a") as out:
-            out.write(json.dumps(asdict(metrics)) + "\n")
-
-    return write
-
-
-def _metrics(line: dict) -> StepMetrics:
-    """A log line back as the step's metrics; a line lab train did not write is refused, not guessed at."""
-    try:
-        return StepMetrics(**line)
-    except TypeError:
-        raise LabError(
-            f"{line!r:.80} in the metrics log is not a line lab train wrote; resume with another --log, or move "
-            "the old log aside"
-        ) from None
-
-
-def _lines(path: Path) -> list:
-    """The lines of a log, parsed. The last may be cut off by a kill and is then dropped; a damaged line before it
-    (another tool's output, a byte that is not UTF-8) is refused: resuming past it would lose steps silently."""
-    if not path.is_file():
-        return []
-    texts = path.read_bytes().decode("utf-8", errors="replace").splitlines()
-    lines = []
-    for number, text in enumerate(texts, 1):
-        try:
-            lines.append(json.loads(text))
-        except ValueError:
-            if number < len(texts):
-                raise LabError(
-                    f"line {number} of the metrics log {str(path)!r} is damaged ({text!r:.60}); resume with another "
-                    "--log, or move the old log aside"
-                ) from None
-    return lines

@@ -11,8 +11,9 @@ import pytest
 from lab.cli import main
 from lab.errors import LabError
 from lab.model import preset
+from lab.training.metrics_log import StepMetrics
 from lab.training.page import result
-from lab.training.run import RunConfig, StepMetrics, flops_per_token, run, synthetic_batch
+from lab.training.run import RunConfig, flops_per_token, run, synthetic_batch
 
 STEPS = 4
 PARITY_RTOL = 1e-5  # fp32: the layouts sum the same numbers in another order
@@ -141,16 +142,16 @@ def _line(step: int) -> str:
 
 
 def test_a_resumed_log_keeps_the_steps_up_to_the_checkpoint_and_redoes_none(tmp_path):
-    from lab.training.run import _log_writer, _logged
+    from lab.training.metrics_log import logged, writer
 
     log = tmp_path / "metrics.jsonl"
     # the killed run logged steps 0..12 and half of 13; its last checkpoint holds 10 steps (0..9)
     log.write_text("".join(_line(k) + "\n" for k in range(13)) + _line(13)[:20])
     resumed = RunConfig(log=log, resume=True, checkpoint_dir=tmp_path)
-    assert [s.step for s in _logged(resumed)] == list(range(13))
-    _log_writer(resumed, [s for s in _logged(resumed) if s.step < 10])
+    assert [s.step for s in logged(resumed)] == list(range(13))
+    writer(resumed, [s for s in logged(resumed) if s.step < 10])
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(range(10))
-    _log_writer(RunConfig(log=log), [])  # a fresh run starts a fresh log
+    writer(RunConfig(log=log), [])  # a fresh run starts a fresh log
     assert log.read_text() == ""
 
 
