@@ -13,8 +13,10 @@ the user's own script would (flax's eager sharding needs a mesh in context).
 
 Everything that can go wrong in someone else's code is one line here: a file
 or module that does not exist or raises on import, a NAME that is missing or
-not callable, a builder that does not take a mesh, raises, or returns
-something that is not ``(fn, args)``.
+not callable, a builder that does not take a mesh, raises (a ``sys.exit`` or
+another `BaseException` too), or returns something that is not
+``(fn, args)``. What the user's code prints goes to stderr, so ``--json``
+stays parseable.
 """
 
 from __future__ import annotations
@@ -73,12 +75,20 @@ def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> 
 
 @contextlib.contextmanager
 def blamed(spec: str, doing: str, compile_only: bool = False) -> Iterator[None]:
-    """Any failure inside (the user's code, or JAX tracing it) becomes one line naming what raised it and where."""
+    """The user's code fenced: any failure inside (their code, or JAX tracing it), a ``sys.exit`` or another
+    `BaseException` included, becomes one line naming what raised it and where; what it prints goes to stderr, so
+    ``--json`` output stays JSON. Only Ctrl-C passes through, to stop the lab as it stops anywhere."""
     try:
-        yield
-    except LabError:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except (LabError, KeyboardInterrupt):
         raise
-    except Exception as err:  # the user's code: any failure is theirs to see, in one line with its place
+    except SystemExit as err:
+        raise LabError(
+            f"--fn {spec!r}: {doing} called sys.exit({err.code!r}); the file is imported and NAME(mesh) called by "
+            "the lab: return (fn, args) instead of exiting"
+        ) from None
+    except BaseException as err:  # the user's code: any failure is theirs to see, in one line with its place
         hint = (
             "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "
             "jax.eval_shape) and create no arrays"
@@ -99,24 +109,24 @@ def _import_file(spec: str, path: Path):
     sys.modules[name] = module  # dataclasses and pickling look modules up by name
     sys.path.insert(0, str(path.resolve().parent))  # its sibling modules import as they would from a script
     try:
-        loader.loader.exec_module(module)
-    except Exception as err:  # the user's code failing at import time
+        with blamed(spec, f"importing {path}"):
+            loader.loader.exec_module(module)
+    except LabError:
         sys.modules.pop(name, None)
-        raise LabError(f"--fn {spec!r}: importing {path} raised {_one_line(err)}") from None
+        raise
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module
 
 
 def _import_module(spec: str, dotted: str):
-    try:
-        return importlib.import_module(dotted)
-    except ModuleNotFoundError as err:
-        if err.name and dotted.startswith(err.name):
-            raise LabError(f"--fn {spec!r}: no module {dotted!r} (write {_FORMS})") from None
-        raise LabError(f"--fn {spec!r}: importing {dotted} raised {_one_line(err)}") from None
-    except Exception as err:  # the user's code failing at import time
-        raise LabError(f"--fn {spec!r}: importing {dotted} raised {_one_line(err)}") from None
+    with blamed(spec, f"importing {dotted}"):
+        try:
+            return importlib.import_module(dotted)
+        except ModuleNotFoundError as err:
+            if err.name and dotted.startswith(err.name):  # the module named, not one it imports
+                raise LabError(f"--fn {spec!r}: no module {dotted!r} (write {_FORMS})") from None
+            raise
 
 
 def _one_line(err: BaseException) -> str:

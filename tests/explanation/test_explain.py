@@ -101,6 +101,17 @@ def test_the_planted_surprise_comes_first_at_its_line_with_a_hint(capsys, device
     assert named == {"params['embed']", "params['w_up']", "params['w_down']"}  # the weights, not AdamW's moments
 
 
+def test_what_the_users_code_prints_goes_to_stderr_so_json_stays_json(capsys, devices, tmp_path):
+    (tmp_path / "chatty.py").write_text(
+        "import jax.numpy as jnp\n\nprint('importing')\n\n\ndef step(mesh):\n    print('building')\n"
+        "    return (lambda x: jnp.sum(x * 2)), (jnp.ones(8),)\n"
+    )
+    assert main(["inspect", "--fn", f"{tmp_path}/chatty.py:step", "--json"]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)
+    assert "importing" in err and "building" in err
+
+
 def test_a_tpu_topology_compile_only_places_each_collective_on_ici_and_prices_it(capsys):
     found = inspect_json(
         capsys, "--fn", str(EXAMPLES / "nnx_fsdp.py:train_step"), "--mesh", "data=2,fsdp=4", "--target", "tpu:v5e:2x4"
@@ -179,6 +190,10 @@ def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
         (["--fn", "{tmp}/user.py:returns_three"], "returned a tuple of 3 items"),
         (["--fn", "{tmp}/user.py:fails"], "raised ZeroDivisionError: division by zero (user.py:10)"),
         (["--fn", "{tmp}/broken.py:step"], "importing"),
+        (["--fn", "{tmp}/user.py:exits_0"], "called sys.exit(0)"),
+        (["--fn", "{tmp}/user.py:exits_3"], "called sys.exit(3)"),
+        (["--fn", "{tmp}/user.py:base_exception"], "raised Stop (user.py:29)"),
+        (["--fn", "{tmp}/exits.py:step"], "importing"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):
@@ -193,9 +208,12 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
         (two / f"module_{number}.jit_step.cpu_after_optimizations.txt").write_text(module)
     (tmp_path / "user.py").write_text(
         "def returns_a_number(mesh):\n    return 3\n\n\ndef returns_three(mesh):\n    return 1, 2, 3\n\n\n"
-        "def fails(mesh):\n    return 1 / 0\n"
+        "def fails(mesh):\n    return 1 / 0\n\n\n"
+        "import sys\n\n\ndef exits_0(mesh):\n    sys.exit(0)\n\n\ndef exits_3(mesh):\n    sys.exit(3)\n\n\n"
+        "class Stop(BaseException):\n    pass\n\n\ndef base_exception(mesh):\n    raise Stop\n"
     )
     (tmp_path / "broken.py").write_text("import no_such_module_anywhere\n")
+    (tmp_path / "exits.py").write_text("import sys\n\nsys.exit(1)\n")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert main(["inspect", *argv]) == 2
     err = capsys.readouterr().err
