@@ -165,13 +165,9 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
 
 def _ranks(x: np.ndarray) -> np.ndarray:
     """1-based ranks, tied values sharing their average rank."""
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    ranks[order] = np.arange(1, len(x) + 1)
-    for value in np.unique(x):
-        tied = x == value
-        ranks[tied] = ranks[tied].mean()
-    return ranks
+    _, group, count = np.unique(x, return_inverse=True, return_counts=True)
+    last = np.cumsum(count)  # the rank of each group of equal values' last member
+    return (last - (count - 1) / 2)[group]  # the mean of the ranks last-count+1 .. last
 
 
 def frontier(estimates: Iterable[Estimate]) -> list[Estimate]:
