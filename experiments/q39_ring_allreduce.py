@@ -137,6 +137,8 @@ def measure(config: Config) -> Observations:
             f"the sweep {config.begin}..{config.end} (factor {config.factor}) has {len(sizes)} sizes; it needs at "
             "least 4: the smallest and the largest are held out, the fits need two more"
         )
+    if not config.group_sizes or min(config.group_sizes) < 2:
+        raise LabError(f"--group-sizes {list(config.group_sizes)}: a ring needs 2 or more devices; give e.g. 2 4 8")
     size = parse_size(config.size)
     rings = tuple(
         _ring_against_psum(n, devices, size, config.repeats)

@@ -43,6 +43,7 @@ from lab.explanation.explain import explain_hlo, explain_inspection
 from lab.hlo import dumps
 from lab.hlo import text as hlo_text
 from lab.mesh import MeshSpec, describe, slice_local_shape
+from lab.model import FLASH_BLOCK
 from lab.plan.command import Plan, plan
 from lab.predict.command import Predict, predict
 from lab.registry import experiments, get
@@ -281,14 +282,28 @@ def _dispatch(command) -> int:
     if isinstance(command, Bench):
         return bench(command)
     if isinstance(command, Predict):
+        _tiled_by_flash(command)
         return predict(command)
     if isinstance(command, Plan):
+        _tiled_by_flash(command)
         return plan(command)
     if isinstance(command, Doctor):
         return doctor(command)
     if isinstance(command, RunConfig):
         return train(command)
     return run_one(command)
+
+
+def _tiled_by_flash(command: Predict | Plan) -> None:
+    """The Pallas flash kernel splits the sequence into blocks of min(FLASH_BLOCK, seq) tokens, each a multiple of
+    the TPU's 128 lanes: a length it cannot tile is refused here, before libtpu fails on it mid-compile."""
+    block = min(FLASH_BLOCK, command.seq)
+    if command.attention == "flash" and (command.seq < 1 or block % 128 or command.seq % block):
+        raise LabError(
+            f"--seq {command.seq}: the flash attention kernel tiles the sequence in blocks of min({FLASH_BLOCK}, "
+            f"seq) tokens, a multiple of 128; give a multiple of 128 up to {FLASH_BLOCK} and of {FLASH_BLOCK} beyond, "
+            "or --attention xla"
+        )
 
 
 def inspect(command: Inspect) -> int:

@@ -113,11 +113,25 @@ def output_file(option: str, path: Path) -> Path:
     return path
 
 
+MAX_NAME_BYTES = 255 - len(".metrics.jsonl")  # a file name's limit, less what the lab adds to a page's name
+
+
 def page_name(option: str, name: str) -> str:
-    """A page's folder name: one path component, so the page stays inside the results folder."""
-    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith("."):
+    """A page's folder name: one path component, so the page stays inside the results folder, short enough that
+    the files named after it (``<name>.metrics.jsonl``) are names the filesystem accepts."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or name.startswith(".") or "\0" in name:
         raise LabError(f"{option} {name!r}: give a plain folder name (letters, digits, - and _), e.g. {option} my-run")
+    if len(name.encode("utf-8", errors="surrogateescape")) > MAX_NAME_BYTES:
+        raise LabError(f"{option} {name[:20]!r}...: {len(name.encode())} bytes; give at most {MAX_NAME_BYTES}")
     return name
+
+
+def address(option: str, value: str) -> str:
+    """``host:port`` with a port a socket can use (1..65535)."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+        raise LabError(f"{option} {value!r}: give host:port with a port 1..65535, e.g. 10.0.0.1:1234")
+    return value
 
 
 def _writable(option: str, path: Path) -> None:

@@ -25,6 +25,7 @@ from lab.cli import main
         (["run", "nonexistent"], "Unrecognized options: nonexistent"),
         (["bench", "--factor", "x"], "invalid literal"),
         (["bench", "--ops"], "--ops is empty: name at least one"),
+        (["run", "ring_allreduce", "--group-sizes", "1"], "a ring needs 2 or more devices"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, argv, words):

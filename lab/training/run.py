@@ -303,6 +303,8 @@ def _check(config: RunConfig) -> None:
     if config.resume and config.checkpoint_dir is None:
         raise LabError("--resume needs --checkpoint-dir: the folder an earlier lab train saved to")
     inputs.page_name("--name", config.name)
+    if config.coordinator is not None:
+        inputs.address("--coordinator", config.coordinator)
     if config.page:
         inputs.output_folder("--results", config.results)
     inputs.output_file(

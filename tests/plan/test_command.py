@@ -22,6 +22,8 @@ SMALL = "layers=2,d_model=128,heads=4,d_ff=256,vocab=512"
                 "layers=1,d_model=64,heads=1,d_ff=64,vocab=64",
                 "--seq",
                 "16",
+                "--attention",
+                "xla",
                 "--global-batch",
                 "48",
                 "--target",
@@ -30,6 +32,7 @@ SMALL = "layers=2,d_model=128,heads=4,d_ff=256,vocab=512"
             "no layout of 8 chips divides a batch of 3 sequences",
         ),
         (["--model", "nope"], "unknown model preset"),
+        (["--seq", "100"], "--seq 100: the flash attention kernel tiles the sequence"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, argv, words):

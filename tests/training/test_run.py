@@ -115,6 +115,9 @@ def test_page_has_loss_and_step_time_plots(layout):
         (RunConfig(prefetch=-1), "--prefetch -1: must be at least 0"),
         (RunConfig(input_ms=-5), "--input-ms -5: must be at least 0"),
         (RunConfig(profile=Path(__file__)), "is a file"),
+        (RunConfig(name="x" * 300), "300 bytes; give at most 241"),
+        (RunConfig(coordinator="localhost", num_processes=2, process_id=0), "give host:port"),
+        (RunConfig(coordinator="127.0.0.1:99999", num_processes=2, process_id=0), "port 1..65535"),
     ],
 )
 def test_bad_input_is_one_clear_error(devices, config, message):
