@@ -52,3 +52,9 @@ def run_python(code: str, *, timeout: int = 300) -> subprocess.CompletedProcess:
         env=env,
         check=False,
     )
+
+
+def pytest_collection_modifyitems(items):
+    """Modules marked ``long`` (each compiles programs for a minute or more) go first: the two xdist workers take
+    whole files in collection order, so a long file collected last would run alone on one core at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: the order is otherwise kept

@@ -11,6 +11,8 @@ from experiments.q48_doctor_cases import Config, cases, judge
 from lab.registry import get
 from tests.experiments.support import pinned
 
+pytestmark = pytest.mark.long  # a training step compiled per broken configuration: scheduled first (tests/conftest.py)
+
 # the tiny model's parameter bytes (f32): Ψ in all, the 8 arrays of each of its 2 layers, and the embedding,
 # unembedding and final norm outside the layer loop (f = OUTSIDE / PSI)
 PSI = 131392 * 4

@@ -6,6 +6,10 @@ from experiments.q49_zero_stages import Config, Parameter, _padded
 from lab.registry import get
 from tests.experiments.support import pinned
 
+pytestmark = (
+    pytest.mark.long
+)  # every ZeRO stage compiled for the CPU and the TPU compiler: scheduled first (tests/conftest.py)
+
 PSI, BLOCKS, BATCH = 131_392, 98_560, 16 // 8 * 33 * 4  # the tiny model's Ψ, its block weights, tokens per device
 
 

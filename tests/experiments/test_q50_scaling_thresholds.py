@@ -6,6 +6,8 @@ from experiments.q50_scaling_thresholds import Config, crossing
 from lab.registry import get
 from tests.experiments.support import pinned
 
+pytestmark = pytest.mark.long  # full-width MLP steps compiled by libtpu: scheduled first (tests/conftest.py)
+
 SMALL = Config(
     target="tpu:v5p:2x2x2",
     batch_per_chip=(256, 4096),  # the ratio is a + b/(B/N): two points fix the crossing

@@ -7,6 +7,8 @@ from lab.registry import get
 from lab.report import render
 from tests.experiments.support import pinned
 
+pytestmark = pytest.mark.long  # full-width MLP steps compiled by libtpu: scheduled first (tests/conftest.py)
+
 SMALL = Config(topologies=("2x2x2", "2x2x4"), dcn_topology="2x2x2", global_tokens=16384)
 
 

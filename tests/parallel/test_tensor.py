@@ -14,6 +14,10 @@ from lab.mesh import MeshSpec
 from lab.model import ModelConfig
 from lab.parallel.tensor import TensorParallel, reference_loss, train_step
 
+pytestmark = (
+    pytest.mark.long
+)  # a training step compiled per tensor-parallel variant: scheduled first (tests/conftest.py)
+
 MODEL = ModelConfig(layers=2, seq=16)
 BATCH, STEPS = 4, 2
 OPTIMIZER = optax.adamw(1e-2)

@@ -16,6 +16,8 @@ from lab.errors import LabError
 from lab.targets.devices import distributed_devices
 from lab.training.run import RunConfig, run
 
+pytestmark = pytest.mark.long  # several processes, each starting JAX: scheduled first (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN = RunConfig(target="cpu:4", mesh="data=2,fsdp=2,tensor=2", steps=4, global_batch=8, page=False)
 

@@ -17,6 +17,8 @@ from lab.mesh import MeshSpec
 from lab.model import ModelConfig, preset
 from lab.training.step import TrainConfig, Trainer
 
+pytestmark = pytest.mark.long  # a training step compiled per composed layout: scheduled first (tests/conftest.py)
+
 STEPS, BATCH = 3, 16
 OPTIMIZER = {
     "learning_rate": 1e-2,
