@@ -96,6 +96,8 @@ class Inspect:
     the most collectives: the step)"""
     hlo: Path | None = None
     """read one optimized-HLO text file instead of compiling"""
+    timeout: float = 600.0
+    """with --fn: seconds your program may take to import, build and trace (one line past it; 0: no bound)"""
     program: str = "all-reduce"
     """without --fn/--dump/--hlo: a collective from lab.collectives (all-reduce, ring-all-reduce, ...)"""
     axes: tuple[str, ...] = ("tensor",)
@@ -306,6 +308,24 @@ def _tiled_by_flash(command: Predict | Plan) -> None:
         )
 
 
+def _compiled_program(command: Inspect, mesh, compile_only: bool):
+    """(title, inspection, compile seconds) of the program `command` names: the user's --fn, or one of
+    lab.collectives."""
+    if command.fn is not None:
+        builder = program.load(command.fn)
+        fn, args = program.build(builder, mesh, command.fn, compile_only=compile_only)
+        title = command.fn
+    else:
+        element = inputs.dtype("--dtype", command.dtype)
+        built = build_program(command.program, mesh, command.axes)
+        fn, args = built.fn, (built.abstract_input(parse_size(command.size), element),)
+        title = f"{command.program} over {','.join(command.axes)}"
+    started = time.perf_counter()
+    with program.blamed(title, "compiling it", compile_only), jax.set_mesh(mesh):  # as the user's script compiles it
+        found = hlo.inspect(fn, *args, mesh=mesh)
+    return title, found, time.perf_counter() - started
+
+
 def inspect(command: Inspect) -> int:
     """Explain the collectives of a program (yours, a dump's, or one of the lab's): tables, or --json."""
 
@@ -321,22 +341,9 @@ def inspect(command: Inspect) -> int:
     devices = devices_for(command.target)
     compile_only = parse_target(command.target).compile_only
     mesh = MeshSpec.parse(command.mesh or _DEFAULT_MESH).build(devices, explicit=command.axis_types == "explicit")
-    if command.fn is not None:
-        builder = program.load(command.fn)
-        fn, args = program.build(builder, mesh, command.fn, compile_only=compile_only)
-        title = command.fn
-    else:
-        element = inputs.dtype("--dtype", command.dtype)
-        built = build_program(command.program, mesh, command.axes)
-        fn, args = built.fn, (built.abstract_input(parse_size(command.size), element),)
-        title = f"{command.program} over {','.join(command.axes)}"
-    started = time.perf_counter()
-    with (
-        program.blamed(title, "compiling it", compile_only),
-        jax.set_mesh(mesh),
-    ):  # as the user's script compiles it
-        found = hlo.inspect(fn, *args, mesh=mesh)
-    compile_s = time.perf_counter() - started
+    inputs.number("--timeout", command.timeout, low=0)
+    with program.bounded(command.timeout if command.fn is not None else 0):  # the user's code, not the lab's
+        title, found, compile_s = _compiled_program(command, mesh, compile_only)
     explained = explain_inspection(found, mesh, target=command.target)
     if command.json:
         _print_json({"program": title, "compile_s": compile_s, **explained.to_json()})

@@ -25,7 +25,9 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -73,6 +75,31 @@ def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> 
     return fn, tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
 
+class OutOfTime(BaseException):
+    """Raised in the main thread when the user's code runs past its bound (`bounded`)."""
+
+
+@contextlib.contextmanager
+def bounded(seconds: float) -> Iterator[None]:
+    """Stop the user's Python code (importing, building, tracing) after `seconds` (0: no bound) with `OutOfTime`.
+
+    A timer signal, so it reaches Python code only: a compile inside XLA runs to its end first."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise OutOfTime(seconds)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @contextlib.contextmanager
 def blamed(spec: str, doing: str, compile_only: bool = False) -> Iterator[None]:
     """The user's code fenced: any failure inside (their code, or JAX tracing it), a ``sys.exit`` or another
@@ -83,6 +110,11 @@ def blamed(spec: str, doing: str, compile_only: bool = False) -> Iterator[None]:
             yield
     except (LabError, KeyboardInterrupt):
         raise
+    except OutOfTime as err:
+        raise LabError(
+            f"--fn {spec!r}: {doing} did not finish within {err.args[0]:g} s (--timeout); make it return, or give "
+            "more time with --timeout"
+        ) from None
     except SystemExit as err:
         raise LabError(
             f"--fn {spec!r}: {doing} called sys.exit({err.code!r}); the file is imported and NAME(mesh) called by "

@@ -194,6 +194,8 @@ def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
         (["--fn", "{tmp}/user.py:exits_3"], "called sys.exit(3)"),
         (["--fn", "{tmp}/user.py:base_exception"], "raised Stop (user.py:29)"),
         (["--fn", "{tmp}/exits.py:step"], "importing"),
+        (["--fn", "{tmp}/user.py:forever", "--timeout", "0.5"], "forever(mesh) did not finish within 0.5 s"),
+        (["--fn", "{tmp}/user.py:fails", "--timeout", "-1"], "--timeout -1: must be at least 0"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):
@@ -210,7 +212,8 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
         "def returns_a_number(mesh):\n    return 3\n\n\ndef returns_three(mesh):\n    return 1, 2, 3\n\n\n"
         "def fails(mesh):\n    return 1 / 0\n\n\n"
         "import sys\n\n\ndef exits_0(mesh):\n    sys.exit(0)\n\n\ndef exits_3(mesh):\n    sys.exit(3)\n\n\n"
-        "class Stop(BaseException):\n    pass\n\n\ndef base_exception(mesh):\n    raise Stop\n"
+        "class Stop(BaseException):\n    pass\n\n\ndef base_exception(mesh):\n    raise Stop\n\n\n"
+        "def forever(mesh):\n    while True:\n        pass\n"
     )
     (tmp_path / "broken.py").write_text("import no_such_module_anywhere\n")
     (tmp_path / "exits.py").write_text("import sys\n\nsys.exit(1)\n")
