@@ -13,6 +13,9 @@ from lab.rules import ShardingReport, get_strategy
 from lab.training.run import RunConfig
 
 GIB = 2**30
+# libtpu's refusal of a step too big for the chip: the second once lab predict started libtpu in this process with
+# --xla_tpu_no_crash_on_oom=true (the doctor reads both, lab/doctor/diagnosis.py); which one depends on test order
+REFUSED = ("RESOURCE_EXHAUSTED", "Invalid TPU program")
 
 
 def _memory(peak: float, capacity: float = 16 * GIB, **kwargs) -> Finding:
@@ -148,7 +151,7 @@ def test_a_1b_model_with_ddp_does_not_fit_a_v5e(devices):
     """Compile-only: the TPU compiler refuses the step, and the doctor says memory first, without running anything."""
     diagnosis = diagnose(RunConfig(target="tpu:v5e:2x2", mesh="data=4", model="1b", strategy="ddp", global_batch=8))
     memory = diagnosis.start_here
-    assert memory.layer == "memory" and "RESOURCE_EXHAUSTED" in memory.evidence[0]
+    assert memory.layer == "memory" and any(words in memory.evidence[0] for words in REFUSED)
     assert (
         memory.numbers["peak_bytes"] > memory.numbers["capacity_bytes"] == 16 * GIB
     )  # v5e's HBM from lab.targets.hardware
@@ -178,7 +181,8 @@ def test_cli_prints_the_ranked_report_and_exits_0(capsys, devices):
         == 0
     )
     out = capsys.readouterr().out
-    assert "start here: memory, peak memory per device" in out and "RESOURCE_EXHAUSTED" in out and "no steps run" in out
+    assert "start here: memory, peak memory per device" in out and "no steps run" in out
+    assert any(words in out for words in REFUSED)
 
 
 @pytest.mark.parametrize(

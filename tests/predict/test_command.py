@@ -12,8 +12,6 @@ from lab.predict.ops import _taps
 from lab.predict.spec import parse_model
 from lab.targets.hardware import profile
 
-pytestmark = pytest.mark.long  # libtpu compiles of whole training steps: scheduled first (tests/conftest.py)
-
 LAYERS_2 = ("--target", "tpu:v5e:2x2", "--layers-compiled", "2")
 SMALL = "layers=2,d_model=256,heads=4,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu"
 
