@@ -193,6 +193,8 @@ def run(config: RunConfig, devices=None) -> RunLog:
 
     _check(config)
     devices = _devices(config) if devices is None else devices
+    # a batch the mesh cannot split fails at once, before any compile or any file is written
+    trainer_for(config, devices).layout.check_batch(config.global_batch, config.micro_batches)
     try:
         with _results_lock(config):
             return _train(config, devices)
@@ -216,9 +218,6 @@ def _results_lock(config: RunConfig):
 def _train(config: RunConfig, devices) -> RunLog:
     model, trainer = _model(config), trainer_for(config, devices)
     mesh = trainer.mesh
-    trainer.layout.check_batch(
-        config.global_batch, config.micro_batches
-    )  # before any compile: a bad batch fails at once
     logged = metrics_log.logged(config)  # before the restore and the compile: a damaged log is refused first
     checkpoints = _checkpoints(config)
     start_step, state = _initial_state(config, trainer, checkpoints)
