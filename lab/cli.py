@@ -617,6 +617,9 @@ def report(command: Report) -> int:
     if not command.rejudge:
         for experiment in chosen:
             _check_target(experiment, command.target)
+        # JAX starts its backends here, before the first page is announced: its plugin discovery catches any
+        # exception while a plugin starts, a Ctrl-C included, and the report would then measure on
+        devices_for(command.target)
     started, results = time.perf_counter(), []
     with progress.session():
         for experiment in progress.track(chosen, "lab report"):
