@@ -18,21 +18,19 @@ import contextlib
 import io
 import json
 import math
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Annotated, Literal, NoReturn, Union
+from typing import Annotated, Literal, Union
 
 import jax
 import tyro
 from rich.console import Console
 from rich.table import Table
 
-from lab import hlo, inputs, progress
+from lab import hlo, inputs, interrupts, progress
 from lab import report as pages
 from lab.bench import measure_collective
 from lab.collectives import KINDS, build_program
@@ -43,7 +41,6 @@ from lab.explanation.explain import explain_hlo, explain_inspection
 from lab.hlo import dumps
 from lab.hlo import text as hlo_text
 from lab.mesh import MeshSpec, describe, slice_local_shape
-from lab.model import FLASH_BLOCK
 from lab.plan.command import Plan, plan
 from lab.predict.command import Predict, predict
 from lab.registry import experiments, get
@@ -183,7 +180,7 @@ def _commands():
 def main(argv: list[str] | None = None) -> int:
     """The ``lab`` command, called by `lab.entry` (which answers Ctrl-C and SIGTERM while this module imports)."""
     argv = sys.argv[1:] if argv is None else argv
-    _stop_on_sigterm()
+    interrupts.install()
     if argv in (["--version"], ["-V"]):
         _out.print(f"lab (sharding-lab) {metadata.version('sharding-lab')}, jax {jax.__version__}", highlight=False)
         return 0
@@ -201,35 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             soft_wrap=True,
         )
         return 2
-    except (KeyboardInterrupt, _Terminated) as stop:
-        _exit_now("lab: interrupted" if isinstance(stop, KeyboardInterrupt) else "lab: terminated", stop)
-
-
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
-
-
-def _stop_on_sigterm() -> None:
-    """SIGTERM stops the lab like Ctrl-C (JAX's own preemption handler would otherwise swallow it)."""
-    with contextlib.suppress(ValueError):  # not the main thread (a notebook's worker): leave signals alone
-
-        def terminate(signum, frame):
-            raise _Terminated
-
-        signal.signal(signal.SIGTERM, terminate)
-
-
-def _exit_now(message: str, stop: BaseException) -> NoReturn:
-    """One line, then exit at once with the signal's code (130, 143).
-
-    Not a normal return: XLA's compiler and orbax's writer threads may still be running, and tearing the
-    interpreter down under them crashes (a segfault seconds later). Pages and checkpoints are written whole
-    and renamed into place, so stopping here leaves the last complete ones intact.
-    """
-    _err.print(message, highlight=False)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM)
+    except (KeyboardInterrupt, interrupts.Terminated) as stop:
+        interrupts.exit_now(stop)
 
 
 def _parse(argv: list[str]):
@@ -275,6 +245,7 @@ def _one_line(box: str) -> str:
 
 
 def _dispatch(command) -> int:
+    inputs.options(command)  # no number infinite or past any count, whatever the command (each adds its own bounds)
     if isinstance(command, Report):
         return report(command)
     if isinstance(command, List):
@@ -284,28 +255,14 @@ def _dispatch(command) -> int:
     if isinstance(command, Bench):
         return bench(command)
     if isinstance(command, Predict):
-        _tiled_by_flash(command)
         return predict(command)
     if isinstance(command, Plan):
-        _tiled_by_flash(command)
         return plan(command)
     if isinstance(command, Doctor):
         return doctor(command)
     if isinstance(command, RunConfig):
         return train(command)
     return run_one(command)
-
-
-def _tiled_by_flash(command: Predict | Plan) -> None:
-    """The Pallas flash kernel splits the sequence into blocks of min(FLASH_BLOCK, seq) tokens, each a multiple of
-    the TPU's 128 lanes: a length it cannot tile is refused here, before libtpu fails on it mid-compile."""
-    block = min(FLASH_BLOCK, command.seq)
-    if command.attention == "flash" and (command.seq < 1 or block % 128 or command.seq % block):
-        raise LabError(
-            f"--seq {command.seq}: the flash attention kernel tiles the sequence in blocks of min({FLASH_BLOCK}, "
-            f"seq) tokens, a multiple of 128; give a multiple of 128 up to {FLASH_BLOCK} and of {FLASH_BLOCK} beyond, "
-            "or --attention xla"
-        )
 
 
 def _compiled_program(command: Inspect, mesh, compile_only: bool):
@@ -334,14 +291,17 @@ def inspect(command: Inspect) -> int:
         raise LabError(f"{' and '.join(chosen)} exclude each other: inspect one program at a time")
     if command.save_hlo is not None:
         inputs.output_folder("--save-hlo", command.save_hlo)
+    if command.device_order and command.hlo is None:
+        raise LabError("--device-order goes with --hlo: it says which mesh position each device id of that file has")
     if command.dump is not None:
         return _inspect_dump_folder(command)
     if command.hlo is not None:
         return _inspect_hlo_file(command)
+    spec = MeshSpec.parse(command.mesh or _DEFAULT_MESH)
+    inputs.number("--timeout", command.timeout, low=0)
     devices = devices_for(command.target)
     compile_only = parse_target(command.target).compile_only
-    mesh = MeshSpec.parse(command.mesh or _DEFAULT_MESH).build(devices, explicit=command.axis_types == "explicit")
-    inputs.number("--timeout", command.timeout, low=0)
+    mesh = spec.build(devices, explicit=command.axis_types == "explicit")
     with program.bounded(command.timeout if command.fn is not None else 0):  # the user's code, not the lab's
         title, found, compile_s = _compiled_program(command, mesh, compile_only)
     explained = explain_inspection(found, mesh, target=command.target)
@@ -377,7 +337,7 @@ def _inspect_dump_folder(command: Inspect) -> int:
     because = "asked for with --module" if command.module else dumps.why(chosen, modules)
     text = inputs.hlo_text(chosen.path)
     memory = chosen.memory_bytes()
-    explained = _explain_text(command, text, {"total": memory} if memory is not None else {})
+    explained = _explain_text(command, chosen.path, text, {"total": memory} if memory is not None else {})
     assignment = chosen.device_assignment()
     if command.json:
         listing = [
@@ -427,7 +387,7 @@ def _inspect_hlo_file(command: Inspect) -> int:
     """Explain one optimized-HLO text file."""
 
     text = inputs.hlo_text(command.hlo)
-    explained = _explain_text(command, text, {})
+    explained = _explain_text(command, command.hlo, text, {})
     if command.json:
         _print_json(explained.to_json())
     else:
@@ -436,9 +396,12 @@ def _inspect_hlo_file(command: Inspect) -> int:
     return 0
 
 
-def _explain_text(command: Inspect, text: str, memory: dict[str, int]):
-    """A dump's module explained, its groups mapped to --mesh (raw groups without one)."""
+def _explain_text(command: Inspect, path: Path, text: str, memory: dict[str, int]):
+    """A dump's module explained, its groups mapped to --mesh (raw groups without one); a damaged one refused."""
 
+    damage = hlo_text.damage(text)
+    if damage is not None:
+        raise LabError(f"{str(path)!r} is no whole HLO module: {damage}; dump it again (XLA_FLAGS=--xla_dump_to)")
     partitions = hlo_text.module_devices(text)
     if command.mesh is None:
         if command.device_order:

@@ -3,18 +3,17 @@
 Starting ``lab`` imports jax, flax, orbax and tyro, which takes seconds. A
 Ctrl-C in that time would raise ``KeyboardInterrupt`` wherever the import
 happens to be and print its traceback, and a SIGTERM would kill the process
-without a word. So this module imports nothing of the lab's but `lab.cli`, and
-that only once handlers are in place that print one line (``lab:
+without a word. So this module imports nothing of the lab's but `lab.interrupts` (the
+standard library only) and `lab.cli`, and that only once handlers are in place that print one line (``lab:
 interrupted``, ``lab: terminated``) and exit at once with the signal's code
 (130, 143), as the command does later on. It relies on the package ``lab``
 itself importing nothing heavy: ``lab/__init__.py`` must load its public names
 on first use, or ``python -m lab`` and the console script spend those seconds
 there, before this module runs.
 
-Once `lab.cli` is imported, Ctrl-C goes back to Python's ``KeyboardInterrupt``
-and SIGTERM to `lab.cli`'s handler: from then on both unwind the running
-command (an asynchronous checkpoint save finishes) before the same line and
-code.
+Once `lab.cli` is imported, `lab.interrupts` takes both over: from then on they
+unwind the running command (an asynchronous checkpoint save finishes) before
+the same line and code, and a compile that holds the main thread is abandoned.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ import os
 import signal
 import sys
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 128 + signal.SIGTERM}  # the shell's 128 + signal number
-MESSAGES = {signal.SIGINT: "lab: interrupted", signal.SIGTERM: "lab: terminated"}
+from lab.interrupts import EXIT_CODES, MESSAGES  # the standard library only: imported in no time
 
 
 def main() -> int:
@@ -33,8 +31,7 @@ def main() -> int:
         signal.signal(signum, _stop_at_once)
     from lab import cli  # imported here, once the handlers above are set: it imports jax, flax and orbax (seconds)
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # lab.cli turns KeyboardInterrupt into the line
-    return cli.main()
+    return cli.main()  # which hands both signals to lab.interrupts
 
 
 def _stop_at_once(signum: int, frame) -> None:

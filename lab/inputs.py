@@ -17,9 +17,11 @@ what to give instead (a `LabError`: exit code 2, nothing written):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -27,6 +29,7 @@ import numpy as np
 
 from lab.errors import LabError
 
+MAX_COUNT = 2**31 - 1  # the most of anything an option counts (steps, layers, bytes, ids): JAX's int32
 MAX_HLO_BYTES = 512 * 2**20  # a 1024-chip LLM step's optimized module is tens of MiB; beyond this it is no HLO dump
 _HLO_HEADER = "HloModule"
 _DTYPES = ("float32", "bfloat16", "float16", "int32", "int16", "int8", "uint32", "uint16", "uint8")
@@ -42,6 +45,21 @@ def number(option: str, value: float, *, low: float | None = None, high: float |
     if high is not None and value > high:
         raise LabError(f"{option} {value:g}: must be at most {high:g}")
     return value
+
+
+def options(config, least: Callable[[str, float], float] | None = None) -> None:
+    """Every number among an options dataclass's fields (a tuple's, a nested dataclass's too) finite, every count
+    (an int) at most `MAX_COUNT`, and with `least` each at least ``least(field name, value)``. The floor every
+    command shares, checked before any work; each command adds its own bounds."""
+    for field in dataclasses.fields(config):
+        values = getattr(config, field.name)
+        option = f"--{field.name.replace('_', '-')}"
+        for value in values if isinstance(values, tuple) else (values,):
+            if dataclasses.is_dataclass(value):
+                options(value, least)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                low = least(field.name, value) if least is not None else None
+                number(option, value, low=low, high=MAX_COUNT if isinstance(value, int) else None)
 
 
 def positive(option: str, value: float, *, high: float | None = None) -> float:
@@ -80,7 +98,7 @@ def hlo_text(path: Path) -> str:
             f"({MAX_HLO_BYTES // 2**20} MiB at most); give one module's .txt dump"
         )
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (some editors write one) is no text
     except UnicodeDecodeError:
         raise LabError(f"{str(path)!r} is not text (not UTF-8): give an HLO text dump, not a binary proto") from None
     except OSError as err:

@@ -316,6 +316,19 @@ _FLASH_BLOCK_NAMES = (
 )
 
 
+def check_flash_tiling(seq: int) -> int:
+    """A sequence length the flash kernel tiles: blocks of min(FLASH_BLOCK, seq) tokens, each a multiple of the
+    TPU's 128 lanes, dividing the sequence; refused before a compile that libtpu would fail midway."""
+    block = min(FLASH_BLOCK, seq)
+    if seq < 1 or block % 128 or seq % block:
+        raise LabError(
+            f"--seq {seq}: the flash attention kernel tiles the sequence in blocks of min({FLASH_BLOCK}, seq) tokens, "
+            f"a multiple of 128; give a multiple of 128 up to {FLASH_BLOCK} and of {FLASH_BLOCK} beyond, "
+            "or --attention xla"
+        )
+    return seq
+
+
 def flash_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> jax.Array:
     """Causal attention by the Pallas TPU flash kernel (Dao et al. 2022), one device's heads at a time.
 

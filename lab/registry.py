@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -121,15 +121,7 @@ _MAY_BE_ZERO = ("seed", "prefetch")  # counts where 0 means something (the first
 
 def _check_options(config) -> None:
     """Every count an experiment takes is at least 1 (0 where 0 means something); every number is finite."""
-    for f in fields(config):
-        value = getattr(config, f.name)
-        option = f"--{f.name.replace('_', '-')}"
-        if isinstance(value, bool):
-            continue
-        if isinstance(value, int):
-            inputs.number(option, value, low=0 if f.name in _MAY_BE_ZERO else 1)
-        elif isinstance(value, float):
-            inputs.number(option, value, low=0)
+    inputs.options(config, least=lambda name, value: 1 if isinstance(value, int) and name not in _MAY_BE_ZERO else 0)
 
 
 @functools.cache

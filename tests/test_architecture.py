@@ -26,7 +26,7 @@ LAB = Path(__file__).resolve().parents[1] / "lab"
 
 # The data flow, bottom to top: a module may import its own layer and those below, never above.
 LAYERS = (
-    ("lab.errors", "lab.units", "lab.progress", "lab.verdict", "lab.inputs", "lab.provenance"),
+    ("lab.errors", "lab.interrupts", "lab.units", "lab.progress", "lab.verdict", "lab.inputs", "lab.provenance"),
     ("lab.mesh", "lab.targets", "lab.collectives"),
     ("lab.rules", "lab.targets.topology", "lab.theory"),
     ("lab.hlo", "lab.moe", "lab.model", "lab.roofline", "lab.bench", "lab.explanation"),

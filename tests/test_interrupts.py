@@ -69,3 +69,43 @@ def test_sigterm_mid_sweep_stops_within_seconds_with_one_line_and_143():
     assert time.monotonic() - sent < 30  # a generous bound: only an ignored signal fails it
     after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode(errors="replace")).splitlines()[-1]
     assert after.strip() == "lab: terminated"
+
+
+LONG_COMPILE = '''
+import sys
+
+import jax
+import jax.numpy as jnp
+
+
+def chain(mesh):
+    """1500 matmuls, each its own fusion: XLA:CPU compiles them for half a minute, tracing takes one second."""
+
+    def f(x):
+        for i in range(1500):
+            x = jnp.sin(x @ x.T + i) * jnp.cos(x[::-1])
+        return x
+
+    print("built", file=sys.stderr, flush=True)
+    return f, (jax.ShapeDtypeStruct((64, 64), jnp.float32),)
+'''
+
+
+@pytest.mark.parametrize(
+    "signum, code, line", [(signal.SIGINT, 130, "lab: interrupted"), (signal.SIGTERM, 143, "lab: terminated")]
+)
+def test_a_signal_during_a_compile_ends_the_process_within_seconds(tmp_path, signum, code, line):
+    """XLA compiles in C++ and looks at no signal: the handler would run only when the compile returns, half a
+    minute later. `lab.interrupts`' watcher ends the process when the main thread does not answer."""
+    (tmp_path / "chain.py").write_text(LONG_COMPILE)
+    argv = [sys.executable, "-m", "lab", "inspect", "--fn", f"{tmp_path / 'chain.py'}:chain", "--mesh", "data=8"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    assert process.stderr.readline().strip() == "built"
+    time.sleep(3)  # tracing takes about one second of it: the rest is XLA's compile
+    process.send_signal(signum)
+    sent = time.monotonic()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == code, err[-2000:]
+    assert err.strip().splitlines()[-1] == line and "Traceback" not in err, err[-2000:]  # XLA may log before it
+    assert time.monotonic() - sent < 10  # the compile alone takes 30 s or more; only a waited-for compile fails it

@@ -91,6 +91,7 @@ def diagnose(config: RunConfig, *, capacity_bytes: float | None = None, devices=
     `capacity_bytes` overrides the memory per device to check against; `devices` defaults to the target's.
     """
 
+    training_run.check(config)
     devices = devices_for(config.target) if devices is None else devices
     compiled = _compile(config, devices)
     memory = checks.check_memory(_memory_evidence(compiled, devices, capacity_bytes))

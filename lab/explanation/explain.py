@@ -80,6 +80,8 @@ class Explained:
     def hint(self) -> str | None:
         if self.origin.kind != "surprise":
             return None
+        if self.collective.moves_nothing:
+            return "none needed: it costs nothing (a compiled program drops it)"
         return _HINT.format(where=self.source or self.collective.op_name or self.collective.name)
 
     def to_json(self) -> dict[str, Any]:

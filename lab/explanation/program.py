@@ -36,6 +36,7 @@ from typing import Any
 import jax
 
 from lab.errors import LabError
+from lab.interrupts import Terminated
 
 _LAB = str(Path(__file__).resolve().parent)
 _FORMS = "FILE.py:NAME or package.module:NAME, where NAME(mesh) returns (fn, args)"
@@ -104,11 +105,11 @@ def bounded(seconds: float) -> Iterator[None]:
 def blamed(spec: str, doing: str, compile_only: bool = False) -> Iterator[None]:
     """The user's code fenced: any failure inside (their code, or JAX tracing it), a ``sys.exit`` or another
     `BaseException` included, becomes one line naming what raised it and where; what it prints goes to stderr, so
-    ``--json`` output stays JSON. Only Ctrl-C passes through, to stop the lab as it stops anywhere."""
+    ``--json`` output stays JSON. Only Ctrl-C and SIGTERM pass through, to stop the lab as they stop it anywhere."""
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
-    except (LabError, KeyboardInterrupt):
+    except (LabError, KeyboardInterrupt, Terminated):
         raise
     except OutOfTime as err:
         raise LabError(

@@ -155,6 +155,13 @@ def _origin(
     collective: Collective, members: list[_Member], parameters: set[int], batches: dict[int, str], graph: Dataflow
 ) -> Origin:
     axes = ",".join(collective.axes or ()) or "its groups"
+    if collective.moves_nothing:
+        return Origin(
+            "surprise",
+            None,
+            "moves nothing: every replica group is one device (an axis of size 1), so each keeps its own data; "
+            "XLA removes such collectives when it optimizes, so this text is unoptimized or edited",
+        )
     kinds = [_member_kind(m, parameters, batches) for m in members]
     named = [(kind, m) for kind, m in zip(kinds, members) if kind != "scalar"]
     if not named:

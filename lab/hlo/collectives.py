@@ -104,8 +104,17 @@ class Collective:
     done: str = ""  # where it completes when that is not its -done: a megascale transfer's recv-done
 
     @property
+    def moves_nothing(self) -> bool:
+        """Every group is one device (an axis of size 1): each device keeps its own data. Optimized HLO holds
+        none (XLA's simplifiers remove them); unoptimized or edited text may."""
+        return self.group_size == 1
+
+    @property
     def size_bytes(self) -> int:
-        """S in the nccl-tests convention: gathered result, full reduce-scatter input, else the operand."""
+        """S in the nccl-tests convention: gathered result, full reduce-scatter input, else the operand; 0 when the
+        collective moves nothing."""
+        if self.moves_nothing:
+            return 0
         return self.result_bytes if self.kind == "all-gather" else self.operand_bytes
 
 

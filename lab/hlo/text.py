@@ -516,6 +516,26 @@ def module_devices(hlo_text: str) -> int | None:
     return int(partitions.group(1) if partitions else 1) * int(replicas.group(1) if replicas else 1)
 
 
+def damage(hlo_text: str) -> str | None:
+    """Why a module's text cannot be whole, in words, or None: a header counting zero devices, no entry
+    computation, or text that stops inside a computation (a file cut short while it was written or copied).
+
+    XLA prints the entry computation last and closes every computation with a
+    line ``}``, so a whole module's last non-blank line is that ``}``.
+    """
+    header = _module_header(hlo_text)
+    for field in ("num_partitions", "replica_count"):
+        count = re.search(rf"\b{field}\s*=\s*(\d+)", header)
+        if count and int(count.group(1)) == 0:
+            return f"its header says {field}=0, and XLA runs a module on at least one device"
+    if not re.search(r"^\s*ENTRY\b", hlo_text, re.MULTILINE):
+        return "it has no ENTRY computation (the text stops before it, or is not a whole module)"
+    lines = hlo_text.rstrip().splitlines()
+    if lines[-1].strip() != "}":
+        return f"it stops inside a computation, at line {len(lines)} ({lines[-1].strip()[:60]!r}...)"
+    return None
+
+
 def module_name(hlo_text: str) -> str:
     match = re.match(r"\s*HloModule\s+([\w.\-]+)", hlo_text)
     return match.group(1) if match else "module"

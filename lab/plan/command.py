@@ -27,10 +27,11 @@ from rich.table import Table
 
 from lab import inputs
 from lab.errors import LabError
+from lab.model import check_flash_tiling
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
 from lab.plan.space import Problem
-from lab.predict.spec import parse_model
+from lab.predict.spec import MAX_STEP_TOKENS, check_step_tokens, parse_model
 from lab.units import format_bytes
 
 
@@ -68,7 +69,7 @@ def problem_of(command: Plan) -> Problem:
     """The command's model, batch and pod; a LabError names what is wrong."""
     # local: lab.targets.devices and lab.targets.hardware pull in JAX; the CLI imports this module before it chooses
     # a target
-    from lab.targets.devices import parse_target, topology_shape
+    from lab.targets.devices import check_slices, parse_target, topology_shape
     from lab.targets.hardware import profile
 
     target = parse_target(command.target)
@@ -78,11 +79,15 @@ def problem_of(command: Plan) -> Problem:
         )
     if target.slices > 1:
         raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
-    if command.slices < 1 or command.seq < 1 or command.batch_per_device < 1 or command.compile_top < 0:
-        raise LabError("--slices, --seq and --batch-per-device take 1 or more, --compile-top 0 or more")
+    if command.seq < 1 or command.top < 1 or command.compile_top < 0:
+        raise LabError("--seq and --top take 1 or more, --compile-top 0 or more")
+    if command.attention == "flash":
+        check_flash_tiling(command.seq)
+    check_slices("--slices", command.slices)
     generation = target.generation
     torus = topology_shape(target.topology)
     chips = math.prod(torus) * command.slices
+    check_step_tokens(command.batch_per_device, chips, command.seq)
     if command.chips is not None and command.chips != chips:
         raise LabError(
             f"--chips {command.chips}: {command.target} has {math.prod(torus)} chips a slice, x {command.slices} "
@@ -91,6 +96,8 @@ def problem_of(command: Plan) -> Problem:
     if command.global_batch is not None:
         if command.global_batch < 1 or command.global_batch % command.seq:
             raise LabError(f"--global-batch {command.global_batch} tokens is not a whole number of --seq {command.seq}")
+        if command.global_batch > MAX_STEP_TOKENS:
+            raise LabError(f"--global-batch {command.global_batch:,} tokens: a step counts {MAX_STEP_TOKENS:,} at most")
         sequences = command.global_batch // command.seq
     else:
         sequences = command.batch_per_device * chips

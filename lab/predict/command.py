@@ -22,6 +22,7 @@ starts, and the CLI imports this module before any target is chosen.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
@@ -29,8 +30,9 @@ from rich.console import Console
 from rich.table import Table
 
 from lab.errors import LabError
+from lab.model import check_flash_tiling
 from lab.predict import calibration
-from lab.predict.spec import parse_model
+from lab.predict.spec import check_step_tokens, parse_model
 from lab.units import format_bytes
 
 GiB = 2**30
@@ -124,7 +126,7 @@ def run_prediction(command: Predict, efficiency=None):
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
     from lab.predict.step import DoesNotFit
     from lab.targets import libtpu
-    from lab.targets.devices import parse_target, topology_devices
+    from lab.targets.devices import check_slices, parse_target, topology_devices, topology_shape
 
     target = parse_target(command.target)
     if target.platform != "tpu" or not target.compile_only:
@@ -133,17 +135,21 @@ def run_prediction(command: Predict, efficiency=None):
         )
     if target.slices > 1:
         raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
-    if command.slices < 1:
-        raise LabError(f"--slices {command.slices}: use 1 or more")
+    check_slices("--slices", command.slices)
     if command.seq < 1:
         raise LabError(f"--seq {command.seq}: use 1 or more")
+    if command.attention == "flash":
+        check_flash_tiling(command.seq)
+    check_step_tokens(
+        command.batch_per_device, math.prod(topology_shape(target.topology)) * command.slices, command.seq
+    )
     model = replace(parse_model(command.model), seq=command.seq, attention=command.attention)
+    compiled_layers = _compiled_layers(command.layers_compiled, model.layers)
     libtpu.prepare(command.libtpu_flags)
     devices = topology_devices(target.topology, command.slices)
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     chip = _chip(devices)
     efficiency = efficiency or calibration.efficiency(chip.name)
-    compiled_layers = _compiled_layers(command.layers_compiled, model.layers)
     pipelined = dict(mesh.shape).get("stage", 1) > 1
     if compiled_layers < model.layers and pipelined:
         raise LabError(_PIPELINED)

@@ -101,6 +101,23 @@ _REQUIRED = ("layers", "d_model", "heads", "d_ff", "vocab")
 EXAMPLE = "layers=32,d_model=4096,heads=32,kv_heads=8,head_dim=128,d_ff=14336,vocab=128256,mlp=swiglu"
 
 
+MAX_STEP_TOKENS = 2**31 - 1  # a step's token count is a Python int in the loss: JAX makes it an int32
+
+
+def check_step_tokens(batch_per_device: int, chips: int, seq: int) -> int:
+    """The tokens of one step (batch per device x chips x seq), refused past int32 before anything compiles."""
+    if batch_per_device < 1:
+        raise LabError(f"--batch-per-device {batch_per_device}: use 1 or more")
+    tokens = batch_per_device * chips * seq
+    if tokens > MAX_STEP_TOKENS:
+        most = max(1, MAX_STEP_TOKENS // (chips * seq))
+        raise LabError(
+            f"--batch-per-device {batch_per_device} x {chips} chips x --seq {seq} = {tokens:,} tokens a step, past "
+            f"the {MAX_STEP_TOKENS:,} a step can count (int32); give --batch-per-device {most} or less"
+        )
+    return tokens
+
+
 def parse_model(text: str) -> ModelConfig:
     """A preset name or ``key=value,...`` pairs (see `KEYS`) -> ModelConfig; a LabError names what is wrong."""
     text = text.strip()

@@ -43,6 +43,9 @@ from lab.targets import gpu, native
 
 DEFAULT_TARGET = "cpu:8"
 MAX_CPU_DEVICES = 512  # XLA:CPU compiles for every emulated device in one process: thousands never finish
+# libtpu aborts past it: "Check failed: pr_mapper.NumSlices() < kMaxNumSlices (10000 vs. 512)"
+# (cross_slice_rewrites_utils.cc, libtpu 0.0.x of jax 0.10), a SIGABRT no Python code can catch
+MAX_SLICES = 511
 
 _TOPOLOGY = re.compile(r"^tpu:(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$", re.ASCII)
 _TARGET_FORMS = (
@@ -102,8 +105,18 @@ def parse_target(spec: str) -> Target:
         slices = match["slices"] or "1"
         if not (slices.isascii() and slices.isdigit()) or int(slices) < 1:
             raise LabError(f"target {spec!r}: slices must be a positive integer, as in 'tpu:v5e:16x16 slices=4'")
+        check_slices(f"target {spec!r}", int(slices))
         return Target("tpu", topology=f"{match['gen']}:{match['dims']}", slices=int(slices))
     raise LabError(f"unknown target {spec!r}; use {_TARGET_FORMS}")
+
+
+def check_slices(what: str, slices: int) -> int:
+    """A slice count libtpu compiles for: 1 to `MAX_SLICES` (past that it aborts the process)."""
+    if not 1 <= slices <= MAX_SLICES:
+        raise LabError(
+            f"{what} asks for {slices} slices; libtpu compiles for 1 to {MAX_SLICES}: give a count in that range"
+        )
+    return slices
 
 
 def devices_for(target: Target | str) -> tuple:
@@ -156,6 +169,7 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
         raise LabError(
             f"target tpu:{topology} needs libtpu; install it with: pip install 'jax[tpu]' (or pip install -e '.[tpu]')"
         )
+    check_slices(f"tpu:{topology}", slices)
     # Compile-only use never touches a chip, so two processes may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": slices} if slices > 1 else {}

@@ -191,7 +191,7 @@ def flops_per_token(model) -> float:
 def run(config: RunConfig, devices=None) -> RunLog:
     """Train as `config` says on `devices` (default: the target's, after jax.distributed when asked)."""
 
-    _check(config)
+    check(config)
     devices = _devices(config) if devices is None else devices
     # a batch the mesh cannot split fails at once, before any compile or any file is written
     trainer_for(config, devices).layout.check_batch(config.global_batch, config.micro_batches)
@@ -282,7 +282,7 @@ def _trainer(model, train_config, mesh):
     return Trainer(model, train_config, mesh)
 
 
-def _check(config: RunConfig) -> None:
+def check(config: RunConfig) -> None:
     """Refuse what cannot run before anything is compiled or written (`lab.inputs`)."""
     inputs.number("--steps", config.steps, low=1, high=MAX_STEPS)
     inputs.number("--global-batch", config.global_batch, low=1)
@@ -304,6 +304,11 @@ def _check(config: RunConfig) -> None:
     inputs.page_name("--name", config.name)
     if config.coordinator is not None:
         inputs.address("--coordinator", config.coordinator)
+    if config.num_processes is not None:
+        inputs.number("--num-processes", config.num_processes, low=1)
+    if config.process_id is not None:
+        most = config.num_processes - 1 if config.num_processes is not None else None
+        inputs.number("--process-id", config.process_id, low=0, high=most)
     if config.page:
         inputs.output_folder("--results", config.results)
     inputs.output_file(
