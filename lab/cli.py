@@ -278,7 +278,8 @@ def _compiled_program(command: Inspect, mesh, compile_only: bool):
         fn, args = built.fn, (built.abstract_input(parse_size(command.size), element),)
         title = f"{command.program} over {','.join(command.axes)}"
     started = time.perf_counter()
-    with program.blamed(title, "compiling it", compile_only), jax.set_mesh(mesh):  # as the user's script compiles it
+    option = "--fn" if command.fn is not None else "--program"
+    with program.blamed(title, "compiling it", compile_only, option), jax.set_mesh(mesh):  # as the user's script would
         found = hlo.inspect(fn, *args, mesh=mesh)
     return title, found, time.perf_counter() - started
 
@@ -621,7 +622,7 @@ def _config_for(experiment, target: str):
 def _page_hash(folder: Path) -> str:
     try:
         return json.loads((folder / "result.json").read_text())["provenance"]["code_hash"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, LookupError, TypeError):  # missing or damaged: a page to measure again
         return ""
 
 

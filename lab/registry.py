@@ -99,15 +99,18 @@ class Experiment:
         path = folder / "result.json"
         if not path.is_file():
             raise LabError(f"{path} does not exist: run `lab report --only {self.name}` to measure it first")
-        data = json.loads(path.read_text())
+        again = f"measure again with `lab report --only {self.name}`"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:  # cut short while written by another tool, edited
+            raise LabError(f"{path} is damaged (not JSON: {err}); {again}") from None
+        if not isinstance(data, dict):
+            raise LabError(f"{path} is damaged (a JSON {type(data).__name__}, not a page's object); {again}")
         try:
             observations = dacite.from_dict(self.module.Observations, data["observations"], config=_TYPED)
             config = dacite.from_dict(self.module.Config, data["config"], config=_TYPED)
-        except (KeyError, dacite.DaciteError) as err:
-            raise LabError(
-                f"{path} holds no observations this experiment can read ({err}); "
-                f"measure again with `lab report --only {self.name}`"
-            ) from None
+        except (KeyError, TypeError, AttributeError, dacite.DaciteError) as err:  # a field of the wrong shape
+            raise LabError(f"{path} holds no observations this experiment can read ({err}); {again}") from None
         return observations, config, data.get("provenance", {})
 
     def rejudge(self, folder: Path) -> Result:

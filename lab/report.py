@@ -17,6 +17,7 @@ per question the ledger of the quick-reference's claims.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -73,6 +74,7 @@ def write(result: Result, results_dir: Path | str = "results") -> Path:
     folder = Path(results_dir) / result.name
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{result.name}.", dir=folder.parent))
+    staging.chmod(0o777 & ~_umask())  # mkdtemp makes it 0700: the page opens to whom any folder of the user's would
     try:
         for stem, draw in result.plots.items():
             figure = draw() if callable(draw) else draw
@@ -85,6 +87,12 @@ def write(result: Result, results_dir: Path | str = "results") -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder / "README.md"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the mask means setting it: set it back at once
+    os.umask(mask)
+    return mask
 
 
 def _swap_in(staging: Path, folder: Path) -> None:

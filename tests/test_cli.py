@@ -35,6 +35,18 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, argv, words):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_lab_program_that_fails_to_compile_is_not_blamed_on_fn(capsys, devices, monkeypatch):
+    from lab import hlo
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("XLA refused it")
+
+    monkeypatch.setattr(hlo, "inspect", fails)
+    assert main(["inspect", "--program", "all-reduce", "--mesh", "data=8", "--axes", "data"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lab: error: --program 'all-reduce over data': compiling it raised") and "--fn" not in err
+
+
 def test_list_names_every_experiment_and_its_question(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
@@ -133,6 +145,27 @@ def test_a_results_folder_it_cannot_write_is_one_line_before_measuring(capsys, t
     assert main(["report", "--only", "allreduce_equivalence", "--results", str(results)]) == 2
     err = capsys.readouterr().err
     assert "is not writable" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "damaged, words",
+    [
+        (b'{"observations": {"sizes": [1, 2', "is damaged (not JSON"),  # cut short
+        (b"\xff\xfe{}", "is damaged (not JSON"),  # not UTF-8
+        (b"[1, 2]", "a JSON list, not a page's object"),
+        (b'{"observations": [1], "config": {}}', "holds no observations this experiment can read"),
+    ],
+)
+def test_a_damaged_page_is_one_line_for_rejudge_and_measured_again_by_stale(capsys, tmp_path, damaged, words):
+    page = tmp_path / "allreduce_equivalence"
+    page.mkdir()
+    (page / "result.json").write_bytes(damaged)
+    assert main(["report", "--rejudge", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    if damaged.startswith(b"[1"):  # --stale reads the page's code hash: a damaged page is one to measure again
+        assert main(["report", "--stale", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 0
+        assert "stale: allreduce_equivalence" in capsys.readouterr().out
 
 
 def test_rejudge_without_a_measured_page_says_what_to_run(capsys, tmp_path):

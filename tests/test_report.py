@@ -1,6 +1,8 @@
 """Pages, result.json and the index: checks with their kinds, claims, provenance; a page is written whole."""
 
 import json
+import os
+import stat
 
 import pytest
 from matplotlib.figure import Figure
@@ -71,6 +73,17 @@ def test_a_written_page_reads_back(tmp_path):
     write(written, tmp_path)
     back = read(tmp_path / "demo")
     assert (back.checks, back.claims, back.observations) == (written.checks, written.claims, written.observations)
+
+
+def test_a_page_folder_opens_as_a_folder_the_user_makes(tmp_path):
+    """Written through a private staging folder (mode 0700), the page still gets the user's umask's mode."""
+    old = os.umask(0o022)
+    try:
+        write(_result(), tmp_path)
+        (tmp_path / "made").mkdir()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "demo").stat().st_mode) == stat.S_IMODE((tmp_path / "made").stat().st_mode) == 0o755
 
 
 def test_a_failed_write_leaves_the_previous_page_whole(tmp_path, monkeypatch):

@@ -102,10 +102,11 @@ def bounded(seconds: float) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def blamed(spec: str, doing: str, compile_only: bool = False) -> Iterator[None]:
+def blamed(spec: str, doing: str, compile_only: bool = False, option: str = "--fn") -> Iterator[None]:
     """The user's code fenced: any failure inside (their code, or JAX tracing it), a ``sys.exit`` or another
     `BaseException` included, becomes one line naming what raised it and where; what it prints goes to stderr, so
-    ``--json`` output stays JSON. Only Ctrl-C and SIGTERM pass through, to stop the lab as they stop it anywhere."""
+    ``--json`` output stays JSON. Only Ctrl-C and SIGTERM pass through, to stop the lab as they stop it anywhere.
+    `option` names where the program came from (``--fn``, or ``--program`` for one of the lab's)."""
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
@@ -113,22 +114,22 @@ def blamed(spec: str, doing: str, compile_only: bool = False) -> Iterator[None]:
         raise
     except OutOfTime as err:
         raise LabError(
-            f"--fn {spec!r}: {doing} did not finish within {err.args[0]:g} s (--timeout); make it return, or give "
+            f"{option} {spec!r}: {doing} did not finish within {err.args[0]:g} s (--timeout); make it return, or give "
             "more time with --timeout"
         ) from None
     except SystemExit as err:
         raise LabError(
-            f"--fn {spec!r}: {doing} called sys.exit({err.code!r}); the file is imported and NAME(mesh) called by "
+            f"{option} {spec!r}: {doing} called sys.exit({err.code!r}); the file is imported and NAME(mesh) called by "
             "the lab: return (fn, args) instead of exiting"
         ) from None
     except BaseException as err:  # the user's code: any failure is theirs to see, in one line with its place
         hint = (
             "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "
             "jax.eval_shape) and create no arrays"
-            if compile_only
+            if compile_only and option == "--fn"
             else ""
         )
-        raise LabError(f"--fn {spec!r}: {doing} raised {_one_line(err)}{hint}") from None
+        raise LabError(f"{option} {spec!r}: {doing} raised {_one_line(err)}{hint}") from None
 
 
 def _import_file(spec: str, path: Path):
