@@ -39,7 +39,7 @@ from lab.errors import LabError
 from lab.hlo import Collective, Inspection, Skipped, inspect, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute
 from lab.hlo.schedule import overlap_report
-from lab.hlo.sources import Frame, source_of, stack_frames
+from lab.hlo.sources import Frame, stack_frames, stack_of
 from lab.hlo.text import module_name
 from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
@@ -59,7 +59,7 @@ class Explained:
 
     collective: Collective
     origin: Origin
-    source: Frame | None
+    stack: tuple[Frame, ...]  # the user's call chain, innermost first (`lab.hlo.sources.stack_of`); () if unknown
     link: str | None  # "ici", "dcn", "nvlink", "infiniband", "host", ...; None when the machine is unknown
     where: str | None  # the placement in words ("ICI x:4 ring")
     predicted_s: float | None  # per run, on the target's chip profile
@@ -71,6 +71,11 @@ class Explained:
         if self.predicted_s is None or self.overlap_s is None:
             return None
         return self.predicted_s - min(self.predicted_s, self.overlap_s)
+
+    @property
+    def source(self) -> Frame | None:
+        """The innermost line of the user's code that made it."""
+        return self.stack[0] if self.stack else None
 
     @property
     def count(self) -> int | None:
@@ -95,6 +100,7 @@ class Explained:
             "count": c.repeats,
             "groups": [list(g) for g in c.replica_groups],
             "source": str(self.source) if self.source else None,
+            "stack": [{"file": f.file, "line": f.line, "function": f.function} for f in self.stack],
             "op_name": c.op_name,
             "origin": {"kind": self.origin.kind, "name": self.origin.name, "why": self.origin.why},
             "async": c.is_async,
@@ -225,7 +231,7 @@ class Explanation:
                 e.link or "?",
                 _seconds(e.predicted_s),
                 _seconds(e.exposed_s),
-                _short_source(e.source, c.op_name),
+                _short_stack(e.stack, c.op_name),
                 why,
                 style=style,
             )
@@ -331,8 +337,8 @@ def explain_text(
     for c in collectives:
         link, where, seconds = _placed(c, mesh, chip)
         key = (c.computation, c.name)
-        source = source_of(_nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
-        explained.append(Explained(c, origins[c.name], source, link, where, seconds, overlaps.get(key)))
+        stack = stack_of(_nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
+        explained.append(Explained(c, origins[c.name], stack, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(key=lambda e: (order[e.origin.kind], -e.collective.size_bytes * (e.count or 1)))
     return Explanation(
@@ -442,11 +448,13 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1e6:.1f} us" if exponent < -3 else f"{value * 1e3:.2f} ms" if exponent < 0 else f"{value:.2f} s"
 
 
-def _short_source(source: Frame | None, op_name: str | None) -> str:
+def _short_stack(stack: tuple[Frame, ...], op_name: str | None, shown: int = 3) -> str:
+    """``model.py:263 einsum <- model.py:915 attention <- ...`` and the op: the table's source column."""
     op = (op_name or "").rsplit("/", 1)[-1]
-    if source is None:
+    if not stack:
         return op or "?"
-    return f"{source.file.rsplit('/', 1)[-1]}:{source.line} {op}".strip()
+    calls = " <- ".join(f"{f.file.rsplit('/', 1)[-1]}:{f.line} {f.function}" for f in stack[:shown])
+    return f"{calls}{' <- ...' if len(stack) > shown else ''}: {op}" if op else calls
 
 
 class _Discard:

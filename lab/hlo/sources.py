@@ -24,7 +24,9 @@ A frame names a location and its caller. XLA prints the caller one-based
 prints 1); tables whose roots print 0 name the caller by its own id. Either
 way a chain is read innermost first up to the frame without a caller.
 
-The line a user wants is the innermost frame in *their* code. JAX keeps whole
+The line a user wants is the innermost frame in *their* code, and its callers
+there (`stack_of`: ``model.py:263 einsum <- model.py:915 attention``), up to
+the lab's code that compiled the program. JAX keeps whole
 tracebacks in the locations but drops the frames of its own tree and of the
 Python installation it runs from, so which library frames survive depends on
 how the user installed: in a virtual environment flax and optax frames are
@@ -43,11 +45,16 @@ import sysconfig
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 from lab.hlo.text import parse_metadata, unescape
 
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _ROW = re.compile(r"^(\d+)\s+(.*)$")
+_LAB = Path(__file__).resolve().parents[1]  # the lab package
+_LAB_DRIVERS = tuple(
+    str(_LAB / name) for name in ("hlo/", "explanation/", "cli.py", "entry.py", "__main__.py", "interrupts.py")
+)
 _LIBRARY = re.compile(r"(site-packages|dist-packages)/|/lib/python\d+(\.\d+)?/|^<frozen |/jax/_src/")
 
 
@@ -76,6 +83,12 @@ class Frame:
     @property
     def in_library(self) -> bool:
         return is_library(self.file)
+
+    @property
+    def in_lab_driver(self) -> bool:
+        """A frame of the lab's code that compiles a program (`lab inspect`, the explanation): the caller of the
+        user's step, never part of it."""
+        return self.file.startswith(_LAB_DRIVERS)
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
@@ -106,6 +119,19 @@ class StackFrames:
         """The innermost frame outside installed libraries (else the innermost one)."""
         frames = self.chain(frame_id)
         return next((f for f in frames if not f.in_library), frames[0] if frames else None)
+
+    def user_chain(self, frame_id: int) -> tuple[Frame, ...]:
+        """The call chain in the user's code, innermost first: the frames outside installed libraries (a layer of
+        flax between two of the user's frames is stepped over) up to the lab's own code that compiled it; the
+        innermost frame alone when every frame is a library's."""
+        frames = self.chain(frame_id)
+        mine = []
+        for frame in frames:
+            if frame.in_lab_driver:
+                break
+            if not frame.in_library:
+                mine.append(frame)
+        return tuple(mine) or frames[:1]
 
 
 def stack_frames(hlo_text: str) -> StackFrames:
@@ -151,6 +177,18 @@ def source_of(metadata: Mapping[str, str], frames: StackFrames) -> Frame | None:
     if file and line.isdigit():
         return Frame(str(file), int(line), "?")
     return None
+
+
+def stack_of(metadata: Mapping[str, str], frames: StackFrames) -> tuple[Frame, ...]:
+    """The user's call chain an instruction came from, innermost first (`StackFrames.user_chain`); the older
+    source_file/source_line as a chain of one; empty when the instruction names no source."""
+    frame_id = str(metadata.get("stack_frame_id") or "")
+    if frame_id.isdigit():
+        chain = frames.user_chain(int(frame_id))
+        if chain:
+            return chain
+    source = source_of(metadata, frames)
+    return (source,) if source is not None else ()
 
 
 def _table_lines(hlo_text: str):

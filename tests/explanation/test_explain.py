@@ -42,6 +42,9 @@ def test_every_collective_has_a_line_of_the_example_and_a_reason(capsys, devices
     assert found["collectives"], "an example with no collective explains nothing"
     for c in found["collectives"]:
         assert c["source"].startswith(str(EXAMPLES / example) + ":"), c
+        # the call chain: innermost (the source) first, every frame the example's, none of the lab's
+        assert c["stack"] and f"{c['stack'][0]['file']}:{c['stack'][0]['line']}" == c["source"], c
+        assert all(frame["file"] == str(EXAMPLES / example) for frame in c["stack"]), c["stack"]
         assert c["op_name"] and c["link"] == "host" and c["count"] == 1
         assert set(c) >= {"kind", "axes", "dtype", "size_bytes", "groups", "origin", "async"}
         if not (example == "optax_train_step.py" and c["origin"]["kind"] == "surprise"):

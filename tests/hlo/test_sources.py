@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from lab.hlo import parse_collectives
-from lab.hlo.sources import Frame, is_library, source_of, stack_frames
+from lab.hlo.sources import Frame, is_library, source_of, stack_frames, stack_of
 
 DATA = Path(__file__).parents[1] / "data" / "hlo"
 
@@ -140,3 +140,40 @@ def test_an_example_whose_layers_live_in_a_venv_points_at_the_users_line(tmp_pat
     frame_id = int(dot.split("stack_frame_id=")[1].split()[0].rstrip("}"))
     assert frames.chain(frame_id)[0].file == str(packages / "layers.py")  # JAX kept the library's frame
     assert source_of({"stack_frame_id": frame_id}, frames) == Frame(str(tmp_path / "train.py"), 6, "step")
+
+
+def test_a_helper_shared_by_two_call_sites_is_told_apart_by_its_callers(tmp_path, monkeypatch):
+    """A model written with one einsum helper: every matmul's innermost line is the helper's; the chain names the
+    call site (attention's or the MLP's) and steps over a library layer between the user's frames; outside
+    `lab inspect` the code that called jit (this test) is the chain's outermost user frame."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    packages = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    packages.mkdir(parents=True)
+    (packages / "wrap.py").write_text("def call(f, x):\n    return f(x)\n")
+    (tmp_path / "model.py").write_text(
+        "import jax.numpy as jnp\nimport wrap\n\n\n"
+        "def einsum(x):\n    return jnp.einsum('ij,kj->ik', x, x)\n\n\n"
+        "def attention(x):\n    return einsum(x)\n\n\n"
+        "def mlp(x):\n    return wrap.call(einsum, x)\n\n\n"
+        "def forward(x):\n    return attention(x) + mlp(x * 2.0)\n"
+    )
+    monkeypatch.syspath_prepend(str(packages))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = importlib.import_module("model")
+    text = jax.jit(model.forward).lower(jnp.ones((4, 4))).compile().as_text()
+    frames = stack_frames(text)
+    chains = set()
+    for line in text.splitlines():
+        if "stack_frame_id=" in line and (" dot(" in line or "convolution(" in line):
+            frame_id = int(line.split("stack_frame_id=")[1].split()[0].rstrip("},"))
+            chain = [(Path(f.file).name, f.line, f.function) for f in stack_of({"stack_frame_id": frame_id}, frames)]
+            assert chain[3][0] == Path(__file__).name  # the caller of jit (then the test runner's own frames)
+            chains.add(tuple(chain[:3]))
+    assert chains == {
+        (("model.py", 6, "einsum"), ("model.py", 10, "attention"), ("model.py", 18, "forward")),
+        (("model.py", 6, "einsum"), ("model.py", 14, "mlp"), ("model.py", 18, "forward")),
+    }
