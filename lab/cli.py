@@ -38,6 +38,7 @@ from lab.doctor.diagnosis import diagnose
 from lab.errors import LabError
 from lab.explanation import program
 from lab.explanation.explain import explain_hlo, explain_inspection
+from lab.explanation.origins import compile_with_origins
 from lab.hlo import dumps
 from lab.hlo import text as hlo_text
 from lab.mesh import MeshSpec, describe, slice_local_shape
@@ -266,8 +267,8 @@ def _dispatch(command) -> int:
 
 
 def _compiled_program(command: Inspect, mesh, compile_only: bool):
-    """(title, inspection, compile seconds) of the program `command` names: the user's --fn, or one of
-    lab.collectives."""
+    """(title, inspection, Shardy's record, compile seconds) of the program `command` names: the user's --fn, or one
+    of lab.collectives."""
     if command.fn is not None:
         builder = program.load(command.fn)
         fn, args = program.build(builder, mesh, command.fn, compile_only=compile_only)
@@ -280,8 +281,8 @@ def _compiled_program(command: Inspect, mesh, compile_only: bool):
     started = time.perf_counter()
     option = "--fn" if command.fn is not None else "--program"
     with program.blamed(title, "compiling it", compile_only, option), jax.set_mesh(mesh):  # as the user's script would
-        found = hlo.inspect(fn, *args, mesh=mesh)
-    return title, found, time.perf_counter() - started
+        found, propagation = compile_with_origins(fn, *args, mesh=mesh)
+    return title, found, propagation, time.perf_counter() - started
 
 
 def inspect(command: Inspect) -> int:
@@ -304,8 +305,8 @@ def inspect(command: Inspect) -> int:
     compile_only = parse_target(command.target).compile_only
     mesh = spec.build(devices, explicit=command.axis_types == "explicit")
     with program.bounded(command.timeout if command.fn is not None else 0):  # the user's code, not the lab's
-        title, found, compile_s = _compiled_program(command, mesh, compile_only)
-    explained = explain_inspection(found, mesh, target=command.target)
+        title, found, propagation, compile_s = _compiled_program(command, mesh, compile_only)
+    explained = explain_inspection(found, mesh, target=command.target, propagation=propagation)
     if command.json:
         _print_json({"program": title, "compile_s": compile_s, **explained.to_json()})
     else:

@@ -36,12 +36,12 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, argv, words):
 
 
 def test_a_lab_program_that_fails_to_compile_is_not_blamed_on_fn(capsys, devices, monkeypatch):
-    from lab import hlo
+    from lab import cli
 
     def fails(*args, **kwargs):
         raise RuntimeError("XLA refused it")
 
-    monkeypatch.setattr(hlo, "inspect", fails)
+    monkeypatch.setattr(cli, "compile_with_origins", fails)
     assert main(["inspect", "--program", "all-reduce", "--mesh", "data=8", "--axes", "data"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("lab: error: --program 'all-reduce over data': compiling it raised") and "--fn" not in err

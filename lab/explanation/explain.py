@@ -8,13 +8,14 @@ every collective XLA wrote it gives
 * what it is: kind, mesh axes (from its replica groups), dtype, bytes per
   device (S, the nccl-tests size), how many times a step runs it (loop trip
   counts), whether the schedule runs it asynchronously;
-* where it is: the line of the user's code and the JAX op name
+* where it is: the user's call chain and the JAX op name
   (`lab.hlo.sources`), and the link it crosses on the target's machine
   (`lab.targets.topology`: ICI or DCN on TPUs, NVLink or InfiniBand on GPUs, the host
   for emulated CPU devices) with the lab's predicted time on that link;
-* why it is there (`lab.hlo.attribution`): the parameter it gathers, the
-  gradient it reduces, the input it reshards, the activations it moves; the
-  ones nothing explains come first, as surprises, each with a hint.
+* why it is there: what it moves (`lab.hlo.attribution`: a parameter, a
+  gradient, an input, activations) and who decided (`lab.explanation.causes`:
+  an op that cannot run sharded, a while_loop under vmap, shard_map, or two
+  annotations that disagree, read from Shardy's record); surprises come first.
 
 Totals per axis and kind, memory per device and (on TPU and GPU targets) the
 roofline close it. An `Explanation` renders as rich tables in a terminal, as
@@ -36,10 +37,12 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.errors import LabError
-from lab.hlo import Collective, Inspection, Skipped, inspect, parse_collectives
+from lab.explanation.causes import Cause, cause_of
+from lab.explanation.origins import Propagation, compile_with_origins
+from lab.hlo import Collective, Inspection, Skipped, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute
 from lab.hlo.schedule import overlap_report
-from lab.hlo.sources import Frame, stack_frames, stack_of
+from lab.hlo.sources import Frame, nearest_metadata, stack_frames, stack_of
 from lab.hlo.text import module_name
 from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
@@ -60,6 +63,7 @@ class Explained:
     collective: Collective
     origin: Origin
     stack: tuple[Frame, ...]  # the user's call chain, innermost first (`lab.hlo.sources.stack_of`); () if unknown
+    cause: Cause | None  # the op or annotation that decided it (`lab.explanation.causes`); None when none is named
     link: str | None  # "ici", "dcn", "nvlink", "infiniband", "host", ...; None when the machine is unknown
     where: str | None  # the placement in words ("ICI x:4 ring")
     predicted_s: float | None  # per run, on the target's chip profile
@@ -73,6 +77,13 @@ class Explained:
         return self.predicted_s - min(self.predicted_s, self.overlap_s)
 
     @property
+    def is_surprise(self) -> bool:
+        """Not asked for by the program's layouts: nothing explains it, or an op or annotation forces it on a value
+        that is no parameter or gradient (those move by the layout's design)."""
+        forced = self.cause is not None and self.cause.hint is not None
+        return self.origin.kind == "surprise" or (forced and self.origin.kind not in ("parameter", "gradient"))
+
+    @property
     def source(self) -> Frame | None:
         """The innermost line of the user's code that made it."""
         return self.stack[0] if self.stack else None
@@ -83,6 +94,8 @@ class Explained:
 
     @property
     def hint(self) -> str | None:
+        if self.cause is not None:
+            return self.cause.hint
         if self.origin.kind != "surprise":
             return None
         if self.collective.moves_nothing:
@@ -103,6 +116,7 @@ class Explained:
             "stack": [{"file": f.file, "line": f.line, "function": f.function} for f in self.stack],
             "op_name": c.op_name,
             "origin": {"kind": self.origin.kind, "name": self.origin.name, "why": self.origin.why},
+            "cause": self.cause.to_json() if self.cause is not None else None,
             "async": c.is_async,
             "link": self.link,
             "where": self.where,
@@ -125,10 +139,11 @@ class Explanation:
     inputs: tuple[Input, ...]
     memory: dict[str, int]  # bytes per device
     roofline: Roofline | None
+    origins: str = ""  # what Shardy's record of sharding origins gave, in one line (`lab.explanation.origins`)
 
     @property
     def surprises(self) -> tuple[Explained, ...]:
-        return tuple(e for e in self.collectives if e.origin.kind == "surprise")
+        return tuple(e for e in self.collectives if e.is_surprise)
 
     def totals(self) -> list[dict[str, Any]]:
         """Per (axes, kind): collectives, runs per step, bytes per step (S x runs), predicted seconds per step."""
@@ -175,6 +190,7 @@ class Explanation:
             ],
             "memory": self.memory,
             "roofline": _roofline_json(self.roofline),
+            "origins": self.origins,
         }
 
     # ----------------------------------------------------------------------- views
@@ -191,12 +207,16 @@ class Explanation:
         mesh = ",".join(f"{a}={s}" for a, s in (self.mesh or {}).items() if s > 1) or "no mesh given"
         parts: list = [Text(f"{self.module} on {self.target} ({mesh})", style="bold")]
         if self.surprises:
-            parts.append(Text(f"{len(self.surprises)} surprise(s): collectives nothing in the program declares", "red"))
+            parts.append(
+                Text(f"{len(self.surprises)} surprise(s): collectives the program's layouts did not ask for", "red")
+            )
         parts.append(self._collectives_table())
         parts.append(self._totals_table())
         if self.skipped:
             first = self.skipped[0]
             parts.append(Text(f"{len(self.skipped)} line(s) skipped, e.g. line {first.line_number}: {first.reason}"))
+        if self.origins:
+            parts.append(Text(self.origins))
         parts.append(Text(_memory_line(self.memory)))
         parts.append(Text(_roofline_line(self.roofline)))
         return parts
@@ -219,8 +239,9 @@ class Explanation:
             table.add_column(column, overflow="fold")
         for e in self.collectives:
             c = e.collective
-            style = "red" if e.origin.kind == "surprise" else None
-            why = f"{e.origin}: {e.origin.why}" + (f". Hint: {e.hint}" if e.hint else "")
+            style = "red" if e.is_surprise else None
+            why = f"{e.origin}: {e.origin.why}" if e.cause is None else f"{e.cause.kind}: {e.cause.why} ({e.origin})"
+            why += f". Hint: {e.hint}" if e.hint else ""
             table.add_row(
                 c.kind,
                 "?" if c.axes is None else ",".join(c.axes) or "-",
@@ -261,12 +282,15 @@ def explain(fn, *args: Any, mesh=None, target: str | None = None, **kwargs: Any)
     if not callable(fn):
         raise LabError(f"explain needs a function, not {type(fn).__name__}")
     mesh = mesh if mesh is not None else _mesh_of((args, kwargs))
-    found = inspect(fn, *args, mesh=mesh, **kwargs)
-    return explain_inspection(found, mesh, target=target)
+    found, propagation = compile_with_origins(fn, *args, mesh=mesh, **kwargs)
+    return explain_inspection(found, mesh, target=target, propagation=propagation)
 
 
-def explain_inspection(found: Inspection, mesh=None, *, target: str | None = None) -> Explanation:
-    """The explanation of a program already compiled and inspected."""
+def explain_inspection(
+    found: Inspection, mesh=None, *, target: str | None = None, propagation: Propagation | str | None = None
+) -> Explanation:
+    """The explanation of a program already compiled and inspected (with Shardy's record, when it was asked for:
+    `lab.explanation.origins.compile_with_origins`)."""
     devices = list(mesh.devices.flat) if mesh is not None else []
     chip = _chip(devices)
     shown = target or (f"{devices[0].platform}:{len(devices)}" if devices else "?")
@@ -280,6 +304,10 @@ def explain_inspection(found: Inspection, mesh=None, *, target: str | None = Non
         memory=found.memory,
         rooflined=roofline(found, mesh, chip) if chip is not None else None,
         target=shown,
+        propagation=propagation if isinstance(propagation, Propagation) else None,
+        origins_missing=propagation
+        if isinstance(propagation, str)
+        else "not asked for (compile with lab.explanation.origins.compile_with_origins)",
     )
 
 
@@ -328,6 +356,8 @@ def explain_text(
     memory: dict[str, int],
     rooflined: Roofline | None = None,
     target: str,
+    propagation: Propagation | None = None,
+    origins_missing: str = "a dump holds no record of them (inspect the program with --fn)",
 ) -> Explanation:
     graph = Dataflow.of(hlo_text)
     origins = attribute(graph, collectives)
@@ -337,10 +367,13 @@ def explain_text(
     for c in collectives:
         link, where, seconds = _placed(c, mesh, chip)
         key = (c.computation, c.name)
-        stack = stack_of(_nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
-        explained.append(Explained(c, origins[c.name], stack, link, where, seconds, overlaps.get(key)))
+        stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
+        cause = cause_of(c, stack[0] if stack else None, propagation)
+        explained.append(Explained(c, origins[c.name], stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
-    explained.sort(key=lambda e: (order[e.origin.kind], -e.collective.size_bytes * (e.count or 1)))
+    explained.sort(
+        key=lambda e: (0 if e.is_surprise else order[e.origin.kind], -e.collective.size_bytes * (e.count or 1))
+    )
     return Explanation(
         module=module_name(hlo_text),
         target=target,
@@ -350,7 +383,21 @@ def explain_text(
         inputs=graph.entry_inputs,
         memory=dict(memory),
         roofline=rooflined,
+        origins=_origins_line(propagation, explained, origins_missing),
     )
+
+
+def _origins_line(propagation: Propagation | None, explained: list[Explained], missing: str) -> str:
+    """What Shardy's record said, in one line: how many collectives an annotation decided, or why there is none."""
+    if propagation is None:
+        return f"sharding origins: none read; {missing}"
+    if not propagation.joined:
+        return (
+            "sharding origins: Shardy's record read but joined to no line (the entry function's work is in nested "
+            "jit functions, which are not joined); no annotation is named"
+        )
+    decided = sum(e.cause is not None and e.cause.kind == "annotation" for e in explained)
+    return f"sharding origins: Shardy's record read; {decided} collective(s) decided by a conflicting annotation"
 
 
 def _overlaps(hlo_text: str, chip: ChipProfile, mesh_sizes: dict[str, int] | None) -> dict[tuple[str, str], float]:
@@ -360,20 +407,6 @@ def _overlaps(hlo_text: str, chip: ChipProfile, mesh_sizes: dict[str, int] | Non
     shape = tuple(mesh_sizes.values()) if mesh_sizes else None
     report = overlap_report(hlo_text, chip, mesh_shape=shape, axis_names=tuple(mesh_sizes) if mesh_sizes else None)
     return {(w.collective.computation, w.collective.name): w.compute_s for w in report.windows}
-
-
-def _nearest_metadata(every: dict, key: tuple[str, str], depth: int = 0) -> dict[str, str]:
-    """An instruction's metadata; where it carries no source (XLA:GPU's combiner writes its concatenated buffer
-    without one), its nearest producer's."""
-    instruction = every[key]
-    metadata = dict(instruction.metadata)
-    if metadata.get("stack_frame_id") is not None or metadata.get("source_file") or depth >= 4:
-        return metadata
-    for operand in instruction.operands:
-        found = _nearest_metadata(every, (key[0], operand), depth + 1) if (key[0], operand) in every else {}
-        if found.get("stack_frame_id") is not None or found.get("source_file"):
-            return {**found, **{k: v for k, v in metadata.items() if v is not None}}
-    return metadata
 
 
 def _placed(collective: Collective, mesh, chip: ChipProfile | None) -> tuple[str | None, str | None, float | None]:

@@ -34,6 +34,8 @@ from lab.hlo.inspection import format_cost as format_cost
 from lab.hlo.inspection import format_memory as format_memory
 from lab.hlo.inspection import inspect as inspect
 from lab.hlo.inspection import inspect_compiled as inspect_compiled
+from lab.hlo.inspection import inspect_lowered as inspect_lowered
+from lab.hlo.inspection import lower as lower
 from lab.hlo.inspection import summary_table as summary_table
 from lab.hlo.sources import source_of as source_of
 from lab.hlo.sources import stack_frames as stack_frames

@@ -75,13 +75,24 @@ def inspect(fn, *args: Any, mesh=None, **kwargs: Any) -> Inspection:
     `mesh` (default: the mesh of the first NamedSharding among the args) maps
     replica groups to axes.
     """
+    mesh = mesh if mesh is not None else _mesh_of((args, kwargs))
+    return inspect_lowered(lower(fn, *args, mesh=mesh, **kwargs), mesh)
+
+
+def lower(fn, *args: Any, mesh=None, **kwargs: Any):
+    """``jax.jit(fn).lower(*args, **kwargs)`` (`fn` jitted if it is not yet), quiet on accelerators."""
     if not callable(fn):
         raise LabError(f"inspect needs a function (or a jax.jit-ed one), not {type(fn).__name__}")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     mesh = mesh if mesh is not None else _mesh_of((args, kwargs))
     with _quiet_on_accelerators(mesh):
-        lowered = jitted.lower(*args, **kwargs)
-        compiled = lowered.compile()
+        return jitted.lower(*args, **kwargs)
+
+
+def inspect_lowered(lowered, mesh=None, *, compiler_options: dict | None = None) -> Inspection:
+    """Compile a lowered program (with XLA `compiler_options`, debug options included) and read what XLA produced."""
+    with _quiet_on_accelerators(mesh):
+        compiled = lowered.compile(compiler_options) if compiler_options else lowered.compile()
     return inspect_compiled(compiled, mesh, unoptimized_hlo=lowered.as_text(dialect="hlo"))
 
 

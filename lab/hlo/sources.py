@@ -191,6 +191,20 @@ def stack_of(metadata: Mapping[str, str], frames: StackFrames) -> tuple[Frame, .
     return (source,) if source is not None else ()
 
 
+def nearest_metadata(every: Mapping, key: tuple[str, str], depth: int = 0) -> dict[str, str]:
+    """The metadata of instruction `key` ((computation, name) in `every`); where it carries no source (XLA:GPU's
+    combiner writes its concatenated buffer without one), its nearest producer's."""
+    instruction = every[key]
+    metadata = dict(instruction.metadata)
+    if metadata.get("stack_frame_id") is not None or metadata.get("source_file") or depth >= 4:
+        return metadata
+    for operand in instruction.operands:
+        found = nearest_metadata(every, (key[0], operand), depth + 1) if (key[0], operand) in every else {}
+        if found.get("stack_frame_id") is not None or found.get("source_file"):
+            return {**found, **{k: v for k, v in metadata.items() if v is not None}}
+    return metadata
+
+
 def _table_lines(hlo_text: str):
     """The lines before the first computation (where the tables are printed)."""
     for line in hlo_text.splitlines():

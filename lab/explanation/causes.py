@@ -1,0 +1,210 @@
+"""The decision behind a collective, in the user's terms: which operation or annotation made XLA communicate.
+
+`lab.hlo.attribution` says *what* a collective moves (a parameter, a gradient,
+an input, activations). A systems engineer asks next *who decided*. XLA writes
+on every collective the metadata of the operation it partitioned when it
+inserted it, so the JAX primitive at the end of the collective's op name
+(``jit(f)/jit(argsort)/sort``), at the user's line (`lab.hlo.sources`), is the
+operation that needed the data laid out otherwise. Some operations cannot run
+on a dimension a mesh axis splits, and the partitioner makes that dimension
+whole first:
+
+* **op**: a sort (``argsort``, ``sort``), ``top_k``, an ``fft``, a cumulative
+  op (``cumsum`` is a ``reduce_window``), a convolution (windowed or grouped
+  along the split dimension), a ``gather`` or ``scatter`` that indexes the
+  split dimension, a ``reshape`` that merges or splits it: the data is
+  gathered or transposed (all-gather, all-to-all) or the partial lookups are
+  summed (all-reduce);
+* **loop predicate**: a ``while_loop`` under ``vmap`` runs until every batch
+  element is done, so each iteration all-reduces whether any still runs;
+* **shard_map**: a collective asked for by name inside ``shard_map`` (``psum``,
+  ``all_gather``, ``ppermute``, ``all_to_all``, ``psum_scatter``);
+* **annotation**: a ``with_sharding_constraint`` / ``reshard`` / ``out_sharding``
+  that asks for a layout the computation does not have there.
+
+Anything else is the partitioner's own choice between the layouts the program
+declared (`attribution` names what it moves); no cause is guessed for it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from lab.explanation.origins import Decision, Propagation, Value
+from lab.hlo.collectives import Collective
+from lab.hlo.sources import Frame
+
+CAUSES = ("op", "loop predicate", "shard_map", "annotation")
+
+
+@dataclass(frozen=True)
+class Cause:
+    """The operation or annotation that decided one collective, where it is, and what to change there."""
+
+    kind: str  # one of CAUSES
+    op: str  # the JAX primitive or annotation, as JAX names it (sort, fft, psum, sharding_constraint, ...)
+    line: Frame | None  # the user's line that holds it
+    why: str
+    hint: str | None  # the change at that line; None when the collective was asked for
+
+    def to_json(self) -> dict:
+        where = f"{self.line.file}:{self.line.line}" if self.line else None
+        return {"kind": self.kind, "op": self.op, "line": where, "why": self.why, "hint": self.hint}
+
+
+# primitive -> (what it does to the split dimension, the change that avoids it)
+_OPS = {
+    "sort": ("sorts along one dimension, which must be whole on one device", "sort along a dimension no axis splits"),
+    "top_k": ("selects along its last dimension, which must be whole on one device", "shard another dimension"),
+    "fft": ("transforms along its last dimensions, which must be whole on one device", "shard a batch dimension"),
+    "reduce_window_sum": (
+        "accumulates along one dimension (cumsum), each element needing every one before it",
+        "accumulate along a dimension no axis splits, or scan the shards with shard_map and add the carried totals",
+    ),
+    "conv_general_dilated": (
+        "slides a window (or splits feature groups) along a dimension that is split",
+        "shard the batch or the output features, not a spatial or grouped feature dimension",
+    ),
+    "gather": (
+        "looks up rows by index in a dimension that is split: each device holds some of the rows, so the partial "
+        "lookups are combined",
+        "replicate the table, or look up inside shard_map on each device's rows",
+    ),
+    "scatter": ("writes rows by index into a dimension that is split", "replicate the target, or write per shard"),
+    "reshape": (
+        "merges or splits a dimension that an axis splits, into one the axis cannot split the same way",
+        "reshape so the split dimension stays a whole dimension, or reshard before it",
+    ),
+}
+_BY_NAME = ("psum", "pmax", "pmin", "pmean", "all_gather", "all_to_all", "ppermute", "pshuffle", "reduce_scatter")
+_ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
+
+
+def cause_of(collective: Collective, line: Frame | None, propagation: Propagation | None = None) -> Cause | None:
+    """The op or annotation that decided `collective` (at the user's `line`), or None when nothing names one: its op
+    name, or Shardy's record of where the layouts at that op came from (`propagation`)."""
+    path = (collective.op_name or "").split("/")
+    op = path[-1]
+    if not op:
+        return None
+    axes = ",".join(collective.axes or ()) or "its groups"
+    where = f"{line.file.rsplit('/', 1)[-1]}:{line.line}" if line else "its line"
+    at = f" at {where}"
+    if op == "shard_map":  # inserted at the boundary: the inputs do not have the in_specs' layout
+        return Cause(
+            "shard_map",
+            "shard_map in_specs/out_specs",
+            line,
+            f"the shard_map{at} takes (or returns) a layout its arguments (or users) do not have: the "
+            f"{collective.kind} over {axes} reshards at its boundary",
+            f"at {where}: give in_specs/out_specs the layout the values already have",
+        )
+    if "shard_map" in path[:-1] and op.startswith(_BY_NAME):
+        return Cause("shard_map", op, line, f"asked for by name: {op} inside shard_map{at}, over {axes}", None)
+    if op in _ANNOTATIONS or any(part.startswith(_ANNOTATIONS) for part in path[1:]):
+        return Cause(
+            "annotation",
+            op,
+            line,
+            f"{op}{at} asks for a layout the computation does not have there: the {collective.kind} over {axes} "
+            "makes it",
+            f"at {where}: drop the annotation, or ask for the layout the computation has there",
+        )
+    if op == "while" and "vmap" in " ".join(path) and collective.kind == "all-reduce":
+        return Cause(
+            "loop predicate",
+            "while_loop under vmap",
+            line,
+            f"a while_loop under vmap{at} runs until every batch element is done: each iteration all-reduces "
+            f"whether any still runs, over {axes}",
+            f"at {where}: give the loop a fixed trip count (fori_loop or scan), or run it per shard inside shard_map",
+        )
+    base = op.split("-")[0]
+    if base in _OPS:
+        does, change = _OPS[base]
+        wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 1 else None  # jnp.cumsum -> jit(cumsum)
+        name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1] != base else base
+        return Cause(
+            "op",
+            name,
+            line,
+            f"{name}{at} {does}: the {collective.kind} over {axes} makes it so",
+            f"at {where}: {change}",
+        )
+    if propagation is not None:
+        decision = propagation.decision(collective.op_name, line.line if line else None)
+        if decision is not None:
+            return _conflict(collective, decision, line, propagation, axes)
+    return None
+
+
+def _conflict(
+    collective: Collective, decision: Decision, line: Frame | None, propagation: Propagation, axes: str
+) -> Cause | None:
+    """Two annotations that disagree at one op: the one its result's layout came from, and an operand's."""
+    result = decision.result
+    if not decision.elementwise:  # a matmul's or a reduction's operands differ from its result by its own rule
+        return None
+    operand = next(
+        (
+            v
+            for v in decision.operands
+            if v.sharding and v.sharding != result.sharding and set(v.origins.values()) != set(result.origins.values())
+        ),
+        None,
+    )
+    if operand is None or not result.origins:
+        return None
+    op = decision.op.rsplit("/", 1)[-1]
+    where = f"{line.file.rsplit('/', 1)[-1]}:{line.line}" if line else "its line"
+    deciding = _annotation(result, propagation) or line
+    why = (
+        f"{op} at {where} takes the layout {result.sharding} from {_described(result, propagation)}, but its operand "
+        f"{operand.name} comes as {operand.sharding} from {_described(operand, propagation)}: the {collective.kind} "
+        f"over {axes} reshards between the two"
+    )
+    at = f"{deciding.file.rsplit('/', 1)[-1]}:{deciding.line}" if deciding else where
+    hint = (
+        f"at {at}: ask for {operand.sharding} (the layout {operand.name} has), or give {operand.name} "
+        f"{result.sharding} where it is made or declared"
+    )
+    return Cause("annotation", _annotation_name(next(iter(result.origins.values()))), deciding, why, hint)
+
+
+def _annotation_name(origin: str) -> str:
+    """The JAX spelling of the annotation Shardy calls `origin`."""
+    if origin.startswith("constraint_"):
+        return "with_sharding_constraint"
+    if origin.startswith("output: "):
+        return "out_shardings"
+    if origin.startswith("input: ") or origin == "self":
+        return "in_shardings"
+    return origin
+
+
+def _annotation(value: Value, propagation: Propagation) -> Frame | None:
+    """The line of the with_sharding_constraint a value's layout came from, if it came from one."""
+    for origin in dict.fromkeys(value.origins.values()):
+        found = propagation.constraint_line(origin) if origin.startswith("constraint_") else None
+        if found is not None:
+            return Frame(found[0], found[1], "with_sharding_constraint")
+    return None
+
+
+def _described(value: Value, propagation: Propagation) -> str:
+    """Where each axis of a value's layout came from, in words."""
+    return " and ".join(_origin_words(name, value, propagation) for name in dict.fromkeys(value.origins.values()))
+
+
+def _origin_words(name: str, value: Value, propagation: Propagation) -> str:
+    if name == "self":
+        return f"the sharding declared for {value.name}"
+    if match := re.fullmatch(r"input: (\d+)", name):
+        return f"the sharding declared for input {propagation.input_name(int(match[1]))}"
+    if match := re.fullmatch(r"output: (\d+)", name):
+        return f"the sharding declared for output {match[1]} (out_shardings)"
+    if name.startswith("constraint_"):
+        found = propagation.constraint_line(name)
+        return f"with_sharding_constraint at {found[0].rsplit('/', 1)[-1]}:{found[1]}" if found else "a constraint"
+    return f"Shardy's origin {name!r}"

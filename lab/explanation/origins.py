@@ -1,0 +1,273 @@
+"""Shardy's record of which annotation each value's sharding came from, joined to the user's lines.
+
+JAX's partitioner, Shardy, propagates the shardings a program declares (its
+inputs' and outputs', each ``with_sharding_constraint``) to every value. Asked
+to (XLA's debug option ``xla_dump_hlo_pass_re=shardy-verbose``, passed per
+compile as a compiler option, so no dump folder of the user's is needed), it
+records for every value and mesh axis where that axis came from
+(``sdy.sharding_origins``: ``"self"`` on a declared value, ``"input: 0"``,
+``"output: 0"``, ``"constraint_0"`` for the first constraint, ...) and writes
+the module after propagation::
+
+    %0 = stablehlo.add %arg0, %arg1 {sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{}, {"x", "y"}, {}]>]>,
+                                      sdy.sharding_origins = [{x = "constraint_0", y = "constraint_0"}]}
+    %1 = sdy.reshard %0 <@mesh, [{}, {"x", "y"}, {}]> {sdy.sharding_origin_name = "constraint_0", ...}
+
+That text has no source locations; the module JAX lowered
+(``lowered.as_text(debug_info=True)``) has them but no origins. The two list
+the same operations in the same order (XLA writes a ``sharding_constraint`` as
+a ``reshard``, a plain ``dot_general`` as a ``dot``, and renames constants), so
+the k-th operation of a kind in one is the k-th of that kind in the other:
+`Propagation` joins them, and `decision` answers, for the operation at a
+user's line, which annotation gave its result its layout and which gave its
+operands theirs. Where they differ, the partitioner reshards between the two:
+that is a collective an annotation decided.
+
+Only the entry function is joined (operations of nested ``jit`` functions are
+not), and a kind whose counts differ between the two texts is left unjoined;
+both then say nothing rather than guess.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lab.hlo import Inspection, inspect_lowered, lower
+
+OPTIONS = {  # XLA debug options, given to one compile: Shardy's verbose dump, and nothing else of a dump folder
+    "xla_dump_hlo_pass_re": "shardy-verbose",
+    "xla_dump_hlo_as_text": False,
+    "xla_dump_hlo_module_re": "^$",
+}
+PROPAGATED = "02.after_propagation.mlir"
+
+_OP = re.compile(r"^\s*(?:(?P<results>%[\w#:]+(?:, %[\w#:]+)*) = )?\"?(?P<kind>[a-z_]+\.[a-z_]+)\"?(?P<rest>.*)$")
+_SAME = {"sdy.sharding_constraint": "sdy.reshard", "stablehlo.dot": "stablehlo.dot_general"}
+_SKIPPED = ("stablehlo.constant", "sdy.constant", "func.return", "stablehlo.return", "sdy.return")
+_VALUE = re.compile(r"%[\w]+(?:#\d+)?")
+_LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
+_LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
+_SHARDINGS = re.compile(r"<@\w+, \[(.*?)\]>")
+_ORIGIN = re.compile(r'(\w+) = "([^"]*)"')
+_ARG = re.compile(r"(%arg\d+): tensor<[^>]*>\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})?(?:\s*loc\(\"((?:[^\"\\]|\\.)*)\"\))?")
+
+
+@dataclass(frozen=True)
+class Value:
+    """One value at an operation: its name in the program, its layout, and where each axis of it came from."""
+
+    name: str  # an input's name (params['w']), or the operation that makes it
+    sharding: str  # as a PartitionSpec: P('y', None, 'x'); "" when unknown
+    origins: dict[str, str]  # mesh axis -> origin name ("self", "input: 0", "constraint_0", ...)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An operation at a user's line: its result's layout and origins, its operands'."""
+
+    op: str  # the JAX op name (jit(f)/add)
+    result: Value
+    operands: tuple[Value, ...]
+    elementwise: bool  # every operand indexed as the result: a layout differing between them is only a reshard
+
+
+@dataclass(frozen=True)
+class _Op:
+    kind: str
+    results: tuple[str, ...]
+    operands: tuple[str, ...]
+    text: str
+
+
+class Propagation:
+    """The module after Shardy's propagation, joined to the lowered module's locations."""
+
+    def __init__(self, propagated: str, lowered: str):
+        self._propagated = _entry_ops(propagated)
+        self._lowered = _entry_ops(lowered)
+        self._locations = _locations(lowered)
+        self._args = _arguments(propagated)
+        self._arg_names = {arg: name for arg, (_, name) in _arguments(lowered).items() if name}
+        self._made = {r.split("#")[0]: op for op in self._propagated for r in op.results}
+        self._pairs = _join(self._lowered, self._propagated)
+        self.joined = bool(self._pairs)
+
+    @classmethod
+    def read(cls, folder: Path, lowered: str) -> Propagation | None:
+        """From the dump folder of one compile with `OPTIONS` (None when Shardy wrote nothing: not its partitioner)."""
+        found = sorted(folder.glob(f"shardy/*/{PROPAGATED}"))
+        return cls(found[-1].read_text(), lowered) if found else None
+
+    def decision(self, op_name: str, line: int | None) -> Decision | None:
+        """The operation named `op_name` at `line` (the first such one that reshards), or None when not joined."""
+        found = None
+        for lowered, propagated in self._pairs:
+            name, where = self._locations.get(_loc_ref(lowered.text), ("", None))
+            if name != op_name or (line is not None and where is not None and where[1] != line):
+                continue
+            decision = self._decision(op_name, propagated)
+            if decision is not None and any(v.sharding != decision.result.sharding for v in decision.operands):
+                return decision
+            found = found or decision
+        return found
+
+    def constraint_line(self, origin: str) -> tuple[str, int] | None:
+        """(file, line) of the with_sharding_constraint Shardy calls `origin` (``constraint_0``)."""
+        for lowered, propagated in self._pairs:
+            if propagated.kind == "sdy.reshard" and f'sdy.sharding_origin_name = "{origin}"' in propagated.text:
+                return self._locations.get(_loc_ref(lowered.text), ("", None))[1]
+        return None
+
+    def input_name(self, index: int) -> str:
+        return self._arg_names.get(f"%arg{index}", f"input {index}")
+
+    def _decision(self, op_name: str, op: _Op) -> Decision | None:
+        shardings, origins = _shardings(op.text), _origins(op.text)
+        if not shardings:
+            return None
+        operands = tuple(self._value(operand) for operand in op.operands)
+        result = Value(op_name, shardings[0], origins[0] if origins else {})
+        return Decision(op_name, result, operands, _elementwise(op.text))
+
+    def _value(self, name: str) -> Value:
+        if name in self._args:
+            text, _ = self._args[name]
+            return Value(self._arg_names.get(name, name), *_first(_shardings(text), _origins(text)))
+        base, _, index = name.partition("#")
+        made = self._made.get(base)
+        if made is None:
+            return Value(name, "", {})
+        shardings, origins = _shardings(made.text), _origins(made.text)
+        k = int(index or 0)
+        sharding = shardings[k] if k < len(shardings) else ""
+        return Value(made.kind.split(".")[-1], sharding, origins[k] if k < len(origins) else {})
+
+
+def compile_with_origins(fn, *args: Any, mesh=None, **kwargs: Any) -> tuple[Inspection, Propagation | str]:
+    """Compile ``fn(*args, **kwargs)`` once, with Shardy's record on, and read both: the `Inspection` of the
+    compiled program and the `Propagation`, or in its place why there is none (the partitioner wrote none: not
+    Shardy; the user's XLA_FLAGS dump, which the lab leaves where they asked for it)."""
+    lowered = lower(fn, *args, mesh=mesh, **kwargs)
+    if "--xla_dump_to" in os.environ.get("XLA_FLAGS", ""):
+        return inspect_lowered(lowered, mesh), "not read: XLA_FLAGS dumps this compile, to the folder asked for"
+    with tempfile.TemporaryDirectory(prefix="lab-shardy-") as folder:
+        found = inspect_lowered(lowered, mesh, compiler_options={"xla_dump_to": folder, **OPTIONS})
+        propagation = Propagation.read(Path(folder), lowered.as_text(debug_info=True))
+    return found, propagation or "none recorded: the partitioner is not Shardy, or wrote nothing"
+
+
+def _elementwise(text: str) -> bool:
+    """Whether Shardy's sharding rule for an op maps every operand's dimensions to the result's one to one
+    (``([i, j], [i, j])->([i, j])``): no contraction, reduction or reshaping of its own."""
+    rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)(.*?)>", text)
+    if rule is None or "reduction" in rule[3] or "need_replication" in rule[3]:
+        return False
+    groups = re.findall(r"\[[^\]]*\]", rule[1]) + re.findall(r"\[[^\]]*\]", rule[2])
+    return len(set(groups)) == 1
+
+
+def _first(shardings: list[str], origins: list[dict[str, str]]) -> tuple[str, dict[str, str]]:
+    return (shardings[0] if shardings else "", origins[0] if origins else {})
+
+
+def _entry_ops(text: str) -> list[_Op]:
+    """The operations of the entry function (``@main``), in order, constants and returns left out."""
+    ops, inside, depth = [], False, 0
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("func.func"):
+            inside = " @main(" in stripped
+            depth = 0
+            continue
+        if not inside:
+            continue
+        match = _OP.match(line)
+        if match and match["kind"] not in _SKIPPED:
+            rest = match["rest"]
+            head = re.split(r" \{| : |\) \{", rest, maxsplit=1)[0]
+            results = tuple(match["results"].split(", ")) if match["results"] else ()
+            ops.append(_Op(_SAME.get(match["kind"], match["kind"]), results, tuple(_VALUE.findall(head)), line))
+        depth += stripped.count("{") - stripped.count("}")
+        if stripped == "}" and depth < 0:
+            inside = False
+    return ops
+
+
+def _join(lowered: list[_Op], propagated: list[_Op]) -> list[tuple[_Op, _Op]]:
+    """Pairs of the k-th operation of each kind in both; a kind whose counts differ is left out."""
+    pairs = []
+    for kind in dict.fromkeys(op.kind for op in lowered):
+        mine = [op for op in lowered if op.kind == kind]
+        theirs = [op for op in propagated if op.kind == kind]
+        if len(mine) == len(theirs):
+            pairs += zip(mine, theirs)
+    return pairs
+
+
+def _arguments(text: str) -> dict[str, tuple[str, str | None]]:
+    """%argN of the entry function -> (its attribute text, its name from the lowered module's location)."""
+    header = next((line for line in text.splitlines() if line.strip().startswith("func.func") and "@main(" in line), "")
+    return {m[1]: (m[2] or "", m[3]) for m in _ARG.finditer(header)}
+
+
+def _shardings(text: str) -> list[str]:
+    """The layouts an operation's attributes give its results (sdy.sharding), as PartitionSpecs."""
+    attribute = re.search(r"sdy\.sharding = #sdy\.sharding(?:_per_value)?<(.*?)>(?:,|\}\s*:|\})", text)
+    if attribute is None and "sdy.reshard" in text:
+        attribute = re.search(r"sdy\.reshard %[\w#]+ (<@\w+, \[.*?\]>)", text)
+    if attribute is None:
+        return []
+    return [_spec(dims) for dims in _SHARDINGS.findall(attribute.group(0))]
+
+
+def _origins(text: str) -> list[dict[str, str]]:
+    """Each result's origins, axis -> origin name."""
+    attribute = re.search(r"sdy\.sharding_origins = (\[.*?\}\]|\{[^}]*\})", text)
+    if attribute is None:
+        return []
+    return [dict(_ORIGIN.findall(group)) for group in re.findall(r"\{[^}]*\}", attribute.group(1))]
+
+
+def _spec(dims: str) -> str:
+    """``[{"y"}, {}, {"x", "z"}]`` -> ``P('y', None, ('x', 'z'))``."""
+    parts = []
+    for dim in re.findall(r"\{([^}]*)\}", dims):
+        axes = re.findall(r'"(\w+)"', dim)
+        parts.append("None" if not axes else repr(axes[0]) if len(axes) == 1 else f"({', '.join(map(repr, axes))})")
+    return f"P({', '.join(parts)})"
+
+
+def _loc_ref(line: str) -> str:
+    match = _LOC_REF.search(line)
+    return match.group(1) if match else ""
+
+
+def _locations(text: str) -> dict[str, tuple[str, tuple[str, int] | None]]:
+    """#locN -> (the JAX op name it names, the innermost (file, line) it reaches)."""
+    raw = {m[1]: m[2] for m in map(_LOC_DEF.match, text.splitlines()) if m}
+    resolved: dict[str, tuple[str, tuple[str, int] | None]] = {}
+
+    def resolve(ref: str, depth: int = 0) -> tuple[str, tuple[str, int] | None]:
+        if ref in resolved or depth > 50:
+            return resolved.get(ref, ("", None))
+        body = raw.get(ref, "")
+        if file := re.match(r'"((?:[^"\\]|\\.)*)":(\d+):', body):
+            found = ("", (file[1], int(file[2])))
+        elif call := re.match(r"callsite\((#loc\d*) at (#loc\d*)\)", body):
+            found = resolve(call[1], depth + 1)  # the callee: innermost
+        elif named := re.match(r'"((?:[^"\\]|\\.)*)"\((#loc\d*)\)', body):
+            name, where = resolve(named[2], depth + 1)
+            found = (named[1] if "/" in named[1] or named[1].startswith("jit(") else name, where)
+        else:
+            found = ("", None)
+        resolved[ref] = found
+        return found
+
+    for ref in raw:
+        resolve(ref)
+    return resolved

@@ -1,0 +1,104 @@
+"""Programs from public JAX and XLA issues where a user asked why a collective was there, reduced to
+``NAME(mesh) -> (fn, args)`` with abstract arguments, as `lab inspect --fn` takes them.
+
+Each keeps its source (the issue's address) and marks the line the maintainers named as the cause with
+``# decides``; `CASES` says which cause the lab must name there. The meshes are the lab's axes in place of the
+issues' own names (``x`` -> ``fsdp``, ``y`` -> ``tensor``); sizes are the issues' or scaled to 8 devices.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# name -> (issue address, --mesh, cause kind, the op or annotation it names)
+CASES = {
+    "involuntary_full_remat": (
+        "https://github.com/jax-ml/jax/issues/21562 (openxla/xla#15207)",
+        "fsdp=4,tensor=2",
+        "annotation",
+        "with_sharding_constraint",
+    ),
+    "argsort_of_a_sharded_vector": ("https://github.com/jax-ml/jax/pull/35650", "fsdp=8", "op", "argsort"),
+    "fft_along_the_unsharded_axis": (
+        "https://github.com/jax-ml/jax/issues/15680 (openxla/xla#24)",
+        "fsdp=8",
+        "op",
+        "fft",
+    ),
+    "fftn_over_rows": ("https://github.com/jax-ml/jax/issues/13081", "fsdp=8", "op", "fft"),
+    "vmapped_fft": ("https://github.com/jax-ml/jax/issues/20683", "fsdp=8", "op", "fft"),
+    "while_loops_of_varying_length": (
+        "https://github.com/jax-ml/jax/issues/26586 (and #20968)",
+        "data=8",
+        "loop predicate",
+        "while_loop",
+    ),
+}
+
+
+def _abstract(mesh, shape, spec, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def involuntary_full_remat(mesh):
+    """a + b in one layout, constrained to another: XLA cannot reach it without replicating."""
+    one, two = NamedSharding(mesh, P("tensor", None, "fsdp")), NamedSharding(mesh, P(None, ("fsdp", "tensor"), None))
+
+    def f(a, b, c):
+        d = a + b
+        d = jax.lax.with_sharding_constraint(d, two)  # decides
+        return c + d
+
+    fn = jax.jit(f, in_shardings=(one, one, two), out_shardings=two)
+    shape = jax.ShapeDtypeStruct((16, 16, 16), jnp.float32)
+    return fn, (shape, shape, shape)
+
+
+def argsort_of_a_sharded_vector(mesh):
+    def f(x):
+        return jnp.argsort(x)  # decides
+
+    return f, (_abstract(mesh, (1024,), P("fsdp"), jnp.int32),)
+
+
+def fft_along_the_unsharded_axis(mesh):
+    def f(a):
+        return jnp.fft.fft(a=a, n=4096, axis=1)  # decides
+
+    return f, (_abstract(mesh, (1024, 1000), P("fsdp", None)),)
+
+
+def fftn_over_rows(mesh):
+    def f(x):
+        return jnp.fft.fftn(x, axes=[-1])  # decides
+
+    return f, (_abstract(mesh, (512, 512), P("fsdp", None)),)
+
+
+def vmapped_fft(mesh):
+    def f(x):
+        return jax.vmap(jnp.fft.fft)(x)  # decides
+
+    return f, (_abstract(mesh, (16, 1024), P("fsdp")),)
+
+
+def while_loops_of_varying_length(mesh):
+    """Each batch element loops until its own value crosses 2: under vmap the loop runs until every one has."""
+
+    def solve(y0):
+        return jax.lax.while_loop(lambda y: y.squeeze() < 2, lambda y: y + 0.1, y0)  # decides
+
+    def f(inits):
+        return jax.vmap(solve)(inits)
+
+    return f, (_abstract(mesh, (32, 1), P("data", None)),)
+
+
+def psum_in_shard_map(mesh):
+    """Not from an issue: a collective asked for by name, which the lab must not call a surprise."""
+
+    def f(x):
+        return jax.shard_map(lambda v: jax.lax.psum(v, "fsdp"), mesh=mesh, in_specs=P("fsdp"), out_specs=P())(x)
+
+    return f, (_abstract(mesh, (1024,), P("fsdp")),)

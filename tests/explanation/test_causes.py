@@ -1,0 +1,67 @@
+"""Why each collective is there, in the user's terms: the op or annotation that decided it, at its line.
+
+The corpus (`tests/data/programs/public_issues.py`) holds programs from public JAX and XLA issues where a user
+asked why a collective was there and a maintainer named the cause; each marks that line ``# decides``. The lab
+must name the same cause there, from the compiled program and Shardy's record alone.
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from lab.cli import main
+from lab.explanation.explain import explain_hlo
+
+PROGRAMS = Path(__file__).parents[1] / "data" / "programs" / "public_issues.py"
+_spec = importlib.util.spec_from_file_location("public_issues", PROGRAMS)
+corpus = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(corpus)
+
+
+def _inspect(capsys, name: str, mesh: str) -> dict:
+    assert main(["inspect", "--fn", f"{PROGRAMS}:{name}", "--mesh", mesh, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _deciding_line(name: str) -> int:
+    """The line of `name`'s builder marked ``# decides``."""
+    lines = PROGRAMS.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"def {name}("))
+    return next(i for i, line in enumerate(lines[start:], start + 1) if line.rstrip().endswith("# decides"))
+
+
+@pytest.mark.parametrize("name", list(corpus.CASES))
+def test_the_cause_a_maintainer_named_is_named_at_its_line(capsys, devices, name):
+    source, mesh, kind, op = corpus.CASES[name]
+    found = _inspect(capsys, name, mesh)
+    assert found["collectives"], f"{name} ({source}): no collective found"
+    for c in found["collectives"]:  # every collective: a user line and a call chain in the program's file
+        assert c["stack"] and all(f["file"] == str(PROGRAMS) for f in c["stack"]), c
+    causes = [c["cause"] for c in found["collectives"] if c["cause"] is not None]
+    named = [c for c in causes if c["kind"] == kind and op in c["op"]]
+    assert named, f"{name} ({source}): expected {kind} {op}, found {causes}"
+    assert all(c["line"] == f"{PROGRAMS}:{_deciding_line(name)}" for c in named), named
+    assert all(c["hint"] for c in named)  # each names the change at that line
+
+
+def test_a_conflicting_constraint_names_both_sides_and_the_sharding_to_write(capsys, devices):
+    found = _inspect(capsys, "involuntary_full_remat", "fsdp=4,tensor=2")
+    cause = next(c["cause"] for c in found["collectives"] if c["cause"])
+    assert "P(None, ('fsdp', 'tensor'), None) from with_sharding_constraint" in cause["why"]
+    assert "comes as P('tensor', None, 'fsdp') from the sharding declared for a" in cause["why"]
+    assert cause["hint"].startswith(f"at public_issues.py:{_deciding_line('involuntary_full_remat')}: ask for P(")
+    assert found["origins"].startswith("sharding origins: Shardy's record read; 2 collective(s)")
+
+
+def test_a_collective_asked_for_in_shard_map_is_no_surprise(capsys, devices):
+    found = _inspect(capsys, "psum_in_shard_map", "fsdp=8")
+    (collective,) = found["collectives"]
+    assert collective["cause"]["kind"] == "shard_map" and collective["cause"]["op"].startswith("psum")
+    assert collective["hint"] is None and found["surprises"] == 0
+
+
+def test_a_dump_says_it_holds_no_record_of_sharding_origins():
+    text = (Path(__file__).parents[1] / "data" / "hlo" / "cpu_scan_fsdp.hlo").read_text()
+    assert explain_hlo(text).origins.startswith("sharding origins: none read; a dump holds no record")
