@@ -95,6 +95,10 @@ class Propagation:
         self._arg_names = {arg: name for arg, (_, name) in _arguments(lowered).items() if name}
         self._made = {r.split("#")[0]: op for op in self._propagated for r in op.results}
         self._pairs = _join(self._lowered, self._propagated)
+        self._named: dict[str, list[tuple[_Op, _Op, int | None]]] = {}  # JAX op name -> (lowered, propagated, line)
+        for lowered, propagated in self._pairs:
+            name, where = self._locations.get(_loc_ref(lowered.text), ("", None))
+            self._named.setdefault(name, []).append((lowered, propagated, where[1] if where else None))
         self.joined = bool(self._pairs)
 
     @classmethod
@@ -106,9 +110,8 @@ class Propagation:
     def decision(self, op_name: str, line: int | None) -> Decision | None:
         """The operation named `op_name` at `line` (the first such one that reshards), or None when not joined."""
         found = None
-        for lowered, propagated in self._pairs:
-            name, where = self._locations.get(_loc_ref(lowered.text), ("", None))
-            if name != op_name or (line is not None and where is not None and where[1] != line):
+        for _, propagated, at in self._named.get(op_name, ()):
+            if line is not None and at is not None and at != line:
                 continue
             decision = self._decision(op_name, propagated)
             if decision is not None and any(v.sharding != decision.result.sharding for v in decision.operands):
