@@ -29,9 +29,9 @@ from pathlib import Path
 import jax
 
 from experiments import kit
-from lab import hlo
 from lab.explanation import program
 from lab.explanation.explain import Explanation, explain_inspection
+from lab.explanation.origins import compile_with_origins
 from lab.mesh import MeshSpec
 from lab.provenance import Setup
 from lab.report import Result, Table
@@ -71,6 +71,8 @@ class Row:
     why: str
     link: str | None
     predicted_s: float | None
+    chain: str = ""  # the call chain in the example, innermost first: "optax_train_step.py:37 loss_fn <- ..."
+    cause: str = ""  # the op or annotation that decided it (lab.explanation.causes), "" when none is named
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,8 @@ def measure(config: Config) -> Observations:
 
 def _compiled(fn, args, mesh, target: str, file: Path) -> Compiled:
     with jax.set_mesh(mesh):
-        found = hlo.inspect(fn, *args, mesh=mesh)
-    explained = explain_inspection(found, mesh, target=target)
+        found, propagation = compile_with_origins(fn, *args, mesh=mesh)
+    explained = explain_inspection(found, mesh, target=target, propagation=propagation)
     return Compiled(
         target,
         _rows(explained, file),
@@ -161,6 +163,8 @@ def _rows(explained: Explanation, file: Path) -> tuple[Row, ...]:
                 e.origin.why,
                 e.link,
                 e.predicted_s,
+                " <- ".join(f"{Path(f.file).name}:{f.line} {f.function}" for f in e.stack),
+                f"{e.cause.kind} ({e.cause.op}): {e.cause.why}" if e.cause else "",
             )
         )
     return tuple(rows)
@@ -277,7 +281,7 @@ def _claims(obs: Observations) -> list[Claim]:
 def _table(compiled: Compiled) -> Table:
     return Table(
         f"every collective of the step on {compiled.target}, surprises first",
-        ["kind", "axes", "dtype", "S/device", "runs", "line", "op", "origin", "link", "predicted", "why"],
+        ["kind", "axes", "dtype", "S/device", "runs", "call chain", "op", "origin", "link", "predicted", "why"],
         [
             [
                 r.kind,
@@ -285,12 +289,12 @@ def _table(compiled: Compiled) -> Table:
                 r.dtype,
                 format_bytes(r.size_bytes),
                 r.count if r.count is not None else "?",
-                r.line if r.line is not None else "-",
+                r.chain or (r.line if r.line is not None else "-"),
                 r.op_name,
                 f"{r.origin} {r.name}" if r.name else r.origin,
                 r.link or "?",
                 f"{r.predicted_s * 1e6:.1f} us" if r.predicted_s else "-",
-                r.why,
+                f"{r.why}; decided by {r.cause}" if r.cause else r.why,
             ]
             for r in compiled.rows
         ],
