@@ -133,6 +133,16 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
             f"at {where}: {change}",
         )
     if propagation is not None:
+        asked = propagation.out_sharding(collective.op_name, line.line if line else None)
+        if asked is not None:
+            return Cause(
+                "annotation",
+                "out_sharding",
+                line,
+                f"{op}{at} asks for the layout {asked} (its out_sharding=), not the one its operands give it: the "
+                f"{collective.kind} over {axes} makes the result so",
+                f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
+            )
         decision = propagation.decision(collective.op_name, line.line if line else None)
         if decision is not None:
             return _conflict(collective, decision, line, propagation, axes)

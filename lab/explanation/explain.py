@@ -38,11 +38,11 @@ from rich.text import Text
 
 from lab.errors import LabError
 from lab.explanation.causes import Cause, cause_of
-from lab.explanation.origins import Propagation, compile_with_origins
+from lab.explanation.origins import Propagation, compile_with_origins, record_line
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute
 from lab.hlo.schedule import overlap_report
-from lab.hlo.sources import Frame, nearest_metadata, stack_frames, stack_of
+from lab.hlo.sources import Frame, nearest_metadata, short_chain, stack_frames, stack_of
 from lab.hlo.text import module_name
 from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
@@ -252,7 +252,7 @@ class Explanation:
                 e.link or "?",
                 _seconds(e.predicted_s),
                 _seconds(e.exposed_s),
-                _short_stack(e.stack, c.op_name),
+                short_chain(e.stack, (c.op_name or "").rsplit("/", 1)[-1]),
                 why,
                 style=style,
             )
@@ -383,21 +383,13 @@ def explain_text(
         inputs=graph.entry_inputs,
         memory=dict(memory),
         roofline=rooflined,
-        origins=_origins_line(propagation, explained, origins_missing),
+        origins=record_line(
+            propagation,
+            decided=sum(e.cause is not None and e.cause.kind == "annotation" for e in explained),
+            blind=sum(not e.stack or all(f.in_library for f in e.stack) for e in explained),
+            missing=origins_missing,
+        ),
     )
-
-
-def _origins_line(propagation: Propagation | None, explained: list[Explained], missing: str) -> str:
-    """What Shardy's record said, in one line: how many collectives an annotation decided, or why there is none."""
-    if propagation is None:
-        return f"sharding origins: none read; {missing}"
-    if not propagation.joined:
-        return (
-            "sharding origins: Shardy's record read but joined to no line (the entry function's work is in nested "
-            "jit functions, which are not joined); no annotation is named"
-        )
-    decided = sum(e.cause is not None and e.cause.kind == "annotation" for e in explained)
-    return f"sharding origins: Shardy's record read; {decided} collective(s) decided by a conflicting annotation"
 
 
 def _overlaps(hlo_text: str, chip: ChipProfile, mesh_sizes: dict[str, int] | None) -> dict[tuple[str, str], float]:
@@ -479,15 +471,6 @@ def _seconds(value: float | None) -> str:
         return "0"
     exponent = math.floor(math.log10(abs(value)))
     return f"{value * 1e6:.1f} us" if exponent < -3 else f"{value * 1e3:.2f} ms" if exponent < 0 else f"{value:.2f} s"
-
-
-def _short_stack(stack: tuple[Frame, ...], op_name: str | None, shown: int = 3) -> str:
-    """``model.py:263 einsum <- model.py:915 attention <- ...`` and the op: the table's source column."""
-    op = (op_name or "").rsplit("/", 1)[-1]
-    if not stack:
-        return op or "?"
-    calls = " <- ".join(f"{f.file.rsplit('/', 1)[-1]}:{f.line} {f.function}" for f in stack[:shown])
-    return f"{calls}{' <- ...' if len(stack) > shown else ''}: {op}" if op else calls
 
 
 class _Discard:

@@ -119,6 +119,22 @@ class Propagation:
             found = found or decision
         return found
 
+    def out_sharding(self, op_name: str, line: int | None) -> str | None:
+        """The layout an op's own ``out_sharding=`` asks for (JAX lowers it as a sharding constraint carrying the
+        op's name and line), as a PartitionSpec; None when the op has none."""
+        for op in self._lowered:
+            if op.kind != "sdy.reshard":
+                continue
+            name, where = self._locations.get(_loc_ref(op.text), ("", None))
+            if (
+                name == op_name
+                and not name.endswith("sharding_constraint")
+                and (line is None or where is None or where[1] == line)
+            ):
+                found = re.search(r"sdy\.sharding_constraint %[\w#]+ <@\w+, \[(.*?)\]>", op.text)
+                return _spec(found[1]) if found else None
+        return None
+
     def constraint_line(self, origin: str) -> tuple[str, int] | None:
         """(file, line) of the with_sharding_constraint Shardy calls `origin` (``constraint_0``)."""
         for lowered, propagated in self._pairs:
@@ -162,6 +178,26 @@ def compile_with_origins(fn, *args: Any, mesh=None, **kwargs: Any) -> tuple[Insp
         found = inspect_lowered(lowered, mesh, compiler_options={"xla_dump_to": folder, **OPTIONS})
         propagation = Propagation.read(Path(folder), lowered.as_text(debug_info=True))
     return found, propagation or "none recorded: the partitioner is not Shardy, or wrote nothing"
+
+
+def record_line(propagation: Propagation | None, *, decided: int, blind: int, missing: str) -> str:
+    """The report's line on Shardy's record: how many collectives an annotation decided (`decided`), or why there is
+    no record (`missing`); and how many collectives have no frame of the user's code (`blind`)."""
+    if propagation is None:
+        line = f"sharding origins: none read; {missing}"
+    elif not propagation.joined:
+        line = (
+            "sharding origins: Shardy's record read but joined to no line (the entry function's work is in nested "
+            "jit functions, which are not joined); no annotation is named"
+        )
+    else:
+        line = f"sharding origins: Shardy's record read; {decided} collective(s) decided by a conflicting annotation"
+    if blind:
+        line += (
+            f"; {blind} collective(s) with no frame of your code (a traceback all in libraries, or none): their line "
+            "is the innermost library one"
+        )
+    return line
 
 
 def _elementwise(text: str) -> bool:

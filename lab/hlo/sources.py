@@ -205,6 +205,14 @@ def nearest_metadata(every: Mapping, key: tuple[str, str], depth: int = 0) -> di
     return metadata
 
 
+def short_chain(stack: tuple[Frame, ...], op: str = "", shown: int = 3) -> str:
+    """``model.py:263 einsum <- model.py:915 attention <- ...: dot_general``: a chain in one table cell."""
+    if not stack:
+        return op or "?"
+    calls = " <- ".join(f"{f.file.rsplit('/', 1)[-1]}:{f.line} {f.function}" for f in stack[:shown])
+    return f"{calls}{' <- ...' if len(stack) > shown else ''}: {op}" if op else calls
+
+
 def _table_lines(hlo_text: str):
     """The lines before the first computation (where the tables are printed)."""
     for line in hlo_text.splitlines():

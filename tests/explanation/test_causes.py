@@ -20,8 +20,8 @@ corpus = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(corpus)
 
 
-def _inspect(capsys, name: str, mesh: str) -> dict:
-    assert main(["inspect", "--fn", f"{PROGRAMS}:{name}", "--mesh", mesh, "--json"]) == 0
+def _inspect(capsys, name: str, mesh: str, *options: str) -> dict:
+    assert main(["inspect", "--fn", f"{PROGRAMS}:{name}", "--mesh", mesh, "--json", *options]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -62,6 +62,29 @@ def test_a_collective_asked_for_in_shard_map_is_no_surprise(capsys, devices):
     assert collective["hint"] is None and found["surprises"] == 0
 
 
+def test_an_out_sharding_that_replicates_a_split_value_is_named_at_its_line(capsys, devices):
+    found = _inspect(capsys, "einsum_out_sharding_replicates", "data=8", "--axis-types", "explicit")
+    (collective,) = found["collectives"]
+    cause = collective["cause"]
+    assert (cause["kind"], cause["op"]) == ("annotation", "out_sharding")
+    assert cause["line"] == f"{PROGRAMS}:{_deciding_line('einsum_out_sharding_replicates')}"
+    assert "P(None, None, None)" in cause["why"] and found["surprises"] == 1
+
+
 def test_a_dump_says_it_holds_no_record_of_sharding_origins():
     text = (Path(__file__).parents[1] / "data" / "hlo" / "cpu_scan_fsdp.hlo").read_text()
     assert explain_hlo(text).origins.startswith("sharding origins: none read; a dump holds no record")
+
+
+def test_a_program_whose_frames_are_all_in_libraries_says_so(capsys, devices, tmp_path):
+    packages = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    packages.mkdir(parents=True)
+    (packages / "library_step.py").write_text(
+        "import jax\nimport jax.numpy as jnp\nfrom jax.sharding import NamedSharding, PartitionSpec as P\n\n\n"
+        "def step(mesh):\n    x = jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P('data')))\n"
+        "    return (lambda v: jnp.sort(v)), (x,)\n"
+    )
+    assert main(["inspect", "--fn", f"{packages / 'library_step.py'}:step", "--mesh", "data=8", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    blind = len(found["collectives"])
+    assert blind and f"{blind} collective(s) with no frame of your code" in found["origins"]

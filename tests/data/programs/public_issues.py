@@ -102,3 +102,12 @@ def psum_in_shard_map(mesh):
         return jax.shard_map(lambda v: jax.lax.psum(v, "fsdp"), mesh=mesh, in_specs=P("fsdp"), out_specs=P())(x)
 
     return f, (_abstract(mesh, (1024,), P("fsdp")),)
+
+
+def einsum_out_sharding_replicates(mesh):
+    """Not from an issue: an einsum whose out_sharding replicates a value the batch splits (explicit axes)."""
+
+    def f(x, w):
+        return jnp.einsum("bsd,df->bsf", x, w, out_sharding=P(None, None, None))  # decides
+
+    return f, (_abstract(mesh, (8, 16, 32), P("data", None, None)), _abstract(mesh, (32, 64), P()))
