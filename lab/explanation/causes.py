@@ -84,69 +84,81 @@ _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 def cause_of(collective: Collective, line: Frame | None, propagation: Propagation | None = None) -> Cause | None:
     """The op or annotation that decided `collective` (at the user's `line`), or None when nothing names one: its op
     name, or Shardy's record of where the layouts at that op came from (`propagation`)."""
-    path = (collective.op_name or "").split("/")
-    op = path[-1]
-    if not op:
+    path = tuple((collective.op_name or "").split("/"))
+    if not path[-1]:
         return None
-    axes = ",".join(collective.axes or ()) or "its groups"
     where = f"{line.file.rsplit('/', 1)[-1]}:{line.line}" if line else "its line"
-    at = f" at {where}"
+    said = _said(collective, path, line, where)
+    if said is not None or propagation is None:
+        return said
+    return _recorded(collective, line, where, propagation)
+
+
+def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, where: str) -> Cause | None:
+    """The cause its op name says: a shard_map, an annotation, a while_loop under vmap, an op that needs a dimension
+    whole."""
+    op, axes, kind = path[-1], _axes(collective), collective.kind
     if op == "shard_map":  # inserted at the boundary: the inputs do not have the in_specs' layout
         return Cause(
             "shard_map",
             "shard_map in_specs/out_specs",
             line,
-            f"the shard_map{at} takes (or returns) a layout its arguments (or users) do not have: the "
-            f"{collective.kind} over {axes} reshards at its boundary",
+            f"the shard_map at {where} takes (or returns) a layout its arguments (or users) do not have: the {kind} "
+            f"over {axes} reshards at its boundary",
             f"at {where}: give in_specs/out_specs the layout the values already have",
         )
     if "shard_map" in path[:-1] and op.startswith(_BY_NAME):
-        return Cause("shard_map", op, line, f"asked for by name: {op} inside shard_map{at}, over {axes}", None)
+        return Cause("shard_map", op, line, f"asked for by name: {op} inside shard_map at {where}, over {axes}", None)
     if op in _ANNOTATIONS or any(part.startswith(_ANNOTATIONS) for part in path[1:]):
         return Cause(
             "annotation",
             op,
             line,
-            f"{op}{at} asks for a layout the computation does not have there: the {collective.kind} over {axes} "
-            "makes it",
+            f"{op} at {where} asks for a layout the computation does not have there: the {kind} over {axes} makes it",
             f"at {where}: drop the annotation, or ask for the layout the computation has there",
         )
-    if op == "while" and "vmap" in " ".join(path) and collective.kind == "all-reduce":
+    if op == "while" and "vmap" in " ".join(path) and kind == "all-reduce":
         return Cause(
             "loop predicate",
             "while_loop under vmap",
             line,
-            f"a while_loop under vmap{at} runs until every batch element is done: each iteration all-reduces "
+            f"a while_loop under vmap at {where} runs until every batch element is done: each iteration all-reduces "
             f"whether any still runs, over {axes}",
             f"at {where}: give the loop a fixed trip count (fori_loop or scan), or run it per shard inside shard_map",
         )
     base = op.split("-")[0]
-    if base in _OPS:
-        does, change = _OPS[base]
-        wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 1 else None  # jnp.cumsum -> jit(cumsum)
-        name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1] != base else base
+    if base not in _OPS:
+        return None
+    does, change = _OPS[base]
+    # a jnp function is a nested jit (jnp.cumsum -> jit(f)/jit(cumsum)/reduce_window_sum); path[0] is the user's own
+    wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 2 else None
+    name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1] != base else base
+    return Cause(
+        "op", name, line, f"{name} at {where} {does}: the {kind} over {axes} makes it so", f"at {where}: {change}"
+    )
+
+
+def _recorded(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:
+    """The cause Shardy's record shows at the collective's op: its own out_sharding=, or two annotations that
+    disagree."""
+    at_line = line.line if line else None
+    asked = propagation.out_sharding(collective.op_name, at_line)
+    if asked is not None:
+        op = collective.op_name.rsplit("/", 1)[-1]
         return Cause(
-            "op",
-            name,
+            "annotation",
+            "out_sharding",
             line,
-            f"{name}{at} {does}: the {collective.kind} over {axes} makes it so",
-            f"at {where}: {change}",
+            f"{op} at {where} asks for the layout {asked} (its out_sharding=), not the one its operands give it: "
+            f"the {collective.kind} over {_axes(collective)} makes the result so",
+            f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
         )
-    if propagation is not None:
-        asked = propagation.out_sharding(collective.op_name, line.line if line else None)
-        if asked is not None:
-            return Cause(
-                "annotation",
-                "out_sharding",
-                line,
-                f"{op}{at} asks for the layout {asked} (its out_sharding=), not the one its operands give it: the "
-                f"{collective.kind} over {axes} makes the result so",
-                f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
-            )
-        decision = propagation.decision(collective.op_name, line.line if line else None)
-        if decision is not None:
-            return _conflict(collective, decision, line, propagation, axes)
-    return None
+    decision = propagation.decision(collective.op_name, at_line)
+    return _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
+
+
+def _axes(collective: Collective) -> str:
+    return ",".join(collective.axes or ()) or "its groups"
 
 
 def _conflict(

@@ -88,3 +88,32 @@ def test_a_program_whose_frames_are_all_in_libraries_says_so(capsys, devices, tm
     found = json.loads(capsys.readouterr().out)
     blind = len(found["collectives"])
     assert blind and f"{blind} collective(s) with no frame of your code" in found["origins"]
+
+
+OPS = """
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def _split(mesh, shape, spec, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def lookup(mesh):
+    return (lambda table, idx: table[idx]), (_split(mesh, (1024, 64), P("fsdp")), _split(mesh, (32,), P(), jnp.int32))
+
+
+def running_total(mesh):
+    return (lambda x: jnp.cumsum(x, axis=1)), (_split(mesh, (8, 1024), P(None, "fsdp")),)
+"""
+
+
+@pytest.mark.parametrize("name, op", [("lookup", "gather"), ("running_total", "cumsum (reduce_window_sum)")])
+def test_an_op_is_named_as_the_user_wrote_it(capsys, devices, tmp_path, name, op):
+    """A jnp function is a nested jit (jit(f)/jit(cumsum)/reduce_window_sum): named by it; an op written directly in
+    the user's function (jit(f)/gather) by its own name, not the user's function's."""
+    (tmp_path / "ops.py").write_text(OPS)
+    assert main(["inspect", "--fn", f"{tmp_path / 'ops.py'}:{name}", "--mesh", "data=2,fsdp=4", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert {c["cause"]["op"] for c in found["collectives"] if c["cause"]} == {op}
