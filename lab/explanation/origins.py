@@ -99,6 +99,17 @@ class Propagation:
         for lowered, propagated in self._pairs:
             name, where = self._locations.get(_loc_ref(lowered.text), ("", None))
             self._named.setdefault(name, []).append((lowered, propagated, where[1] if where else None))
+        self._asked: dict[tuple[str, int | None], str] = {}  # (op name, line) -> the layout its out_sharding= asks
+        self._constraints: dict[str, tuple[str, int] | None] = {}  # Shardy's constraint name -> (file, line)
+        for lowered in self._lowered:
+            name, where = self._locations.get(_loc_ref(lowered.text), ("", None))
+            asked = re.search(r"sdy\.sharding_constraint %[\w#]+ <@\w+, \[(.*?)\]>", lowered.text)
+            if asked and name and not name.endswith("sharding_constraint"):
+                self._asked.setdefault((name, where[1] if where else None), _spec(asked[1]))
+        for lowered, propagated in self._pairs:
+            origin = re.search(r'sdy\.sharding_origin_name = "([^"]*)"', propagated.text)
+            if propagated.kind == "sdy.reshard" and origin:
+                self._constraints.setdefault(origin[1], self._locations.get(_loc_ref(lowered.text), ("", None))[1])
         self.joined = bool(self._pairs)
 
     @classmethod
@@ -122,25 +133,13 @@ class Propagation:
     def out_sharding(self, op_name: str, line: int | None) -> str | None:
         """The layout an op's own ``out_sharding=`` asks for (JAX lowers it as a sharding constraint carrying the
         op's name and line), as a PartitionSpec; None when the op has none."""
-        for op in self._lowered:
-            if op.kind != "sdy.reshard":
-                continue
-            name, where = self._locations.get(_loc_ref(op.text), ("", None))
-            if (
-                name == op_name
-                and not name.endswith("sharding_constraint")
-                and (line is None or where is None or where[1] == line)
-            ):
-                found = re.search(r"sdy\.sharding_constraint %[\w#]+ <@\w+, \[(.*?)\]>", op.text)
-                return _spec(found[1]) if found else None
-        return None
+        if line is None:  # no line to tell two such ops apart: the first
+            return next((spec for (name, _), spec in self._asked.items() if name == op_name), None)
+        return self._asked.get((op_name, line)) or self._asked.get((op_name, None))
 
     def constraint_line(self, origin: str) -> tuple[str, int] | None:
         """(file, line) of the with_sharding_constraint Shardy calls `origin` (``constraint_0``)."""
-        for lowered, propagated in self._pairs:
-            if propagated.kind == "sdy.reshard" and f'sdy.sharding_origin_name = "{origin}"' in propagated.text:
-                return self._locations.get(_loc_ref(lowered.text), ("", None))[1]
-        return None
+        return self._constraints.get(origin)
 
     def input_name(self, index: int) -> str:
         return self._arg_names.get(f"%arg{index}", f"input {index}")

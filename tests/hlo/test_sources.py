@@ -1,5 +1,6 @@
 """The stack-frame tables: an instruction's line in the user's code, past the libraries that called it."""
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -119,20 +120,31 @@ def test_this_interpreters_own_folders_count_as_libraries():
     assert is_library(sysconfig.get_path("stdlib") + "/json/decoder.py")
 
 
+def _venv_layout(tmp_path: Path, monkeypatch, *, library: tuple[str, str], user: tuple[str, str]) -> Path:
+    """A module `library` installed in a folder laid out like a venv's site-packages, and the user's module `user`
+    beside it, both importable; returns the site-packages folder."""
+    packages = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    packages.mkdir(parents=True)
+    (packages / f"{library[0]}.py").write_text(library[1])
+    (tmp_path / f"{user[0]}.py").write_text(user[1])
+    monkeypatch.syspath_prepend(str(packages))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return packages
+
+
 def test_an_example_whose_layers_live_in_a_venv_points_at_the_users_line(tmp_path, monkeypatch):
     import jax
     import jax.numpy as jnp
 
-    packages = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
-    packages.mkdir(parents=True)
-    (packages / "layers.py").write_text("def dense(x):\n    return x @ x.T\n")
-    (tmp_path / "train.py").write_text(
-        "import layers\n\n\ndef step(x):\n    y = x + 1.0\n    return layers.dense(y)  # the user's line\n"
+    packages = _venv_layout(
+        tmp_path,
+        monkeypatch,
+        library=("layers", "def dense(x):\n    return x @ x.T\n"),
+        user=(
+            "train",
+            "import layers\n\n\ndef step(x):\n    y = x + 1.0\n    return layers.dense(y)  # the user's line\n",
+        ),
     )
-    monkeypatch.syspath_prepend(str(packages))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import importlib
-
     train = importlib.import_module("train")
     text = jax.jit(train.step).lower(jnp.ones((4, 4))).compile().as_text()
     frames = stack_frames(text)
@@ -146,23 +158,22 @@ def test_a_helper_shared_by_two_call_sites_is_told_apart_by_its_callers(tmp_path
     """A model written with one einsum helper: every matmul's innermost line is the helper's; the chain names the
     call site (attention's or the MLP's) and steps over a library layer between the user's frames; outside
     `lab inspect` the code that called jit (this test) is the chain's outermost user frame."""
-    import importlib
-
     import jax
     import jax.numpy as jnp
 
-    packages = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
-    packages.mkdir(parents=True)
-    (packages / "wrap.py").write_text("def call(f, x):\n    return f(x)\n")
-    (tmp_path / "model.py").write_text(
-        "import jax.numpy as jnp\nimport wrap\n\n\n"
-        "def einsum(x):\n    return jnp.einsum('ij,kj->ik', x, x)\n\n\n"
-        "def attention(x):\n    return einsum(x)\n\n\n"
-        "def mlp(x):\n    return wrap.call(einsum, x)\n\n\n"
-        "def forward(x):\n    return attention(x) + mlp(x * 2.0)\n"
+    _venv_layout(
+        tmp_path,
+        monkeypatch,
+        library=("wrap", "def call(f, x):\n    return f(x)\n"),
+        user=(
+            "model",
+            "import jax.numpy as jnp\nimport wrap\n\n\n"
+            "def einsum(x):\n    return jnp.einsum('ij,kj->ik', x, x)\n\n\n"
+            "def attention(x):\n    return einsum(x)\n\n\n"
+            "def mlp(x):\n    return wrap.call(einsum, x)\n\n\n"
+            "def forward(x):\n    return attention(x) + mlp(x * 2.0)\n",
+        ),
     )
-    monkeypatch.syspath_prepend(str(packages))
-    monkeypatch.syspath_prepend(str(tmp_path))
     model = importlib.import_module("model")
     text = jax.jit(model.forward).lower(jnp.ones((4, 4))).compile().as_text()
     frames = stack_frames(text)
