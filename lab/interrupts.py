@@ -15,6 +15,12 @@ main thread is doing) and a watcher thread read it: when the main thread's
 handler has not run `GRACE_S` seconds after the signal, the main thread is held
 by native code, and the watcher prints the line and ends the process itself.
 The compiler releases Python's lock while it works, so the watcher runs.
+
+A handler that runs inside a finalizer or a garbage-collector callback (jax
+registers one) raises where Python cannot propagate: the exception is printed
+as "Exception ignored in ..." and the command would go on. `install` therefore
+also hooks `sys.unraisablehook`: a swallowed ``KeyboardInterrupt`` or
+`Terminated` ends the process there, with its line.
 Nothing half-written is left by ending there: pages and checkpoints are
 written whole and renamed into place.
 """
@@ -54,14 +60,16 @@ def install() -> None:
     signal.signal(signal.SIGTERM, _terminate)
     if _installed:
         return
+    _installed = True
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
     read, write = os.pipe()
     os.set_blocking(write, False)
     with contextlib.suppress(ValueError):  # a wakeup fd somebody else set (an event loop): leave theirs
-        if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:
-            signal.set_wakeup_fd(-1)
+        theirs = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if theirs != -1:
+            signal.set_wakeup_fd(theirs)
             return
         threading.Thread(target=_watch, args=(read,), name="lab-signal-watcher", daemon=True).start()
-        _installed = True
 
 
 def exit_now(stop: BaseException) -> NoReturn:
@@ -83,6 +91,17 @@ def _interrupt(signum, frame) -> None:
 def _terminate(signum, frame) -> None:
     _answered[0] += 1
     raise Terminated
+
+
+def _unraisable(previous):
+    """`sys.unraisablehook` that ends the process on a stop Python could not raise (in a gc callback, a finalizer)."""
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt | Terminated):
+            _leave(signal.SIGINT if isinstance(unraisable.exc_value, KeyboardInterrupt) else signal.SIGTERM)
+        previous(unraisable)
+
+    return hook
 
 
 def _watch(read: int) -> None:

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def test_sigterm_mid_sweep_stops_within_seconds_with_one_line_and_143():
 
 LONG_COMPILE = '''
 import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -109,3 +111,32 @@ def test_a_signal_during_a_compile_ends_the_process_within_seconds(tmp_path, sig
     assert process.returncode == code, err[-2000:]
     assert err.strip().splitlines()[-1] == line and "Traceback" not in err, err[-2000:]  # XLA may log before it
     assert time.monotonic() - sent < 10  # the compile alone takes 30 s or more; only a waited-for compile fails it
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "line"), [(signal.SIGINT, 130, "lab: interrupted"), (signal.SIGTERM, 143, "lab: terminated")]
+)
+def test_a_signal_handled_inside_a_gc_callback_still_stops_the_process(signum, code, line):
+    """jax registers a garbage-collector callback; a handler that runs inside it raises where Python can only print
+    "Exception ignored" and go on (seen: Ctrl-C lost mid-report). The stop must still end the process."""
+    program = f"""
+        import gc, os, signal, time
+        from lab import interrupts
+        interrupts.install()
+        def callback(phase, info):
+            if phase == "start":
+                gc.callbacks.remove(callback)
+                os.kill(os.getpid(), {int(signum)})
+                for _ in range(1000):  # bytecodes for the handler to run on, inside the callback
+                    pass
+        gc.callbacks.append(callback)
+        gc.collect()
+        time.sleep(30)
+        print("went on")
+    """
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(program)], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert (result.returncode, result.stderr.strip(), result.stdout) == (code, line, "")
+    assert time.monotonic() - started < 20
