@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
@@ -139,6 +138,8 @@ def plan(command: Plan) -> int:
 def _plot_file(path: Path) -> None:
     """A file matplotlib can write by its name: a format it knows, not a folder, in a folder this user may write."""
     inputs.output_file("--plot", path)
+    from matplotlib.figure import Figure  # local: matplotlib takes 0.4 s to import, every `lab` command would pay
+
     formats = Figure().canvas.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:
         raise LabError(
@@ -286,8 +287,10 @@ def show(result: Ranking, console: Console, rows: int = 10) -> None:
     )
 
 
-def plot(result: Ranking, title: str = "") -> Figure:
+def plot(result: Ranking, title: str = ""):
     """Predicted step time against memory per chip for every enumerated layout; the frontier and the winner marked."""
+    from matplotlib.figure import Figure  # local: see `_plot_file`
+
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
     everything = result.everything
