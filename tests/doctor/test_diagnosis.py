@@ -12,6 +12,8 @@ from lab.doctor.diagnosis import Diagnosis, diagnose
 from lab.rules import ShardingReport, get_strategy
 from lab.training.run import RunConfig
 
+pytestmark = pytest.mark.long  # kept ahead of tests/predict/test_command.py, also long (see REFUSED below)
+
 GIB = 2**30
 # libtpu's refusal of a step too big for the chip: the second once lab predict started libtpu in this process with
 # --xla_tpu_no_crash_on_oom=true (the doctor reads both, lab/doctor/diagnosis.py); which one depends on test order

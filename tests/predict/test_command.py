@@ -12,6 +12,9 @@ from lab.predict.ops import _taps
 from lab.predict.spec import parse_model
 from lab.targets.hardware import profile
 
+pytestmark = pytest.mark.long  # libtpu compiles for a minute and more: scheduled first, after the doctor's tests
+# (collected before these, so on a shared worker they run first: see REFUSED in tests/doctor/test_diagnosis.py)
+
 LAYERS_2 = ("--target", "tpu:v5e:2x2", "--layers-compiled", "2")
 SMALL = "layers=2,d_model=256,heads=4,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu"
 

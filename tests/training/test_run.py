@@ -15,6 +15,8 @@ from lab.training.metrics_log import StepMetrics
 from lab.training.page import result
 from lab.training.run import RunConfig, flops_per_token, run, synthetic_batch
 
+pytestmark = pytest.mark.long  # runs, resumes and profiles a dozen training runs (40 s): scheduled first
+
 STEPS = 4
 PARITY_RTOL = 1e-5  # fp32: the layouts sum the same numbers in another order
 
