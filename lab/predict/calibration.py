@@ -30,8 +30,14 @@ The rule used here: the matmul efficiency is set from the 8B run alone (the
 70B's full compile does not fit the lab's program in HBM without MaxText's
 host offload, so the 8B is the one compiled whole); the HBM efficiency is not
 fitted at all but assumed; the 70B run is then a prediction, held against its
-published time. Other generations have no calibration run and borrow v6e's
-constant (the prediction says so).
+published time. Other TPU generations have no calibration run and borrow
+v6e's constant (the prediction says so).
+
+NVIDIA H100 has its own, from MaxText's Llama 2 7B on one node of 8 H100s
+(NVIDIA's JAX-Toolbox table: 0.721 s), solved the same way with XLA's
+attention priced as the cuDNN flash kernel the run used
+(`lab.predict.command.flash_seconds`); the same model on 32 nodes (Google
+Cloud's gpu-recipes log: 1.500 s) is held out. Other GPUs borrow H100's.
 """
 
 from __future__ import annotations
@@ -102,6 +108,44 @@ LLAMA31_70B = PublishedRun(
     "benchmarks/maxtext_trillium_model_configs.py @9f1820b472ef362e7b5c782fe1d6fda8a0943eff)",
 )
 PUBLISHED = (LLAMA31_8B, LLAMA31_70B)
+
+# NVIDIA H100: MaxText's Llama 2 7B, remat minimal_flash, cuDNN flash attention (attention=cudnn_flash_te), bf16
+JAX_TOOLBOX = "NVIDIA/JAX-Toolbox"
+GPU_RECIPES = "AI-Hypercomputer/gpu-recipes"
+LLAMA2_7B_8XH100 = PublishedRun(
+    name="Llama 2 7B on 8 H100 (one node)",
+    preset="llama2-7b",
+    topology="h100:1x8",
+    slices=1,
+    batch_per_device=2,
+    seq=4096,
+    mesh="fsdp=8",
+    remat="minimal_flash (the matmul outputs without batch dimensions, and the attention's output)",
+    attention="cuDNN flash (Transformer Engine)",
+    libtpu_flags="",
+    step_s=0.721,
+    tflops_per_device=0.0,  # not published: the table gives the step and 22.19 sequences/s
+    source=f"{JAX_TOOLBOX} docs/frameworks/maxtext/README.md @bcbbfa578be90bf5c1dfef2c67cf074589391eee (table row "
+    "7B, H100 80G SXM, BF16, 4096, 8 GPUs, micro-batch 2, fsdp 8, Flash, minimal_flash: 0.721 s)",
+)
+LLAMA2_7B_256XH100 = PublishedRun(
+    name="Llama 2 7B on 256 H100 (32 nodes)",
+    preset="llama2-7b",
+    topology="h100:32x8",
+    slices=1,
+    batch_per_device=4,
+    seq=4096,
+    mesh="data=32,fsdp=8",
+    remat="minimal_flash",
+    attention="cuDNN flash (Transformer Engine)",
+    libtpu_flags="",
+    step_s=1.5,
+    tflops_per_device=503.384,
+    source=f"{GPU_RECIPES} training/a3mega/llama-2-7b/maxtext-pretraining-gke/README.md "
+    "@eeadb349781fe9b6460c7da121fa49c3648529eb (log: completed step: 12, seconds: 1.500, TFLOP/s/device: 503.384; "
+    "config src/frameworks/a3mega/maxtext-configs/llama-2-7b-256gpus-a3mega-bf16.yaml: dcn_data_parallelism 32, "
+    "ici_fsdp_parallelism 8, per_device_batch_size 4)",
+)
 XLA_FLAGS_SOURCE = f"{MAXTEXT} benchmarks/xla_flags_library.py @05d3525e834959775d417fd65c3d7aadd213a3f7"
 
 # Matmul efficiency: solved from LLAMA31_8B alone (`solve_matmul_efficiency`, run by results/pod_predictions/,
@@ -110,38 +154,63 @@ XLA_FLAGS_SOURCE = f"{MAXTEXT} benchmarks/xla_flags_library.py @05d3525e83495977
 # "TPU Specs": the bandwidth figures are peaks; Part 1 uses the peak itself), so 0.9 is taken, for every chip.
 HBM_EFFICIENCY = 0.9
 HBM_SOURCE = "assumed 0.9 of the HBM peak (not fitted; https://jax-ml.github.io/scaling-book/tpus/ gives peaks)"
-MATMUL_EFFICIENCY = {"v6e": 0.5355}
+MATMUL_EFFICIENCY = {"v6e": 0.5355, "h100": 0.6566}
 MATMUL_SOURCE = {
     "v6e": "solved so that the lab's compiled Llama 3.1 8B step (remat full, fsdp=256, flash with lab.model's "
     "FLASH_BLOCK of 512) predicts LLAMA31_8B's 4.546 s (`solve_matmul_efficiency`, HBM efficiency 0.9); "
-    "LLAMA31_70B is then held out"
+    "LLAMA31_70B is then held out (results/pod_predictions)",
+    "h100": "solved so that the lab's compiled Llama 2 7B step on gpu:h100:1x8 (remat minimal, fsdp=8, XLA's "
+    "attention priced as a flash kernel) predicts LLAMA2_7B_8XH100's 0.721 s; LLAMA2_7B_256XH100 is then held out "
+    "(results/gpu_predictions)",
 }
 
 
-def efficiency(generation: str) -> Efficiency:
-    """The constants of one TPU generation; generations without a calibration run use v6e's (and say so)."""
-    return Efficiency(matmul=MATMUL_EFFICIENCY.get(generation) or MATMUL_EFFICIENCY["v6e"], hbm=HBM_EFFICIENCY)
+GPUS = ("h100", "h200")
 
 
-def calibrated(generation: str) -> bool:
-    return generation in MATMUL_SOURCE
+def source_chip(chip: str) -> str:
+    """The chip whose calibration run `chip` uses: its own, else a calibrated chip of its kind (GPU or TPU)."""
+    if chip in MATMUL_EFFICIENCY:
+        return chip
+    kind = [c for c in MATMUL_EFFICIENCY if (c in GPUS) == (chip in GPUS)]
+    return kind[0] if kind else "v6e"
+
+
+def efficiency(chip: str) -> Efficiency:
+    """The constants of one chip; chips without a calibration run use another's (`source_chip`, and say so)."""
+    return Efficiency(matmul=MATMUL_EFFICIENCY[source_chip(chip)], hbm=HBM_EFFICIENCY)
+
+
+def calibrated(chip: str) -> bool:
+    return chip in MATMUL_SOURCE
 
 
 MATMUL_DIGITS = 4  # decimals the solved constant is stored to (a relative resolution of about 2e-4)
 
 
-def solve_matmul_efficiency(read: ReadSchedule, measured_s: float, hbm: float = HBM_EFFICIENCY) -> float:
+def solve_matmul_efficiency(
+    read: ReadSchedule, measured_s: float, hbm: float = HBM_EFFICIENCY, step_s=lambda prediction, efficiency: None
+) -> float:
     """The matmul efficiency at which the op-by-op step of `read` takes `measured_s`, by bisection.
 
-    The predicted step never grows as the efficiency rises (every compute op gets faster or stays memory-bound,
-    and a transfer waited for can only shrink), so the root is bracketed by a tiny efficiency and 1.
+    `step_s(prediction, efficiency)`, when it returns a number, is the step to match instead of the prediction's
+    own (the GPU runs' step with XLA's attention priced as the flash kernel they ran). The predicted step never
+    grows as the efficiency rises (every compute op gets faster or stays memory-bound, and a transfer waited for
+    can only shrink), so the root is bracketed by a tiny efficiency and 1.
     """
+
+    def step_at(matmul: float) -> float:
+        efficiency = Efficiency(matmul=matmul, hbm=hbm)
+        prediction = read.predict(efficiency)
+        adjusted = step_s(prediction, efficiency)
+        return prediction.step_s if adjusted is None else adjusted
+
     low, high = 1e-3, 1.0
-    if read.predict(Efficiency(matmul=high, hbm=hbm)).step_s > measured_s:
+    if step_at(high) > measured_s:
         raise LabError(f"even at the chip's peak the step takes longer than the measured {measured_s} s")
     while high - low > 1e-7:
         middle = (low + high) / 2
-        if read.predict(Efficiency(matmul=middle, hbm=hbm)).step_s > measured_s:
+        if step_at(middle) > measured_s:
             low = middle
         else:
             high = middle

@@ -1,12 +1,21 @@
 """``lab predict``: this model, this batch, this layout, this many chips: how long is a step, and why.
 
 The handler compiles the whole training step for a compile-only TPU topology
-(one slice, or ``--slices K`` joined by DCN) and reads the prediction off the
-compiled, scheduled program (`lab.predict.ops`); nothing runs and nothing is
-allocated. It prints the step time, the model TFLOP/s per chip and MFU, the
-hardware FLOPs (remat included), memory per chip against HBM, the exposed
-communication per mesh axis and link, the ten most expensive ops and the
-compile time; ``--json`` prints the same as one object.
+(one slice, or ``--slices K`` joined by DCN) or a compile-only NVIDIA cluster
+(``gpu:h100:32x8``: XLA:GPU through the CUDA plugin, no GPU needed; NVLink
+inside a node, InfiniBand across) and reads the prediction off the compiled,
+scheduled program (`lab.predict.ops`); nothing runs and nothing is allocated.
+It prints the step time, the model TFLOP/s per chip and MFU, the hardware
+FLOPs (remat included), memory per chip against HBM, the exposed communication
+per mesh axis and link, the ten most expensive ops and the compile time;
+``--json`` prints the same as one object.
+
+On GPU the lab's attention is XLA's dot product (the flash kernel it compiles
+is Pallas's TPU kernel), where published GPU runs use cuDNN's flash attention.
+That difference is priced, not hidden: the seconds of the ops on an
+[.., S, S] array (`lab.predict.ops.score_ops`) beside a flash kernel's
+estimate at the same matmul efficiency (`flash_seconds`), and the step with
+the one replaced by the other.
 
 FLOPs convention (MaxText's, so MFU compares with published runs): model FLOPs
 per step = 6 · N' · tokens + 12 · L · H · K · S · tokens, where N' is the
@@ -33,6 +42,7 @@ from lab.errors import LabError
 from lab.model import check_flash_tiling
 from lab.predict import calibration
 from lab.predict.spec import check_step_tokens, parse_model
+from lab.targets.gpu import GPU_TARGET_FORM
 from lab.units import format_bytes
 
 GiB = 2**30
@@ -40,7 +50,8 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class Predict:
-    """Predict one training step on a TPU pod, compile-only: step time, MFU, memory, exposed communication."""
+    """Predict one training step on a TPU pod or a GPU cluster, compile-only: step time, MFU, memory, exposed
+    communication."""
 
     model: str = "llama3-8b"
     """a preset (llama2-7b, llama3-8b, llama3-70b, mistral-7b, gemma-7b, ...) or key=value pairs: layers, d_model,
@@ -53,17 +64,18 @@ class Predict:
     remat: Literal["full", "minimal", "none"] = "full"
     """what the backward pass keeps: full (each block's input only), minimal (every matmul output), none"""
     mesh: str = "fsdp=-1"
-    """one slice's mesh over data,stage,fsdp,expert,tensor (one axis may be -1)"""
+    """one slice's (or the whole GPU cluster's) mesh over data,stage,fsdp,expert,tensor (one axis may be -1)"""
     target: str = "tpu:v6e:16x16"
-    """one slice's topology, tpu:<gen>:<topology>"""
+    """one slice's topology, tpu:<gen>:<topology>, or a GPU cluster, gpu:<chip>:<nodes>x<gpus per node>"""
     slices: int = 1
-    """slices joined by DCN"""
+    """TPU slices joined by DCN (a GPU cluster's nodes are in its target)"""
     dcn_axis: str = "data"
     """the mesh axis that spans the slices"""
     libtpu_flags: str = ""
-    """compiler flags as in LIBTPU_INIT_ARGS, e.g. "--xla_tpu_enable_async_collective_fusion=true" """
-    attention: Literal["flash", "xla"] = "flash"
-    """flash (the Pallas TPU kernel) or xla (dot product, scores materialized)"""
+    """TPU compiler flags as in LIBTPU_INIT_ARGS, e.g. "--xla_tpu_enable_async_collective_fusion=true" """
+    attention: Literal["auto", "flash", "xla"] = "auto"
+    """flash (the Pallas TPU kernel, TPU only) or xla (dot product, scores materialized); auto: flash on TPU, xla
+    on GPU"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     layers_compiled: int = 0
@@ -112,6 +124,31 @@ class Prediction:
     predict_s: float
     efficiency: dict[str, float]
     calibrated: bool
+    calibrated_on: str  # the chip whose published run set the constants (another one's when not `calibrated`)
+    attention_xla_s: float  # with --attention xla: the step's seconds in ops on an [.., S, S] array (else 0)
+    attention_flash_s: float  # ... and a flash kernel's estimate for the same attention (`flash_seconds`)
+
+    @property
+    def step_with_flash_s(self) -> float:
+        """The step with XLA's attention priced as a flash kernel instead (the same step when flash was compiled)."""
+        return self.step_s - self.attention_xla_s + self.attention_flash_s
+
+
+FLASH_UNITS = 14  # matmul FLOPs per b·h·S·S·K of FlashAttention-2: forward 4 (QK^T, PV), backward 10 (QK^T again,
+# dV, dP, dQ, dK) (Dao 2023, FlashAttention-2, section 3.1); remat "full" runs the forward once more
+FLASH_BLOCK_Q = 128  # the query block whose causal tiles above the diagonal a flash kernel skips
+
+
+def flash_seconds(config, batch_per_device: int, remat: str, peak_flops: float, matmul_efficiency: float) -> float:
+    """A flash kernel's time per step on one device: its matmul FLOPs at the matmul efficiency, causal tiles skipped.
+
+    A device holds batch per device x heads (b, h) pairs whatever the layout (tensor splits heads, the batch axes
+    split sequences); each costs FLASH_UNITS · S² · K, times (n + 1) / 2n of the n x n tiles under the diagonal.
+    """
+    s, blocks = config.seq, max(1, math.ceil(config.seq / FLASH_BLOCK_Q))
+    units = FLASH_UNITS + (4 if remat == "full" else 0)
+    flops = config.layers * units * batch_per_device * config.heads * s * s * config.head_dim
+    return flops * (blocks + 1) / (2 * blocks) / (peak_flops * matmul_efficiency)
 
 
 def model_flops(config, tokens: int) -> float:
@@ -126,27 +163,33 @@ def run_prediction(command: Predict, efficiency=None):
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
     from lab.predict.step import DoesNotFit
     from lab.targets import libtpu
-    from lab.targets.devices import check_slices, parse_target, topology_devices, topology_shape
+    from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
 
     target = parse_target(command.target)
-    if target.platform != "tpu" or not target.compile_only:
+    on_gpu = target.platform == "gpu"
+    if not target.compile_only or target.platform not in ("tpu", "gpu"):
         raise LabError(
-            f"--target {command.target!r}: lab predict compiles for tpu:<gen>:<topology> (e.g. tpu:v6e:16x16)"
+            f"--target {command.target!r}: lab predict compiles for tpu:<gen>:<topology> (e.g. tpu:v6e:16x16) "
+            f"or {GPU_TARGET_FORM}"
         )
     if target.slices > 1:
         raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
     check_slices("--slices", command.slices)
+    attention = _attention(command, on_gpu)
+    if on_gpu:
+        _check_gpu_options(command)
     if command.seq < 1:
         raise LabError(f"--seq {command.seq}: use 1 or more")
-    if command.attention == "flash":
+    if attention == "flash":
         check_flash_tiling(command.seq)
-    check_step_tokens(
-        command.batch_per_device, math.prod(topology_shape(target.topology)) * command.slices, command.seq
-    )
-    model = replace(parse_model(command.model), seq=command.seq, attention=command.attention)
+    check_step_tokens(command.batch_per_device, _chips(target, command.slices), command.seq)
+    model = replace(parse_model(command.model), seq=command.seq, attention=attention)
     compiled_layers = _compiled_layers(command.layers_compiled, model.layers)
-    libtpu.prepare(command.libtpu_flags)
-    devices = topology_devices(target.topology, command.slices)
+    if on_gpu:
+        devices = gpu_cluster_devices(target.topology)
+    else:
+        libtpu.prepare(command.libtpu_flags)
+        devices = topology_devices(target.topology, command.slices)
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     chip = _chip(devices)
     efficiency = efficiency or calibration.efficiency(chip.name)
@@ -157,13 +200,16 @@ def run_prediction(command: Predict, efficiency=None):
     if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
         compiled_layers = FALLBACK_LAYERS
     try:
-        compiled, step, memory, predict_s = _compile(model, compiled_layers, mesh, chip, efficiency, command)
+        compiled, step, memory, scores_s, predict_s = _compile(model, compiled_layers, mesh, chip, efficiency, command)
     except DoesNotFit as err:
         if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined:
             raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
         # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
-        compiled, step, memory, predict_s = _compile(model, FALLBACK_LAYERS, mesh, chip, efficiency, command)
+        compiled, step, memory, scores_s, predict_s = _compile(model, FALLBACK_LAYERS, mesh, chip, efficiency, command)
     chips = len(devices)
+    flash_s = 0.0
+    if attention == "xla":
+        flash_s = flash_seconds(model, command.batch_per_device, command.remat, chip.peak_bf16_flops, efficiency.matmul)
     tokens = command.batch_per_device * chips * command.seq
     flops = model_flops(model, tokens)
     per_chip = flops / chips / step.step_s
@@ -179,7 +225,7 @@ def run_prediction(command: Predict, efficiency=None):
         seq=command.seq,
         batch_per_device=command.batch_per_device,
         remat=command.remat,
-        attention=command.attention,
+        attention=attention,
         step_s=step.step_s,
         compute_s=step.compute_s,
         exposed_comm_s=step.exposed_comm_s,
@@ -212,17 +258,55 @@ def run_prediction(command: Predict, efficiency=None):
         predict_s=predict_s,
         efficiency=asdict(efficiency),
         calibrated=calibration.calibrated(chip.name),
+        calibrated_on=calibration.source_chip(chip.name),
+        attention_xla_s=scores_s,
+        attention_flash_s=flash_s,
     )
+
+
+def _attention(command: Predict, on_gpu: bool) -> str:
+    """The attention to compile: auto is the Pallas flash kernel on TPU, XLA's dot product on GPU."""
+    if command.attention == "auto":
+        return "xla" if on_gpu else "flash"
+    if on_gpu and command.attention == "flash":
+        raise LabError(
+            "--attention flash is the Pallas TPU kernel, which XLA:GPU does not compile; use --attention xla "
+            "(or auto) on a GPU target"
+        )
+    return command.attention
+
+
+def _chips(target, slices: int) -> int:
+    """The devices of `target` (times `slices` for a TPU slice), counted without starting a backend."""
+    # local: see run_prediction
+    from lab.targets.devices import topology_shape
+    from lab.targets.gpu import parse_cluster
+
+    if target.platform == "gpu":
+        _, nodes, per_node = parse_cluster(str(target))
+        return nodes * per_node
+    return math.prod(topology_shape(target.topology)) * slices
+
+
+def _check_gpu_options(command: Predict) -> None:
+    """What only a TPU target means, refused on a GPU one."""
+    if command.slices != 1:
+        raise LabError(
+            f"--slices {command.slices}: a GPU cluster's nodes are in its target (gpu:<chip>:<nodes>x<gpus per "
+            "node>); --slices joins TPU slices"
+        )
+    if command.libtpu_flags:
+        raise LabError("--libtpu-flags: libtpu compiles for TPU targets only; a GPU target takes no libtpu flags")
 
 
 def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
     """Compile the step with `layers` layers and predict it at the model's depth: (Compiled, StepPrediction,
-    memory bytes per chip, seconds the prediction took)."""
+    memory bytes per chip, seconds in ops on XLA attention's [.., S, S] arrays, seconds the prediction took)."""
     # local: see run_prediction
     import time
 
     from lab.predict.depth import deeper
-    from lab.predict.ops import read_schedule
+    from lab.predict.ops import read_schedule, score_ops
     from lab.predict.step import compile_step
 
     compiled = compile_step(
@@ -240,7 +324,8 @@ def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
         depth = deeper(read.schedule, layers, model.layers)
         read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
     step = read.predict(efficiency)
-    return compiled, step, memory, time.perf_counter() - started
+    scores_s = sum(op.seconds for op in score_ops(read, step, model.seq)) if model.attention == "xla" else 0.0
+    return compiled, step, memory, scores_s, time.perf_counter() - started
 
 
 _PIPELINED = (
@@ -360,8 +445,17 @@ def show(p: Prediction, console: Console) -> None:
         f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
         f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
         f"memory per chip {format_bytes(p.memory_bytes)} of {format_bytes(p.hbm_bytes)} HBM: {fit}",
+        *(
+            [
+                f"attention       XLA's scores in HBM {p.attention_xla_s:.3f} s; a flash kernel's estimate "
+                f"{p.attention_flash_s:.3f} s: step with flash {p.step_with_flash_s:.3f} s"
+            ]
+            if p.attention == "xla"
+            else []
+        ),
         f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
-        f"HBM {p.efficiency['hbm']:.2f}" + ("" if p.calibrated else " (v6e's: this chip has no calibration run)"),
+        f"HBM {p.efficiency['hbm']:.2f}"
+        + ("" if p.calibrated else f" ({p.calibrated_on}'s: this chip has no calibration run)"),
     ]
     for line in lines:
         console.print(line, highlight=False)

@@ -349,6 +349,21 @@ class _Clock:
             self.t = max(self.t, *self.inflight.values())
 
 
+def score_ops(read: ReadSchedule, step: StepPrediction, seq: int) -> list[OpCost]:
+    """The priced ops that read or write an [..., S, S] array: XLA's attention scores, their mask and softmax, and
+    their gradients, which a flash kernel computes block by block on chip without an S x S array in HBM."""
+    found = []
+    for op in step.ops:
+        instruction = next((i for i in read.schedule.computations[op.computation] if i.name == op.name), None)
+        if instruction is None:
+            continue
+        shapes = read.schedule.shapes(op.computation)
+        texts = [instruction.shape, *(shapes.get(o, "") for o in instruction.operands)]
+        if any(dims[-2:] == (seq, seq) for text in texts for _, dims in arrays(text)):
+            found.append(op)
+    return found
+
+
 def trip_count(schedule: ScheduledModule, instruction: Instruction) -> int:
     """How often a while loop runs: XLA's known_trip_count, else the bound its condition compares against."""
     known = instruction.attr(r'"known_trip_count":\{"n":"(\d+)"\}')

@@ -1,0 +1,337 @@
+"""GPU predictions: a whole training step on an H100 cluster, compile-only, held against published MaxText runs.
+
+Question #50 on GPUs: how long will this step take on 8 or 256 H100s, and
+where does the time go? `lab predict --target gpu:h100:<nodes>x8` compiles the
+whole training step with XLA:GPU through the CUDA plugin, with no GPU (the
+compile-only devices of `lab.targets.gpu`), and prices the scheduled program
+op by op (`lab.predict.ops`), as on TPU: GEMM fusions by their FLOPs against
+the tensor-core peak, memory-bound fusions against HBM, each NCCL collective
+on NVLink inside a node or InfiniBand across, waited for at its done.
+
+The development set is two published MaxText runs of Llama 2 7B on H100:
+one node (8 GPUs, 0.721 s) calibrates H100's matmul efficiency, the 32-node
+run (256 GPUs, 1.5 s) is held out. Both ran cuDNN's flash attention; the
+lab compiles XLA's dot-product attention on GPU, whose [.., S, S] scores go
+through HBM. That difference is priced, not fitted: the ops on an S x S array
+(`lab.predict.ops.score_ops`) are replaced by a flash kernel's FLOPs at the
+same matmul efficiency (`lab.predict.command.flash_seconds`), and the step so
+corrected is what is solved for and held against the published time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from lab.predict import calibration
+from lab.provenance import Setup
+from lab.report import Result, Table
+from lab.verdict import Check, check
+
+QUESTION = "#50"
+COMPILE_ONLY = True  # compiles for GPU clusters through the CUDA plugin, whatever target `lab report` uses
+CALIBRATION = calibration.LLAMA2_7B_8XH100
+HELD_OUT = calibration.LLAMA2_7B_256XH100
+PUBLISHED_RTOL = 0.15
+PUBLISHED_BASIS = (
+    "the lab's program is not MaxText's: XLA's attention priced as a flash kernel (not compiled as one), remat "
+    "minimal saves every matmul output where minimal_flash keeps the attention's own, the embedding is a one-hot "
+    "matmul, the loss runs in chunks, and the recipes' XLA flags are not set; 15% is the issue's bar for GPU "
+    "clusters. Published: "
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    held_out_layers: int = 32
+    """layers of the held-out step compiled: 32 is every layer; K (2 or more) are read at 32 (lab.predict.depth)"""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One published run as `lab predict` predicts it."""
+
+    name: str
+    target: str
+    mesh: str
+    batch_per_device: int
+    layers_compiled: int
+    step_s: float  # as compiled: XLA's attention
+    attention_xla_s: float
+    attention_flash_s: float
+    step_with_flash_s: float
+    compute_s: float
+    exposed_by_link: dict[str, float]
+    hardware_flops_per_step: float
+    model_flops_per_step: float
+    mfu: float  # as compiled (XLA's attention)
+    chips: int
+    memory_bytes: int
+    hbm_bytes: int
+    compile_s: float
+
+
+@dataclass(frozen=True)
+class Observations:
+    setup: Setup
+    solved_matmul: float  # H100's matmul efficiency solved in this run from CALIBRATION
+    stored_matmul: float | None  # what lab/predict/calibration.py held when this run measured
+    hbm: float
+    calibration_run: Point
+    held_out: Point
+    wall_s: float
+
+
+def _command(run, layers_compiled: int):
+    from lab.predict.command import Predict
+
+    return Predict(
+        model=run.preset,
+        seq=run.seq,
+        batch_per_device=run.batch_per_device,
+        mesh=run.mesh,
+        target=f"gpu:{run.topology}",
+        remat="minimal",
+        layers_compiled=layers_compiled,
+    )
+
+
+def _point(run, p) -> Point:
+    return Point(
+        run.name,
+        p.target,
+        p.mesh,
+        p.batch_per_device,
+        p.layers_compiled,
+        p.step_s,
+        p.attention_xla_s,
+        p.attention_flash_s,
+        p.step_with_flash_s,
+        p.compute_s,
+        dict(p.exposed_by_link),
+        p.hardware_flops_per_step,
+        p.model_flops_per_step,
+        p.mfu,
+        p.chips,
+        p.memory_bytes,
+        p.hbm_bytes,
+        p.compile_s,
+    )
+
+
+def measure(config: Config) -> Observations:
+    # local: the CUDA plugin starts only for these compiles
+    from lab.predict.command import build_mesh, flash_seconds, run_prediction
+    from lab.predict.ops import read_schedule, score_ops
+    from lab.predict.spec import parse_model
+    from lab.predict.step import compile_step
+    from lab.targets.devices import devices_for
+    from lab.targets.hardware import profile_for_device_kind
+
+    started = time.perf_counter()
+    command = _command(CALIBRATION, 0)
+    devices = devices_for(command.target)
+    mesh = build_mesh(command.mesh, devices, 1, "data")
+    chip = profile_for_device_kind(devices[0].device_kind)
+    model = replace(parse_model(command.model), seq=command.seq, attention="xla")
+    compiled = compile_step(model, mesh, command.batch_per_device, remat=command.remat)
+    read = read_schedule(compiled.hlo, mesh, chip)
+
+    def with_flash(prediction, efficiency) -> float:
+        scores = sum(op.seconds for op in score_ops(read, prediction, model.seq))
+        flash = flash_seconds(model, command.batch_per_device, command.remat, chip.peak_bf16_flops, efficiency.matmul)
+        return prediction.step_s - scores + flash
+
+    solved = calibration.solve_matmul_efficiency(read, CALIBRATION.step_s, step_s=with_flash)
+    used = replace(calibration.efficiency(chip.name), matmul=solved)
+    points = [
+        _point(run, run_prediction(_command(run, layers), used))
+        for run, layers in ((CALIBRATION, 0), (HELD_OUT, config.held_out_layers))
+    ]
+    return Observations(
+        Setup.of(command.target, devices, command.mesh),
+        solved_matmul=solved,
+        stored_matmul=calibration.MATMUL_EFFICIENCY.get(chip.name),
+        hbm=used.hbm,
+        calibration_run=points[0],
+        held_out=points[1],
+        wall_s=time.perf_counter() - started,
+    )
+
+
+# --------------------------------------------------------------------------- judge
+
+
+def judge(obs: Observations, config: Config) -> Result:
+    return Result(
+        summary=_summary(obs),
+        theory=THEORY,
+        tables=[_published_table(obs), _attention_table(obs), _terms_table(obs), _device_table()],
+        checks=_checks(obs),
+        notes=_notes(obs),
+    )
+
+
+THEORY = r"""
+Per instruction of the scheduled XLA:GPU program (`lab.predict.ops`), with P the GPU's dense bf16 peak and W its HBM
+bandwidth: t = max(FLOPs / (P · e_matmul), bytes / (W · e_hbm)); a collective by `lab.targets.topology` on NVLink
+(inside a node: 450 GB/s per GPU each way) or InfiniBand (one 400 Gb/s NIC per GPU); the compute stream waits at
+each async collective's done for what has not yet arrived.
+
+XLA's attention (scores [b, h, S, S] written to HBM, softmax, masks, and their gradients) is replaced by a flash
+kernel: 14 · b · h · S² · K matmul FLOPs per layer (FlashAttention-2: forward QK^T and PV, backward QK^T again, dV,
+dP, dQ, dK), times (n + 1) / 2n for the causal tiles of n query blocks of 128, at P · e_matmul:
+step_with_flash = step - Σ t(ops on an S x S array) + t_flash.
+
+Calibration: e_hbm = 0.9 (assumed, as on TPU); e_matmul solved by bisection so that the one-node run's
+step_with_flash equals its published time. The 32-node run is then a prediction.
+"""
+
+
+def _rel(predicted: float, published: float) -> float:
+    return (predicted - published) / published
+
+
+def _checks(obs: Observations) -> list[Check]:
+    digits = calibration.MATMUL_DIGITS
+    return [
+        check(
+            f"h100 matmul efficiency stored in lab/predict/calibration.py = the one solved in this run from "
+            f"{CALIBRATION.name} ({digits} decimals)",
+            round(obs.solved_matmul, digits),
+            calibration.MATMUL_EFFICIENCY.get("h100", 0.0),
+            kind="exact",
+        ),
+        check(
+            f"{CALIBRATION.name}: predicted step with flash (s), the CALIBRATION run: agrees by construction, "
+            "not evidence",
+            CALIBRATION.step_s,
+            round(obs.calibration_run.step_with_flash_s, 3),
+            kind="model",
+            rtol=PUBLISHED_RTOL,
+            basis=PUBLISHED_BASIS + CALIBRATION.source,
+        ),
+        check(
+            f"{HELD_OUT.name}: predicted step with flash (s), HELD OUT",
+            HELD_OUT.step_s,
+            round(obs.held_out.step_with_flash_s, 3),
+            kind="model",
+            rtol=PUBLISHED_RTOL,
+            basis=PUBLISHED_BASIS + HELD_OUT.source,
+        ),
+    ]
+
+
+def _published_table(obs: Observations) -> Table:
+    rows = []
+    for run, p, role in (
+        (CALIBRATION, obs.calibration_run, "calibration (agrees by construction)"),
+        (HELD_OUT, obs.held_out, "held-out test"),
+    ):
+        rows.append(
+            [
+                run.name,
+                role,
+                f"{p.target}, {p.mesh}, batch {p.batch_per_device}/GPU",
+                f"{run.step_s:.3f} s",
+                f"{p.step_s:.3f} s",
+                f"{p.step_with_flash_s:.3f} s",
+                f"{_rel(p.step_with_flash_s, run.step_s):+.1%}",
+                f"{p.mfu * p.step_s / p.step_with_flash_s:.1%}",
+            ]
+        )
+    return Table(
+        "Published MaxText runs on H100 against the prediction",
+        [
+            "run",
+            "role",
+            "compiled",
+            "published step",
+            "predicted, XLA attention",
+            "predicted, attention as flash",
+            "error",
+            "predicted MFU",
+        ],
+        rows,
+        note="Sources: " + CALIBRATION.source + "; " + HELD_OUT.source,
+    )
+
+
+def _attention_table(obs: Observations) -> Table:
+    rows = [
+        [
+            p.name,
+            f"{p.attention_xla_s:.3f} s ({p.attention_xla_s / p.step_s:.0%} of the step)",
+            f"{p.attention_flash_s:.3f} s",
+            f"{p.step_s - p.step_with_flash_s:+.3f} s",
+        ]
+        for p in (obs.calibration_run, obs.held_out)
+    ]
+    return Table(
+        "The difference between the lab's program and the runs': attention",
+        ["run", "XLA's ops on [.., S, S] arrays", "a flash kernel's estimate", "XLA minus flash"],
+        rows,
+        note="The runs used cuDNN's flash attention (MaxText attention=cudnn_flash_te); the lab compiles XLA's. "
+        "The step with flash replaces the one by the other; nothing else is changed.",
+    )
+
+
+def _terms_table(obs: Observations) -> Table:
+    rows = []
+    for p in (obs.calibration_run, obs.held_out):
+        links = "; ".join(f"{name}: {seconds:.3f} s" for name, seconds in sorted(p.exposed_by_link.items()))
+        rows.append(
+            [
+                p.name,
+                f"{p.compute_s - p.attention_xla_s + p.attention_flash_s:.3f} s",
+                links or "none",
+                f"{p.memory_bytes / 2**30:.1f} GiB of {p.hbm_bytes / 2**30:.1f}",
+                f"{p.compile_s:.1f} s",
+            ]
+        )
+    return Table(
+        "What each term contributes (attention as flash)",
+        ["run", "compute", "exposed communication, per axes and link", "memory per GPU (as compiled)", "compile"],
+        rows,
+        note="Memory is the compiled program's, XLA's attention included: remat minimal saves the [b, h, S, S] "
+        "scores of every layer, which a flash kernel never writes, so it is far above what the runs used.",
+    )
+
+
+def _device_table() -> Table:
+    return Table(
+        "Measured on a GPU",
+        ["row", "status"],
+        [
+            [
+                "a step measured on a real H200 next to `lab predict --target gpu:h200:1x1`",
+                "missing: no GPU was lent to the session that wrote this page; every time here is a prediction",
+            ]
+        ],
+    )
+
+
+def _summary(obs: Observations) -> str:
+    h, c = obs.held_out, obs.calibration_run
+    return (
+        f"Calibrated on {CALIBRATION.name} ({CALIBRATION.step_s} s published; H100's e_matmul solved here "
+        f"{obs.solved_matmul:.4f}, with XLA's attention priced as the flash kernel the run used), the op-by-op model "
+        f"predicts the held-out {HELD_OUT.name} at {h.step_with_flash_s:.3f} s against {HELD_OUT.step_s} s "
+        f"published ({_rel(h.step_with_flash_s, HELD_OUT.step_s):+.1%}). As compiled, XLA's attention takes "
+        f"{c.attention_xla_s / c.step_s:.0%} of the one-node step. Compile-only, XLA:GPU, no GPU; this page ran in "
+        f"{obs.wall_s:.0f} s."
+    )
+
+
+def _notes(obs: Observations) -> list[str]:
+    return [
+        "One published run calibrates, one tests: a single held-out run is one data point.",
+        "Remat: MaxText's minimal_flash keeps the matmul outputs without batch dimensions and the attention's "
+        "output; the lab's minimal keeps every matmul output. With XLA's attention the difference is the saved "
+        "scores (memory above); with a flash kernel it is nothing the step recomputes.",
+        "The recipes' XLA flags (latency-hiding scheduler options, combine thresholds of 1 GiB for all-gather and "
+        "all-reduce and 128 MiB for reduce-scatter, pipelined collectives) are not set here: XLA's defaults "
+        "decide how collectives are combined and scheduled.",
+        "H200 and other Hopper GPUs use this H100 constant (`lab.predict.calibration.source_chip`): the same SMs; "
+        "their HBM bandwidth is their own.",
+    ]
