@@ -433,7 +433,11 @@ def show(p: Prediction, console: Console) -> None:
     lines = [
         f"{p.model} ({p.parameters / 1e9:.2f} B params), seq {p.seq}, batch {p.batch_per_device}/chip, "
         f"remat {p.remat}, attention {p.attention}",
-        f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}",
+        (
+            f"{p.target} = {p.chips} GPUs, mesh {p.mesh}"
+            if p.target.startswith("gpu:")
+            else f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}"
+        ),
         *(
             [f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)"]
             if p.layers_compiled < p.layers

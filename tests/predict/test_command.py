@@ -1,16 +1,19 @@
 """``lab predict`` end to end on small topologies, its bad inputs, and the op-by-op pricing's parts."""
 
 import json
+from dataclasses import replace
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 
 from lab.cli import main
 from lab.hlo.text import parse_instruction
-from lab.predict.command import Predict, model_flops, run_prediction
+from lab.predict.calibration import solve_matmul_efficiency
+from lab.predict.command import Predict, flash_seconds, model_flops, run_prediction
 from lab.predict.ops import _taps
 from lab.predict.spec import parse_model
-from lab.targets.hardware import profile
+from lab.targets.hardware import H100, profile
 
 pytestmark = pytest.mark.long  # libtpu compiles for a minute and more: scheduled first, after the doctor's tests
 # (collected before these, so on a shared worker they run first: see REFUSED in tests/doctor/test_diagnosis.py)
@@ -208,3 +211,62 @@ def test_a_step_whose_saved_layer_inputs_exceed_hbm_is_read_from_two_layers_with
     p = run_prediction(cmd)
     assert command._saved_inputs_bytes(parse_model(deep), cmd) > p.hbm_bytes
     assert p.layers_compiled == 2 and p.layers == 80000 and not p.fits
+
+
+# --- GPU clusters (XLA:GPU compile-only, the CUDA plugin) --------------------------------------------------------
+
+
+def test_a_small_step_on_two_h100_nodes_puts_fsdp_on_nvlink_and_data_on_infiniband(capsys):
+    argv = ["predict", "--model", SMALL, "--target", "gpu:h100:2x8", "--mesh", "data=2,fsdp=8", "--seq", "256"]
+    assert main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chips"] == 16 and out["attention"] == "xla" and out["step_s"] > out["compute_s"] > 0
+    links = out["exposed_by_link"]
+    assert any(k.startswith("fsdp on NVLink within one node") for k in links)  # the gather inside each node
+    assert any(k.startswith("data on InfiniBand across 2 nodes") for k in links)  # the gradients across them
+    # H100 has its own calibration run (results/gpu_predictions); XLA's attention and a flash kernel both priced
+    assert out["calibrated"] and out["calibrated_on"] == "h100" and out["efficiency"]["matmul"] == 0.6566
+    model = replace(parse_model(SMALL), seq=256)
+    assert out["attention_flash_s"] == pytest.approx(flash_seconds(model, 1, "full", H100.peak_bf16_flops, 0.6566))
+    assert 0 < out["attention_xla_s"] < out["compute_s"]
+    assert main(argv) == 0
+    assert "step with flash" in capsys.readouterr().out
+
+
+def test_an_h200_borrows_the_h100_constant_and_says_so(capsys):
+    argv = ["predict", "--model", SMALL, "--target", "gpu:h200:1x8", "--mesh", "fsdp=8", "--seq", "256"]
+    assert main(argv) == 0
+    assert "(h100's: this chip has no calibration run)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--attention", "flash"], "--attention flash is the Pallas TPU kernel"),
+        (["--slices", "2"], "--slices 2: a GPU cluster's nodes are in its target"),
+        (["--libtpu-flags", "--xla_tpu_enable_async_collective_fusion=true"], "a GPU target takes no libtpu flags"),
+    ],
+)
+def test_tpu_only_options_on_a_gpu_target_are_one_line_and_exit_2(extra, words, capsys):
+    assert main(["predict", "--model", SMALL, "--target", "gpu:h100:1x8", "--seq", "256", *extra]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_flash_seconds_counts_flashattention2_flops_over_the_causal_tiles():
+    model = replace(parse_model(SMALL), seq=256)  # 2 layers, 4 heads of 64; 2 query blocks of 128: 3 of 4 tiles
+    flops = 2 * 14 * 3 * 4 * 256 * 256 * 64 * 3 / 4  # batch 3
+    assert flash_seconds(model, 3, "minimal", 1e15, 0.5) == pytest.approx(flops / 5e14)
+    assert flash_seconds(model, 3, "full", 1e15, 0.5) == pytest.approx(flops * 18 / 14 / 5e14)  # forward again
+
+
+def test_the_efficiency_solved_against_an_adjusted_step_matches_it():
+    """The GPU calibration solves for the step with XLA's attention replaced (`step_s`), not the compiled one."""
+
+    class Read:  # a step of 2 s of matmuls at e = 1 and 0.1 s of memory-bound work
+        def predict(self, efficiency):
+            return SimpleNamespace(step_s=2 / efficiency.matmul + 0.1)
+
+    assert solve_matmul_efficiency(Read(), 4.1) == pytest.approx(0.5, abs=1e-6)
+    minus_one = solve_matmul_efficiency(Read(), 4.1, step_s=lambda p, e: p.step_s - 1)  # 2/e + 0.1 - 1 = 4.1
+    assert minus_one == pytest.approx(2 / 5, abs=1e-6)
