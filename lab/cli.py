@@ -18,6 +18,8 @@ import contextlib
 import io
 import json
 import math
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -204,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     except LabError as err:
         _err.print(f"lab: error: {err}", highlight=False, soft_wrap=True)
         return 2
+    except BrokenPipeError:  # the reader went away (`lab --help | head`): nothing to say to it, nor to the user
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's last flush must not fail too
+        return 128 + signal.SIGPIPE
     except OSError as err:  # a full or read-only disk found mid-run: the pages and checkpoints are written whole
         where = f" {err.filename!r}" if err.filename else ""
         _err.print(

@@ -208,3 +208,18 @@ def test_a_full_disk_mid_run_is_one_line_naming_the_path(capsys, devices, tmp_pa
     assert main(["report", "--only", "allreduce_equivalence", "--results", str(tmp_path)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("lab: error")]
     assert len(errors) == 1 and "No space left on device" in errors[0] and "allreduce_equivalence" in errors[0]
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`lab --help | head -1`: the pipe closes before the help is written; no "cannot write ... free space" line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lab", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+    )
+    process.stdout.close()  # gone before the command has imported anything, let alone written
+    err = process.stderr.read()
+    assert process.wait(timeout=60) == 141 and err == ""
