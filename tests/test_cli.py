@@ -221,5 +221,6 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
         [sys.executable, "-m", "lab", "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
     )
     process.stdout.close()  # gone before the command has imported anything, let alone written
-    err = process.stderr.read()
+    with process.stderr:
+        err = process.stderr.read()
     assert process.wait(timeout=60) == 141 and err == ""
