@@ -121,8 +121,8 @@ def _point(run, p) -> Point:
 
 def measure(config: Config) -> Observations:
     # local: the CUDA plugin starts only for these compiles
-    from lab.predict.command import build_mesh, flash_seconds, run_prediction
-    from lab.predict.ops import read_schedule, score_ops
+    from lab.predict.command import attention_terms, build_mesh, run_prediction
+    from lab.predict.ops import read_schedule
     from lab.predict.spec import parse_model
     from lab.predict.step import compile_step
     from lab.targets.devices import devices_for
@@ -137,10 +137,11 @@ def measure(config: Config) -> Observations:
     compiled = compile_step(model, mesh, command.batch_per_device, remat=command.remat)
     read = read_schedule(compiled.hlo, mesh, chip)
 
-    def with_flash(prediction, efficiency) -> float:
-        scores = sum(op.seconds for op in score_ops(read, prediction, model.seq))
-        flash = flash_seconds(model, command.batch_per_device, command.remat, chip.peak_bf16_flops, efficiency.matmul)
-        return prediction.step_s - scores + flash
+    def with_flash(prediction, efficiency) -> float:  # Prediction.step_with_flash_s, for the step being solved
+        xla_s, flash_s = attention_terms(
+            read, prediction, model, command.batch_per_device, command.remat, chip, efficiency
+        )
+        return prediction.step_s - xla_s + flash_s
 
     solved = calibration.solve_matmul_efficiency(read, CALIBRATION.step_s, step_s=with_flash)
     used = replace(calibration.efficiency(chip.name), matmul=solved)

@@ -47,6 +47,7 @@ their numpy twins and the recipes that pair them are one table that
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -519,7 +520,8 @@ class CollectiveProgram:
         shape = self.input_shape(bytes_per_device, dtype)
         # Sums of N values below limit/N stay below the dtype's exact-integer limit.
         limit = np.iinfo(dtype).max if jnp.issubdtype(dtype, jnp.integer) else 2 ** (jnp.finfo(dtype).nmant + 1)
-        return (np.arange(np.prod(shape)) % max(1, limit // self.group_size)).reshape(shape).astype(dtype)
+        period = np.arange(min(max(1, limit // self.group_size), math.prod(shape))).astype(dtype)
+        return np.resize(period, shape)  # 0, 1, ..., period - 1, 0, 1, ...: one period built, then repeated
 
     def abstract_input(self, bytes_per_device: int, dtype=np.float32) -> jax.ShapeDtypeStruct:
         """The input as shape, dtype and sharding only: enough to lower and compile ``fn``."""

@@ -490,7 +490,7 @@ class _Link:
     def text(self) -> str:
         parts = [str(self.ici)] if self.ici is not None and self.ici.devices > 1 else []
         if self.dcn > 1:
-            parts.append(f"DCN x{self.dcn}")
+            parts.append(f"{self.chip.dcn_name} x{self.dcn}")
         return " + ".join(parts) or "-"
 
 
@@ -523,10 +523,11 @@ def _links(problem: Problem, layout: Layout) -> dict[str, _Link]:
 
 @functools.cache
 def _placements(topology: str, shape: tuple[int, ...]) -> dict[str, Placement | None]:
-    """Where each axis of a one-slice mesh of `shape` runs, on libtpu's compile-only chips of `topology`."""
-    from lab.targets.devices import topology_devices  # local: starts libtpu's topology client, which memory never needs
+    """Where each axis of a one-slice mesh of `shape` runs, on the compile-only chips of `topology` (a TPU slice or
+    one GPU node)."""
+    from lab.targets.devices import pod_devices  # local: starts libtpu or the CUDA plugin, which memory never needs
 
-    mesh = MeshSpec(**dict(zip(AXES, shape))).build(topology_devices(topology))
+    mesh = MeshSpec(**dict(zip(AXES, shape))).build(pod_devices(topology))
     return {a: (placement(mesh, (a,)) if n > 1 else None) for a, n in zip(AXES, shape)}
 
 

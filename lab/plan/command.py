@@ -30,13 +30,15 @@ from lab.model import check_flash_tiling
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
 from lab.plan.space import Problem
+from lab.predict.command import resolve_attention
 from lab.predict.spec import MAX_STEP_TOKENS, check_step_tokens, parse_model
 from lab.units import format_bytes
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Rank every layout of a model on a TPU pod (closed form), compile the best few, and say why the winner wins."""
+    """Rank every layout of a model on a TPU pod or a GPU cluster (closed form), compile the best few, and say why
+    the winner wins."""
 
     model: str = "llama3-8b"
     """a preset (llama3-8b, llama3-70b, ...) or key=value pairs, exactly as lab predict's --model"""
@@ -47,13 +49,14 @@ class Plan:
     batch_per_device: int = 1
     """sequences per chip per step, when --global-batch is not given"""
     target: str = "tpu:v5e:16x16"
-    """one slice's topology, tpu:<gen>:<topology>"""
+    """one slice's topology, tpu:<gen>:<topology>, or a GPU cluster, gpu:<chip>:<nodes>x<gpus per node>"""
     slices: int = 1
-    """slices joined by DCN"""
+    """TPU slices joined by DCN (a GPU cluster's nodes are in its target)"""
     chips: int | None = None
     """the pod's chips, if you want it checked against the topology x slices"""
-    attention: Literal["flash", "xla"] = "flash"
-    """flash (the Pallas TPU kernel) or xla (dot product, scores materialized), as lab predict"""
+    attention: Literal["auto", "flash", "xla"] = "auto"
+    """flash (the Pallas TPU kernel), xla (dot product, scores materialized) or auto: flash on TPU, xla on GPU, as
+    lab predict"""
     compile_top: int = 3
     """compile this many of the best layouts and re-rank them by the compiled prediction (0: closed form only)"""
     top: int = 10
@@ -69,28 +72,41 @@ def problem_of(command: Plan) -> Problem:
     # local: lab.targets.devices and lab.targets.hardware pull in JAX; the CLI imports this module before it chooses
     # a target
     from lab.targets.devices import check_slices, parse_target, topology_shape
+    from lab.targets.gpu import GPU_TARGET_FORM, parse_cluster
     from lab.targets.hardware import profile
 
     target = parse_target(command.target)
-    if target.platform != "tpu" or not target.compile_only:
+    if target.platform not in ("tpu", "gpu") or not target.compile_only:
         raise LabError(
-            f"--target {command.target!r}: lab plan lays a model on tpu:<gen>:<topology> (e.g. tpu:v5e:16x16)"
+            f"--target {command.target!r}: lab plan lays a model on tpu:<gen>:<topology> (e.g. tpu:v5e:16x16) "
+            f"or {GPU_TARGET_FORM}"
         )
     if target.slices > 1:
         raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
     if command.seq < 1 or command.top < 1 or command.compile_top < 0:
         raise LabError("--seq and --top take 1 or more, --compile-top 0 or more")
-    if command.attention == "flash":
+    on_gpu = target.platform == "gpu"
+    attention = resolve_attention(command.attention, on_gpu)
+    if attention == "flash":
         check_flash_tiling(command.seq)
     check_slices("--slices", command.slices)
-    generation = target.generation
-    torus = topology_shape(target.topology)
-    chips = math.prod(torus) * command.slices
+    if on_gpu:
+        if command.slices != 1:
+            raise LabError(
+                f"--slices {command.slices}: a GPU cluster's nodes are in its target ({GPU_TARGET_FORM}); "
+                "--slices joins TPU slices"
+            )
+        chip, nodes, per_node = parse_cluster(str(target))
+        topology, slices = f"{chip}:1x{per_node}", nodes  # one node is the slice, InfiniBand joins the nodes
+    else:
+        chip, topology, slices = target.generation, target.topology, command.slices
+    torus = topology_shape(topology)
+    chips = math.prod(torus) * slices
     check_step_tokens(command.batch_per_device, chips, command.seq)
     if command.chips is not None and command.chips != chips:
         raise LabError(
-            f"--chips {command.chips}: {command.target} has {math.prod(torus)} chips a slice, x {command.slices} "
-            f"slice(s) = {chips}; give that, or a topology with {command.chips} chips"
+            f"--chips {command.chips}: {command.target} has {math.prod(torus)} chips a slice (node), x {slices} "
+            f"slice(s) = {chips}; give that, or a target with {command.chips} chips"
         )
     if command.global_batch is not None:
         if command.global_batch < 1 or command.global_batch % command.seq:
@@ -100,8 +116,8 @@ def problem_of(command: Plan) -> Problem:
         sequences = command.global_batch // command.seq
     else:
         sequences = command.batch_per_device * chips
-    model = replace(parse_model(command.model), seq=command.seq, attention=command.attention)
-    return Problem(model, sequences, profile(generation), torus, target.topology, command.slices)
+    model = replace(parse_model(command.model), seq=command.seq, attention=attention)
+    return Problem(model, sequences, profile(chip), torus, topology, slices)
 
 
 def make_plan(command: Plan) -> Ranking:
@@ -262,7 +278,8 @@ def show(result: Ranking, console: Console, rows: int = 10) -> None:
     p = result.problem
     console.print(
         f"{p.model.parameters / 1e9:.2f} B parameters, {p.sequences} x {p.model.seq} tokens, {p.topology} x "
-        f"{p.slices} slice(s) = {p.chips} chips; {result.enumerated} layouts enumerated, {len(result.candidates)} "
+        f"{p.slices} {'slice(s)' if p.chip.torus_dims else 'node(s) on InfiniBand'} = {p.chips} chips; "
+        f"{result.enumerated} layouts enumerated, {len(result.candidates)} "
         f"fit, ranked in {result.ranked_s:.2f} s",
         highlight=False,
     )

@@ -46,10 +46,10 @@ def compile_layout(problem: Problem, layout: Layout) -> CompiledPrediction | str
     if reason:
         return reason
     # local: the topology's devices start libtpu, which must first see lab predict's flags
-    from lab.targets.devices import topology_devices
+    from lab.targets.devices import pod_devices
 
     libtpu.prepare()
-    devices = topology_devices(problem.topology, problem.slices)
+    devices = pod_devices(problem.topology, problem.slices)
     local = {a: (n // problem.slices if a == layout.slices_axis else n) for a, n in layout.sizes.items()}
     spec = ",".join(f"{a}={local[a]}" for a in AXES)
     mesh = build_mesh(spec, devices, problem.slices, layout.slices_axis or "data")

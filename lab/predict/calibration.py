@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from lab.errors import LabError
 from lab.predict.ops import Efficiency, ReadSchedule
+from lab.targets.gpu import SPECS
 
 TPU_RECIPES = "AI-Hypercomputer/tpu-recipes"
 MAXTEXT = "AI-Hypercomputer/maxtext"
@@ -165,14 +166,11 @@ MATMUL_SOURCE = {
 }
 
 
-GPUS = ("h100", "h200")
-
-
 def source_chip(chip: str) -> str:
     """The chip whose calibration run `chip` uses: its own, else a calibrated chip of its kind (GPU or TPU)."""
     if chip in MATMUL_EFFICIENCY:
         return chip
-    kind = [c for c in MATMUL_EFFICIENCY if (c in GPUS) == (chip in GPUS)]
+    kind = [c for c in MATMUL_EFFICIENCY if (c in SPECS) == (chip in SPECS)]
     return kind[0] if kind else "v6e"
 
 

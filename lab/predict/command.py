@@ -151,6 +151,19 @@ def flash_seconds(config, batch_per_device: int, remat: str, peak_flops: float, 
     return flops * (blocks + 1) / (2 * blocks) / (peak_flops * matmul_efficiency)
 
 
+def attention_terms(read, step, config, batch_per_device: int, remat: str, chip, efficiency) -> tuple[float, float]:
+    """XLA attention's seconds in `step` (its ops on an [.., S, S] array, `lab.predict.ops.score_ops`) and a flash
+    kernel's estimate of the same attention at the same matmul efficiency; (0, 0) when flash was compiled.
+    `step.step_s` - the first + the second is the step with a flash kernel (`Prediction.step_with_flash_s`)."""
+    # local: see run_prediction
+    from lab.predict.ops import score_ops
+
+    if config.attention != "xla":
+        return 0.0, 0.0
+    xla_s = sum(op.seconds for op in score_ops(read, step, config.seq))
+    return xla_s, flash_seconds(config, batch_per_device, remat, chip.peak_bf16_flops, efficiency.matmul)
+
+
 def model_flops(config, tokens: int) -> float:
     """6 · N' · tokens + 12 · L · H · K · S · tokens (see the module docstring)."""
     dense = config.parameters - (0 if config.tied else config.vocab * config.embed)
@@ -175,7 +188,7 @@ def run_prediction(command: Predict, efficiency=None):
     if target.slices > 1:
         raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
     check_slices("--slices", command.slices)
-    attention = _attention(command, on_gpu)
+    attention = resolve_attention(command.attention, on_gpu)
     if on_gpu:
         _check_gpu_options(command)
     if command.seq < 1:
@@ -200,16 +213,17 @@ def run_prediction(command: Predict, efficiency=None):
     if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
         compiled_layers = FALLBACK_LAYERS
     try:
-        compiled, step, memory, scores_s, predict_s = _compile(model, compiled_layers, mesh, chip, efficiency, command)
+        compiled, step, memory, attention_s, predict_s = _compile(
+            model, compiled_layers, mesh, chip, efficiency, command
+        )
     except DoesNotFit as err:
         if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined:
             raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
         # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
-        compiled, step, memory, scores_s, predict_s = _compile(model, FALLBACK_LAYERS, mesh, chip, efficiency, command)
+        compiled, step, memory, attention_s, predict_s = _compile(
+            model, FALLBACK_LAYERS, mesh, chip, efficiency, command
+        )
     chips = len(devices)
-    flash_s = 0.0
-    if attention == "xla":
-        flash_s = flash_seconds(model, command.batch_per_device, command.remat, chip.peak_bf16_flops, efficiency.matmul)
     tokens = command.batch_per_device * chips * command.seq
     flops = model_flops(model, tokens)
     per_chip = flops / chips / step.step_s
@@ -259,21 +273,21 @@ def run_prediction(command: Predict, efficiency=None):
         efficiency=asdict(efficiency),
         calibrated=calibration.calibrated(chip.name),
         calibrated_on=calibration.source_chip(chip.name),
-        attention_xla_s=scores_s,
-        attention_flash_s=flash_s,
+        attention_xla_s=attention_s[0],
+        attention_flash_s=attention_s[1],
     )
 
 
-def _attention(command: Predict, on_gpu: bool) -> str:
+def resolve_attention(choice: str, on_gpu: bool) -> str:
     """The attention to compile: auto is the Pallas flash kernel on TPU, XLA's dot product on GPU."""
-    if command.attention == "auto":
+    if choice == "auto":
         return "xla" if on_gpu else "flash"
-    if on_gpu and command.attention == "flash":
+    if on_gpu and choice == "flash":
         raise LabError(
             "--attention flash is the Pallas TPU kernel, which XLA:GPU does not compile; use --attention xla "
             "(or auto) on a GPU target"
         )
-    return command.attention
+    return choice
 
 
 def _chips(target, slices: int) -> int:
@@ -301,12 +315,12 @@ def _check_gpu_options(command: Predict) -> None:
 
 def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
     """Compile the step with `layers` layers and predict it at the model's depth: (Compiled, StepPrediction,
-    memory bytes per chip, seconds in ops on XLA attention's [.., S, S] arrays, seconds the prediction took)."""
+    memory bytes per chip, `attention_terms`, seconds the prediction took)."""
     # local: see run_prediction
     import time
 
     from lab.predict.depth import deeper
-    from lab.predict.ops import read_schedule, score_ops
+    from lab.predict.ops import read_schedule
     from lab.predict.step import compile_step
 
     compiled = compile_step(
@@ -324,8 +338,8 @@ def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
         depth = deeper(read.schedule, layers, model.layers)
         read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
     step = read.predict(efficiency)
-    scores_s = sum(op.seconds for op in score_ops(read, step, model.seq)) if model.attention == "xla" else 0.0
-    return compiled, step, memory, scores_s, time.perf_counter() - started
+    terms = attention_terms(read, step, model, command.batch_per_device, command.remat, chip, efficiency)
+    return compiled, step, memory, terms, time.perf_counter() - started
 
 
 _PIPELINED = (
@@ -360,7 +374,7 @@ def _compiled_layers(layers_compiled: int, layers: int) -> int:
 
 
 def build_mesh(spec: str, devices, slices: int, dcn_axis: str):
-    """One slice's mesh spec, `dcn_axis` multiplied by the slices (and laid across them)."""
+    """One slice's mesh spec, `dcn_axis` multiplied by the slices (TPU slices, or GPU nodes) and laid across them."""
     # local: jax's mesh utilities start no backend but pull in JAX, which the CLI imports only when needed
     import numpy as np
     from jax.experimental import mesh_utils
@@ -375,7 +389,10 @@ def build_mesh(spec: str, devices, slices: int, dcn_axis: str):
     if slices == 1:
         return one.build(devices)
     dcn = tuple(slices if a == dcn_axis else 1 for a in AXES)
-    grid = mesh_utils.create_hybrid_device_mesh(one.shape, dcn, list(devices), allow_split_physical_axes=True)
+    nodes = devices[0].platform == "gpu"  # a GPU cluster's slices are its nodes, one process each
+    grid = mesh_utils.create_hybrid_device_mesh(
+        one.shape, dcn, list(devices), process_is_granule=nodes, allow_split_physical_axes=True
+    )
     return Mesh(np.asarray(grid), AXES, axis_types=(AxisType.Explicit,) * len(AXES))
 
 

@@ -216,6 +216,15 @@ def gpu_cluster_devices(cluster: str) -> tuple:
     return tuple(description.devices)
 
 
+def pod_devices(topology: str, slices: int = 1) -> tuple:
+    """Compile-only devices of `slices` copies of one slice: a TPU topology ("v5e:16x16") joined by DCN, or one
+    GPU node ("h100:1x8", one node of 8) joined by InfiniBand, as `lab plan` lays a model on either."""
+    chip, _, shape = topology.partition(":")
+    if chip in gpu.SPECS:
+        return gpu_cluster_devices(f"{chip}:{slices}x{shape.rpartition('x')[2]}")
+    return topology_devices(topology, slices)
+
+
 def topology_shape(topology: str) -> tuple[int, ...]:
     """Chips along each torus dimension of a topology name: "v5e:4x4" -> (4, 4)."""
     return tuple(int(size) for size in topology.split(":")[1].split("x"))

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 
 from lab.errors import LabError
-from lab.targets.hardware import H100, H200, ChipProfile
+from lab.targets.hardware import B200, H100, H200, ChipProfile
 
 HOPPER_WHITEPAPER = (
     "https://resources.nvidia.com/en-us-tensor-core (NVIDIA H100 Tensor Core GPU Architecture, Table 2-3)"
@@ -95,6 +95,20 @@ _HOPPER = {
     "gpus_per_node": 8,  # HGX H100 / H200 8-GPU baseboard: 8 GPUs on 4 NVSwitches (datasheets' "HGX" form)
 }
 
+# Blackwell (B200): two dies of 74 enabled SMs each, which CUDA sees as one GPU
+BLACKWELL_MICROBENCHMARKS = (
+    "https://chipsandcheese.com/p/nvidias-b200-keeping-the-cuda-juggernaut (148 SMs, 74 per die; 126 MB of L2 "
+    "measured; L1/shared memory 256 KB per SM as H100)"
+)
+_BLACKWELL = {
+    **_HOPPER,  # the CUDA guide's per-SM and per-block limits for 10.0 are Hopper's (228 KB shared, 64K registers)
+    "compute_capability": (10, 0),  # CUDA guide: B200 (sm_100) is compute capability 10.0
+    "l2_cache_bytes": 126 * 2**20,  # BLACKWELL_MICROBENCHMARKS
+    # HGX B200's 2.25 PFLOPS dense bf16 from 148 SMs at its 1.856 GHz tensor clock: 8192 FLOPs per clock per SM,
+    # twice Hopper's (fifth-generation Tensor Cores)
+    "tensor_flops_per_clock_per_sm": 8192,
+}
+
 SPECS: dict[str, GpuSpec] = {
     "h100": GpuSpec(
         name="h100",
@@ -115,6 +129,15 @@ SPECS: dict[str, GpuSpec] = {
         sources=(HOPPER_WHITEPAPER, CUDA_GUIDE, HOPPER_TUNING, "https://www.nvidia.com/en-us/data-center/h200/"),
         **_HOPPER,
     ),
+    "b200": GpuSpec(
+        name="b200",
+        device_kind="NVIDIA B200",  # the B200 SXM's CUDA device name
+        profile=B200,
+        sm_count=148,  # BLACKWELL_MICROBENCHMARKS
+        clock_ghz=1.856,  # the tensor clock at which 148 SMs x 8192 give the datasheet's 2.25 PFLOPS
+        sources=(BLACKWELL_MICROBENCHMARKS, CUDA_GUIDE, "https://www.nvidia.com/en-us/data-center/hgx/"),
+        **_BLACKWELL,
+    ),
 }
 
 _GPU_TARGET = re.compile(r"^gpu:(?P<chip>[a-z0-9]+):(?P<nodes>\d+)x(?P<gpus>\d+)$", re.ASCII)
@@ -122,7 +145,7 @@ GPU_TARGET_FORM = "gpu:<chip>:<nodes>x<gpus per node> (e.g. gpu:h100:4x8)"
 
 
 def spec(chip: str) -> GpuSpec:
-    """The GPU called `chip` ("h100", "h200")."""
+    """The GPU called `chip` ("h100", "h200", "b200")."""
     key = chip.strip().lower()
     if key not in SPECS:
         raise LabError(f"unknown GPU {chip!r}; compile-only GPU targets exist for {', '.join(SPECS)}")

@@ -15,7 +15,7 @@ CPU is measured, not looked up.
 On a GPU the two networks are NVLink and InfiniBand: `link_bandwidth` is one
 GPU's NVLink egress to the other GPUs of its node (through the NVSwitches, any
 GPU one hop away), `dcn_bandwidth` its share of the network between nodes (one
-400 Gb/s NDR InfiniBand NIC per GPU on DGX/HGX H100 and H200).
+400 Gb/s NDR InfiniBand NIC per GPU on DGX/HGX H100, H200 and B200).
 
 Wraparound decides whether a torus axis is a ring or a line, which halves or
 doubles collective time (scaling book, Part 2, "TPU Networking"): v4 and v5p
@@ -68,6 +68,11 @@ class ChipProfile:
     def links_per_chip(self) -> int:
         """ICI links per chip: one to each neighbour, two per torus dimension."""
         return 2 * self.torus_dims
+
+    @property
+    def dcn_name(self) -> str:
+        """What the network between slices is called: InfiniBand between GPU nodes, DCN between TPU slices."""
+        return "DCN" if self.torus_dims else "InfiniBand"
 
     @property
     def dcn_bandwidth_per_host(self) -> float | None:
@@ -181,7 +186,27 @@ H200 = ChipProfile(
     peak_fp8_flops=1.979e15,  # H200 datasheet: 3,958 TFLOPS fp8 with sparsity, dense is half (as H100 SXM)
 )
 
-PROFILES: dict[str, ChipProfile] = {chip.name: chip for chip in (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, H100, H200)}
+_DGX_B200 = (
+    "https://www.nvidia.com/en-us/data-center/dgx-b200/ (DGX B200 datasheet: 8 GPUs, 1,440 GB GPU memory, 64 TB/s "
+    "HBM3e bandwidth, 72 PFLOPS fp8 training, 8 single-port ConnectX-7 NICs at 400 Gb/s, NVLink 5 through 2 "
+    "NVSwitch chips)"
+)
+
+B200 = ChipProfile(
+    name="b200",
+    peak_bf16_flops=2.25e15,  # HGX B200 (1,000 W): 4.5 PFLOPS bf16 with 2:4 sparsity per GPU, dense is half
+    hbm_bytes=180e9,  # DGX B200: 1,440 GB over 8 GPUs (192 GB of HBM3e stacks, 180 GB usable)
+    hbm_bandwidth=8e12,  # DGX B200: 64 TB/s over 8 GPUs
+    link_bandwidth=9e11,  # NVLink 5: 18 links x 50 GB/s each way (datasheet: 1.8 TB/s both ways per GPU)
+    torus_dims=0,  # NVSwitch: all GPUs of a node one hop apart
+    dcn_bandwidth=5e10,  # one 400 Gb/s ConnectX-7 InfiniBand NIC per GPU (_DGX_B200)
+    hop_latency_s=0.47e-6,  # _NCCL_LATENCY, as Hopper's NVLink (no newer published figure)
+    chips_per_host=8,  # DGX/HGX B200 node
+    sources=("https://www.nvidia.com/en-us/data-center/hgx/", _DGX_B200, _NCCL_LATENCY),
+    peak_fp8_flops=4.5e15,  # DGX B200: 72 PFLOPS fp8 (sparse) over 8 GPUs, dense is half
+)
+
+PROFILES: dict[str, ChipProfile] = {chip.name: chip for chip in (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, H100, H200, B200)}
 CPU_PROFILE_NAME = "cpu-local"
 
 # jax's device.device_kind -> profile name. Compile-only libtpu reports these too.
@@ -196,7 +221,7 @@ _DEVICE_KINDS = {
     "cpu": CPU_PROFILE_NAME,
 }
 # GPU kinds carry the memory variant ("NVIDIA H100 80GB HBM3"), so they match by prefix.
-_GPU_KIND_PREFIXES = {"nvidia h100": "h100", "nvidia h200": "h200"}
+_GPU_KIND_PREFIXES = {"nvidia h100": "h100", "nvidia h200": "h200", "nvidia b200": "b200"}
 
 
 def profile(name: str) -> ChipProfile:

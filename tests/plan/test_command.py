@@ -112,3 +112,46 @@ def test_a_plot_name_matplotlib_cannot_write_is_one_line_before_the_plan(capsys,
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--target", "gpu:h100:2x8", "--slices", "2"], "--slices 2: a GPU cluster's nodes are in its target"),
+        (["--target", "gpu:a100:1x8"], "unknown GPU 'a100'"),
+        (["--target", "gpu:h100:1x16"], "at most 8 GPUs"),
+        (["--target", "gpu:h100:1x8", "--attention", "flash"], "--attention flash is the Pallas TPU kernel"),
+    ],
+)
+def test_gpu_mistakes_give_one_line_and_exit_2(capsys, argv, words):
+    assert main(["plan", "--model", SMALL, "--seq", "128", *argv]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("target, chips", [("gpu:h100:1x8", 8), ("gpu:b200:2x4", 8), ("gpu:h200:4x8", 32)])
+def test_gpu_clusters_plan_with_nodes_as_slices(capsys, target, chips):
+    assert main(["plan", "--model", SMALL, "--seq", "128", "--target", target, "--compile-top", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["candidates"]
+    nodes = int(target.split(":")[2].split("x")[0])
+    for c in out["candidates"]:
+        assert np.prod([int(part.split("=")[1]) for part in c["mesh"].split(",")]) == chips
+        assert (c["slices_axis"] is None) == (nodes == 1)
+
+
+def test_on_gpu_the_axis_across_nodes_is_priced_on_infiniband_and_compiled_there(capsys):
+    from lab.mesh import MeshSpec
+    from lab.plan.closed_form import estimate
+    from lab.plan.command import Plan, problem_of
+    from lab.plan.compiled import compile_layout
+    from lab.plan.space import Layout
+
+    problem = problem_of(Plan(model=SMALL, seq=128, target="gpu:h100:2x4"))
+    assert (problem.topology, problem.slices, problem.model.attention) == ("h100:1x4", 2, "xla")
+    layout = Layout(MeshSpec(fsdp=8), "fsdp", "full")
+    links = {a.axis: a.link for a in estimate(problem, layout).axes}
+    assert "InfiniBand x2" in links["fsdp"] and "nvlink" in links["fsdp"].lower()
+    compiled = compile_layout(problem, layout)
+    assert not isinstance(compiled, str) and compiled.step_s > 0 and compiled.memory_bytes > 0
+    assert compiled.axes["fsdp"]["bytes"] > 0

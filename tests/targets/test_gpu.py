@@ -9,19 +9,27 @@ from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.targets import gpu
 from lab.targets.devices import devices_for, gpu_cluster_devices, parse_target
-from lab.targets.hardware import H100, H200, profile_for_device_kind
+from lab.targets.hardware import B200, H100, H200, profile_for_device_kind
 from lab.targets.topology import placement
 
 pytestmark = pytest.mark.skipif(not gpu.cuda_plugin_installed(), reason="needs the gpu extra (CUDA plugin)")
 DATA = Path(__file__).parents[1] / "data" / "hlo"
 
 
-@pytest.mark.parametrize("chip, profile", [("h100", H100), ("h200", H200)])
-def test_the_spec_rebuilds_the_datasheet_peak_and_the_config_carries_it(chip, profile):
+@pytest.mark.parametrize(
+    "chip, profile, sms, capability",
+    [
+        ("h100", H100, 132, "major: 9 minor: 0"),
+        ("h200", H200, 132, "major: 9 minor: 0"),
+        ("b200", B200, 148, "major: 10 minor: 0"),
+    ],
+)
+def test_the_spec_rebuilds_the_datasheet_peak_and_the_config_carries_it(chip, profile, sms, capability):
     spec = gpu.spec(chip)
-    assert spec.peak_bf16_flops == pytest.approx(profile.peak_bf16_flops, rel=1e-3)  # 132 SMs x 4096 x 1.83 GHz
+    # Hopper: 132 SMs x 4096 x 1.83 GHz = 0.989 PFLOPS; Blackwell: 148 x 8192 x 1.856 GHz = 2.25 PFLOPS
+    assert spec.peak_bf16_flops == pytest.approx(profile.peak_bf16_flops, rel=1e-3)
     text = gpu.target_config(spec)
-    assert "core_count: 132" in text and "cuda_compute_capability { major: 9 minor: 0 }" in text
+    assert f"core_count: {sms}" in text and f"cuda_compute_capability {{ {capability} }}" in text
     assert f"memory_bandwidth: {int(profile.hbm_bandwidth)}" in text and f'"{spec.device_kind}"' in text
 
 

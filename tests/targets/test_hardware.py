@@ -43,6 +43,10 @@ def test_gpu_figures_match_nvidia_datasheets():
     assert h100.link_bandwidth == 18 * 25e9  # NVLink 4: 18 links x 25 GB/s each way
     assert h200.dcn_bandwidth == 400e9 / 8  # one 400 Gb/s InfiniBand NIC per GPU
     assert h100.torus_dims == 0
+    b200 = profile("b200")  # DGX B200: 72 PFLOPS fp8 sparse, 1,440 GB, 64 TB/s over 8 GPUs; NVLink 5 1.8 TB/s
+    assert (b200.peak_bf16_flops, b200.peak_fp8_flops) == (4.5e15 / 2, 72e15 / 8 / 2)
+    assert (b200.hbm_bytes, b200.hbm_bandwidth) == (1440e9 / 8, 64e12 / 8)
+    assert b200.link_bandwidth == 2 * h100.link_bandwidth and b200.dcn_bandwidth == h100.dcn_bandwidth
 
 
 @pytest.mark.parametrize(
@@ -78,6 +82,7 @@ def test_wraparound_rejects_a_topology_that_does_not_fit():
         ("TPU v6 lite", "v6e"),
         ("NVIDIA H100 80GB HBM3", "h100"),
         ("NVIDIA H200", "h200"),
+        ("NVIDIA B200", "b200"),
         ("cpu", "cpu-local"),
     ],
 )
