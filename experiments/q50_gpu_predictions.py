@@ -14,7 +14,7 @@ run (256 GPUs, 1.5 s) is held out. Both ran cuDNN's flash attention; the
 lab compiles XLA's dot-product attention on GPU, whose [.., S, S] scores go
 through HBM. That difference is priced, not fitted: the ops on an S x S array
 (`lab.predict.ops.score_ops`) are replaced by a flash kernel's FLOPs at the
-same matmul efficiency (`lab.predict.command.flash_seconds`), and the step so
+same matmul efficiency (`lab.predict.attention.flash_seconds`), and the step so
 corrected is what is solved for and held against the published time.
 """
 
@@ -121,7 +121,8 @@ def _point(run, p) -> Point:
 
 def measure(config: Config) -> Observations:
     # local: the CUDA plugin starts only for these compiles
-    from lab.predict.command import attention_terms, build_mesh, run_prediction
+    from lab.predict.attention import attention_terms
+    from lab.predict.command import build_mesh, run_prediction
     from lab.predict.ops import read_schedule
     from lab.predict.spec import parse_model
     from lab.predict.step import compile_step

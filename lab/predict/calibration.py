@@ -36,7 +36,7 @@ v6e's constant (the prediction says so).
 NVIDIA H100 has its own, from MaxText's Llama 2 7B on one node of 8 H100s
 (NVIDIA's JAX-Toolbox table: 0.721 s), solved the same way with XLA's
 attention priced as the cuDNN flash kernel the run used
-(`lab.predict.command.flash_seconds`); the same model on 32 nodes (Google
+(`lab.predict.attention.flash_seconds`); the same model on 32 nodes (Google
 Cloud's gpu-recipes log: 1.500 s) is held out. Other GPUs borrow H100's.
 """
 

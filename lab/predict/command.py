@@ -14,7 +14,7 @@ On GPU the lab's attention is XLA's dot product (the flash kernel it compiles
 is Pallas's TPU kernel), where published GPU runs use cuDNN's flash attention.
 That difference is priced, not hidden: the seconds of the ops on an
 [.., S, S] array (`lab.predict.ops.score_ops`) beside a flash kernel's
-estimate at the same matmul efficiency (`flash_seconds`), and the step with
+estimate at the same matmul efficiency (`lab.predict.attention`), and the step with
 the one replaced by the other.
 
 FLOPs convention (MaxText's, so MFU compares with published runs): model FLOPs
@@ -126,42 +126,12 @@ class Prediction:
     calibrated: bool
     calibrated_on: str  # the chip whose published run set the constants (another one's when not `calibrated`)
     attention_xla_s: float  # with --attention xla: the step's seconds in ops on an [.., S, S] array (else 0)
-    attention_flash_s: float  # ... and a flash kernel's estimate for the same attention (`flash_seconds`)
+    attention_flash_s: float  # ... and a flash kernel's estimate for the same attention (`lab.predict.attention`)
 
     @property
     def step_with_flash_s(self) -> float:
         """The step with XLA's attention priced as a flash kernel instead (the same step when flash was compiled)."""
         return self.step_s - self.attention_xla_s + self.attention_flash_s
-
-
-FLASH_UNITS = 14  # matmul FLOPs per b·h·S·S·K of FlashAttention-2: forward 4 (QK^T, PV), backward 10 (QK^T again,
-# dV, dP, dQ, dK) (Dao 2023, FlashAttention-2, section 3.1); remat "full" runs the forward once more
-FLASH_BLOCK_Q = 128  # the query block whose causal tiles above the diagonal a flash kernel skips
-
-
-def flash_seconds(config, batch_per_device: int, remat: str, peak_flops: float, matmul_efficiency: float) -> float:
-    """A flash kernel's time per step on one device: its matmul FLOPs at the matmul efficiency, causal tiles skipped.
-
-    A device holds batch per device x heads (b, h) pairs whatever the layout (tensor splits heads, the batch axes
-    split sequences); each costs FLASH_UNITS · S² · K, times (n + 1) / 2n of the n x n tiles under the diagonal.
-    """
-    s, blocks = config.seq, max(1, math.ceil(config.seq / FLASH_BLOCK_Q))
-    units = FLASH_UNITS + (4 if remat == "full" else 0)
-    flops = config.layers * units * batch_per_device * config.heads * s * s * config.head_dim
-    return flops * (blocks + 1) / (2 * blocks) / (peak_flops * matmul_efficiency)
-
-
-def attention_terms(read, step, config, batch_per_device: int, remat: str, chip, efficiency) -> tuple[float, float]:
-    """XLA attention's seconds in `step` (its ops on an [.., S, S] array, `lab.predict.ops.score_ops`) and a flash
-    kernel's estimate of the same attention at the same matmul efficiency; (0, 0) when flash was compiled.
-    `step.step_s` - the first + the second is the step with a flash kernel (`Prediction.step_with_flash_s`)."""
-    # local: see run_prediction
-    from lab.predict.ops import score_ops
-
-    if config.attention != "xla":
-        return 0.0, 0.0
-    xla_s = sum(op.seconds for op in score_ops(read, step, config.seq))
-    return xla_s, flash_seconds(config, batch_per_device, remat, chip.peak_bf16_flops, efficiency.matmul)
 
 
 def model_flops(config, tokens: int) -> float:
@@ -319,6 +289,7 @@ def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
     # local: see run_prediction
     import time
 
+    from lab.predict.attention import attention_terms
     from lab.predict.depth import deeper
     from lab.predict.ops import read_schedule
     from lab.predict.step import compile_step

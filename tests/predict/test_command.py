@@ -9,8 +9,9 @@ import pytest
 
 from lab.cli import main
 from lab.hlo.text import parse_instruction
+from lab.predict.attention import flash_seconds
 from lab.predict.calibration import solve_matmul_efficiency
-from lab.predict.command import Predict, flash_seconds, model_flops, run_prediction
+from lab.predict.command import Predict, model_flops, run_prediction
 from lab.predict.ops import _taps
 from lab.predict.spec import parse_model
 from lab.targets.hardware import H100, profile

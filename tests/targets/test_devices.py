@@ -77,7 +77,9 @@ def test_unknown_topology_is_a_lab_error():
         topology_devices("v5e:banana")
 
 
-@pytest.mark.parametrize("text, cluster", [("gpu:h100:4x8", "h100:4x8"), ("gpu:h200:32x8", "h200:32x8")])
+@pytest.mark.parametrize(
+    "text, cluster", [("gpu:h100:4x8", "h100:4x8"), ("gpu:h200:32x8", "h200:32x8"), ("gpu:b200:32x8", "b200:32x8")]
+)
 def test_gpu_cluster_targets_are_compile_only(text, cluster):
     target = parse_target(text)
     assert target == Target("gpu", topology=cluster) and str(target) == text
@@ -85,7 +87,7 @@ def test_gpu_cluster_targets_are_compile_only(text, cluster):
     assert not parse_target("gpu").compile_only
 
 
-@pytest.mark.parametrize("text", ["gpu:b200:1x8", "gpu:h100:4x9", "gpu:h100:4x"])
+@pytest.mark.parametrize("text", ["gpu:a100:1x8", "gpu:h100:4x9", "gpu:h100:4x"])
 def test_bad_gpu_cluster_targets_say_what_is_wrong(text):
     with pytest.raises(LabError, match=r"target|GPU"):
         parse_target(text)
