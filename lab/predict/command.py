@@ -127,6 +127,8 @@ class Prediction:
     calibrated_on: str  # the chip whose published run set the constants (another one's when not `calibrated`)
     attention_xla_s: float  # with --attention xla: the step's seconds in ops on an [.., S, S] array (else 0)
     attention_flash_s: float  # ... and a flash kernel's estimate for the same attention (`lab.predict.attention`)
+    xla_compute_s: float | None = None  # on GPU: XLA's own estimate of the same compute (`lab.predict.xla_estimate`)
+    xla_comm_s: float | None = None  # ... and of the same collectives, each whole
 
     @property
     def step_with_flash_s(self) -> float:
@@ -144,6 +146,7 @@ def model_flops(config, tokens: int) -> float:
 def run_prediction(command: Predict, efficiency=None):
     """Compile and predict; returns the `Prediction` (`efficiency`: the chip's calibrated constants unless given)."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
+    from lab.predict import xla_estimate
     from lab.predict.step import DoesNotFit
     from lab.targets import libtpu
     from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
@@ -193,6 +196,7 @@ def run_prediction(command: Predict, efficiency=None):
         compiled, step, memory, attention_s, predict_s = _compile(
             model, FALLBACK_LAYERS, mesh, chip, efficiency, command
         )
+    xla = xla_estimate.estimate(compiled.hlo, step) if on_gpu else None
     chips = len(devices)
     tokens = command.batch_per_device * chips * command.seq
     flops = model_flops(model, tokens)
@@ -235,6 +239,7 @@ def run_prediction(command: Predict, efficiency=None):
                 "bound": o.bound,
                 "flops": o.flops,
                 "bytes": o.bytes,
+                "xla_seconds": xla.ops.get(o.name) if xla else None,
             }
             for o in step.top_ops(10)
         ],
@@ -245,6 +250,8 @@ def run_prediction(command: Predict, efficiency=None):
         calibrated_on=calibration.source_chip(chip.name),
         attention_xla_s=attention_s[0],
         attention_flash_s=attention_s[1],
+        xla_compute_s=xla.compute_s if xla else None,
+        xla_comm_s=xla.comm_s if xla else None,
     )
 
 
@@ -445,6 +452,15 @@ def show(p: Prediction, console: Console) -> None:
             if p.attention == "xla"
             else []
         ),
+        *(
+            [
+                f"XLA's own       compute {p.xla_compute_s:.3f} s, collectives {p.xla_comm_s:.3f} s (its GPU cost "
+                f"model per fusion, speed of light per collective, each whole), beside the lab's {p.compute_s:.3f} s "
+                f"and {p.comm_s:.3f} s"
+            ]
+            if p.xla_compute_s is not None
+            else []
+        ),
         f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
         f"HBM {p.efficiency['hbm']:.2f}"
         + ("" if p.calibrated else f" ({p.calibrated_on}'s: this chip has no calibration run)"),
@@ -458,13 +474,16 @@ def show(p: Prediction, console: Console) -> None:
         links.add_row(name, f"{seconds:.4f}")
     console.print(links)
     ops = Table(title="ten most expensive ops")
-    for column in ("op", "runs", "seconds", "bound", "TFLOP/run", "GB/run"):
+    xla = p.xla_compute_s is not None
+    for column in ("op", "runs", "seconds", *(["XLA's s"] if xla else []), "bound", "TFLOP/run", "GB/run"):
         ops.add_column(column)
     for o in p.top_ops:
+        theirs = [f"{o['xla_seconds']:.4f}" if o["xla_seconds"] is not None else "-"] if xla else []
         ops.add_row(
             o["op"][-70:],
             str(o["runs"]),
             f"{o['seconds']:.4f}",
+            *theirs,
             o["bound"],
             f"{o['flops'] / 1e12:.2f}",
             f"{o['bytes'] / 1e9:.2f}",

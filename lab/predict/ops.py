@@ -110,6 +110,7 @@ class CommCost:
     seconds: float  # transfer time, all runs
     exposed_s: float  # waited for, all runs
     is_async: bool
+    name: str = ""  # the instruction that starts it
 
 
 @dataclass
@@ -332,6 +333,7 @@ class _Simulator:
                     seconds * runs,
                     exposed,
                     window.is_async,
+                    window.start,
                 )
             )
         return out

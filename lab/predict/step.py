@@ -34,6 +34,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.model import ModelConfig, run_blocks
+from lab.predict import xla_estimate
 from lab.predict.depth import LAYERS_SCOPE
 from lab.training.step import TrainConfig, Trainer
 
@@ -113,7 +114,7 @@ def compile_step(
     with jax.set_mesh(mesh):
         lowered = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch(global_batch))
         try:
-            compiled = lowered.compile()
+            compiled = lowered.compile(xla_estimate.COMPILER_OPTIONS if _on_gpu(mesh) else None)
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
                 raise
@@ -124,6 +125,11 @@ def compile_step(
     cost = compiled.cost_analysis()
     cost = {k: float(v) for k, v in (cost or {}).items() if "{" not in k}
     return Compiled(compiled.as_text(), memory, cost, elapsed, model.layers)
+
+
+def _on_gpu(mesh) -> bool:
+    """XLA:GPU then writes its own cost estimates into the program (`lab.predict.xla_estimate`)."""
+    return mesh.devices.flat[0].platform == "gpu"
 
 
 def with_layers(model: ModelConfig, layers: int) -> ModelConfig:

@@ -13,10 +13,14 @@ from lab.provenance import Setup
 PAGE = Path(__file__).resolve().parents[2] / "results" / "gpu_predictions" / "result.json"
 
 
-def _point(name="one node", step=1.4, xla=0.7, flash=0.02, chips=8) -> page.Point:
+GEMM = ("mlp/bsd,df->bsf/dot_general", "compute", 0.07, 2.0, 32 * 3.7e13)  # XLA's own price 29x the lab's
+
+
+def _point(name="one node", step=1.4, xla=0.7, flash=0.02, chips=8, xla_compute=30.0) -> page.Point:
     return page.Point(
         name, f"gpu:h100:{chips // 8}x8", "fsdp=8", 2, 32, step, xla, flash, step - xla + flash, step * 0.9,
         {"fsdp on NVLink within one node (8 GPUs)": 0.1}, 3.5e15, 3.0e15, 0.25, chips, 100 * 2**30, 80e9, 7.0,
+        0.12, xla_compute, 0.1, (GEMM, ("norm/add", "memory", 0.02, 0.021, 0.0)),
     )  # fmt: skip
 
 
@@ -40,7 +44,7 @@ def _verdicts(obs) -> list[str]:
 
 
 def test_the_page_agrees_on_consistent_observations():
-    assert _verdicts(_observations()) == ["agrees"] * 3
+    assert _verdicts(_observations()) == ["agrees"] * 4
 
 
 @pytest.mark.parametrize(
@@ -49,10 +53,17 @@ def test_the_page_agrees_on_consistent_observations():
         (0, lambda o: replace(o, solved_matmul=o.solved_matmul + 0.001)),  # the code moved the fit
         (1, lambda o: replace(o, calibration_run=replace(o.calibration_run, step_with_flash_s=0.9))),
         (2, lambda o: replace(o, held_out=replace(o.held_out, step_with_flash_s=1.8))),  # +20%
+        (3, lambda o: replace(o, held_out=replace(o.held_out, xla_compute_s=1.4))),  # XLA's own estimate the closer
     ],
 )
 def test_each_check_can_fail(index, perturb):
     assert _verdicts(perturb(_observations()))[index] == "differs"
+
+
+def test_the_ops_table_lists_only_what_differs_by_more_than_2x_and_says_which_is_closer():
+    table = next(t for t in page.judge(_observations(), page.Config()).tables if "differs by more than 2x" in t.title)
+    assert [row[0] for row in table.rows] == [GEMM[0]] and table.rows[0][-1] == "592"  # 32 x 37 TFLOP in 2 s
+    assert "exceeds the whole published step" in table.note
 
 
 def test_the_committed_page_replaces_exactly_the_attention_and_solved_the_stored_constant():

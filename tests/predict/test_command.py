@@ -230,12 +230,17 @@ def test_a_small_step_on_two_h100_nodes_puts_fsdp_on_nvlink_and_data_on_infiniba
     model = replace(parse_model(SMALL), seq=256)
     assert out["attention_flash_s"] == pytest.approx(flash_seconds(model, 1, "full", H100.peak_bf16_flops, 0.6566))
     assert 0 < out["attention_xla_s"] < out["compute_s"]
+    # XLA:GPU's own estimate of the same ops beside the lab's (lab.predict.xla_estimate)
+    assert out["xla_compute_s"] > 0 and out["xla_comm_s"] > 0
+    assert any(o["xla_seconds"] for o in out["top_ops"])
     assert main(argv) == 0
-    assert "step with flash" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "step with flash" in shown and "XLA's own" in shown
 
 
-def test_an_h200_borrows_the_h100_constant_and_says_so(capsys):
-    argv = ["predict", "--model", SMALL, "--target", "gpu:h200:1x8", "--mesh", "fsdp=8", "--seq", "256"]
+@pytest.mark.parametrize("chip", ["h200", "b200"])
+def test_other_gpus_borrow_the_h100_constant_and_say_so(capsys, chip):
+    argv = ["predict", "--model", SMALL, "--target", f"gpu:{chip}:1x8", "--mesh", "fsdp=8", "--seq", "256"]
     assert main(argv) == 0
     assert "(h100's: this chip has no calibration run)" in capsys.readouterr().out
 
