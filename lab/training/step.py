@@ -43,6 +43,9 @@ from lab.parallel.pipeline.spmd import pipeline, split_stages
 from lab.rules import get_strategy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+FRESH_KEPT = 4  # fresh states a process keeps on the host for other meshes (`Trainer.init`)
+FRESH_MAX_BYTES = 2**28
+_fresh: dict[tuple, TrainState] = {}
 
 
 @dataclass(frozen=True)
@@ -109,11 +112,36 @@ class Trainer:
         """The state, initialized directly into its shardings (one program: no device holds more than its shard).
 
         The initializer runs once, so on CPU its machine code is not worth LLVM's optimizations (about half its
-        compile): the same HLO, values equal to a few ulps."""
-        shardings = jax.tree.map(lambda a: a.sharding, self.abstract_state())
+        compile): the same HLO, values equal to a few ulps. Its values depend on the model, the dtypes and the
+        seed, not on the mesh (JAX's random bits are the same however they are sharded), so on CPU devices a
+        process keeps the last few fresh states on the host and places them on the next mesh that asks: runs of
+        one model on many meshes (a report's layouts, the doctor's cases) compile one initializer, not one each."""
+        abstract = self.abstract_state()
+        key = self._fresh_key(abstract, seed)
+        if key in _fresh:
+            return self.place(_fresh[key])
+        shardings = jax.tree.map(lambda a: a.sharding, abstract)
         with jax.set_mesh(self.mesh):
             lowered = jax.jit(lambda: self._create(seed), out_shardings=shardings).lower()
-            return lowered.compile(self._unoptimized_on_cpu(True))()
+            state = lowered.compile(self._unoptimized_on_cpu(True))()
+        if key is not None:
+            while len(_fresh) >= FRESH_KEPT:
+                del _fresh[next(iter(_fresh))]
+            _fresh[key] = jax.tree.map(np.asarray, state)
+        return state
+
+    def _fresh_key(self, abstract: TrainState, seed: int) -> tuple | None:
+        """What a fresh state's values depend on; None where keeping it is not wanted: accelerators (the host copy
+        would double what the devices hold), several processes, a large state, or random bits that depend on the
+        sharding (``jax_threefry_partitionable`` off)."""
+        leaves, tree = jax.tree.flatten(abstract)
+        wanted = (
+            self.mesh.devices.flat[0].platform == "cpu"
+            and jax.process_count() == 1
+            and jax.config.jax_threefry_partitionable
+            and sum(a.size * a.dtype.itemsize for a in leaves) <= FRESH_MAX_BYTES
+        )
+        return (self.model, seed, tree, tuple((a.shape, a.dtype) for a in leaves)) if wanted else None
 
     def place(self, state: TrainState) -> TrainState:
         """Put a state (e.g. from another mesh, or numpy) into this trainer's shardings."""

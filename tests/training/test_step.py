@@ -105,3 +105,31 @@ def test_bad_input_is_one_clear_error(devices):
         Trainer(
             preset("tiny"), TrainConfig(strategy="zero3", persist_below=10**9), MeshSpec.parse("fsdp=8").build(devices)
         )
+
+
+def test_a_fresh_state_is_computed_once_and_placed_on_the_next_mesh_with_the_values_that_mesh_computes(
+    devices, monkeypatch
+):
+    from lab.training import step as step_module
+
+    monkeypatch.setattr(step_module, "_fresh", {})
+    model = preset("tiny")
+    first = Trainer(model, TrainConfig(), MeshSpec.parse("fsdp=8").build(devices)).init(seed=3)
+    other = Trainer(model, TrainConfig(), MeshSpec.parse("data=2,fsdp=4").build(devices))
+    compiles = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(
+        jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(1) or compile_(self, *a, **k)
+    )
+    placed = other.init(seed=3)
+    assert not compiles and _types(placed) == _types(other.abstract_state())  # placed in its shardings, not compiled
+    step_module._fresh.clear()
+    computed = other.init(seed=3)  # what that mesh's own initializer gives
+    assert compiles
+    for a, b, c in zip(*(jax.tree.leaves(s) for s in (first, placed, computed))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(c), rtol=1e-6, atol=1e-7)  # random bits: mesh-free
+    reseeded = jax.tree.leaves(other.init(seed=4).params)
+    assert not all(
+        np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(reseeded, jax.tree.leaves(placed.params))
+    )
