@@ -237,13 +237,6 @@ def _checks(obs: Observations) -> list[Check]:
             rtol=PUBLISHED_RTOL,
             basis=PUBLISHED_BASIS + HELD_OUT.source,
         ),
-        check(
-            f"{HELD_OUT.name}, the program as compiled: the lab's step is closer to the published step than "
-            "XLA:GPU's own estimate",
-            True,
-            abs(obs.held_out.step_s - HELD_OUT.step_s) < abs(_xla_serial(obs.held_out) - HELD_OUT.step_s),
-            kind="exact",
-        ),
     ]
 
 
@@ -277,7 +270,17 @@ def _xla_table(obs: Observations) -> Table:
         rows,
         note="XLA's numbers are the ones XLA:GPU writes into the compiled program with "
         "xla_gpu_collect_cost_model_stats (its indexing cost model per fusion, speed of light per collective); "
-        "each op's time times its runs as the lab counts them.",
+        "each op's time times its runs as the lab counts them. "
+        + _closer(obs.held_out.step_s, _xla_serial(obs.held_out), HELD_OUT.step_s),
+    )
+
+
+def _closer(lab_s: float, xla_s: float, published_s: float) -> str:
+    """Which of the two estimates of the program as compiled is nearer the published step of the held-out run."""
+    nearer = "the lab's" if abs(lab_s - published_s) < abs(xla_s - published_s) else "XLA's"
+    return (
+        f"On the held-out run, {nearer} is the nearer to the published {published_s} s (the lab {lab_s:.3f} s, "
+        f"XLA {xla_s:.3f} s; both with XLA's attention, which the run did not use)."
     )
 
 

@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Annotated, Literal, Union
@@ -32,7 +32,7 @@ import tyro
 from rich.console import Console
 from rich.table import Table
 
-from lab import hlo, inputs, interrupts, progress
+from lab import hlo, inputs, interrupts, progress, side_by_side
 from lab import report as pages
 from lab.bench import measure_collective
 from lab.collectives import KINDS, build_program
@@ -621,17 +621,28 @@ def report(command: Report) -> int:
         # exception while a plugin starts, a Ctrl-C included, and the report would then measure on
         devices_for(command.target)
     started, results = time.perf_counter(), []
+    # untimed pages, two at a time in worker processes once the timed ones have run alone (lab.side_by_side)
+    untimed = [e for e in chosen if e.untimed and not command.rejudge]
+    beside = untimed if len(untimed) > 1 else []
+    alone = [e for e in chosen if e not in beside]
     with progress.session():
-        for experiment in progress.track(chosen, "lab report"):
+        for experiment in progress.track(alone, f"lab report ({len(alone)} alone)"):
             page_started = time.perf_counter()
             if command.rejudge:
                 result = experiment.rejudge(command.results / experiment.name)
             else:
                 progress.say(f"[bold]{experiment.name}[/bold] ({experiment.question}) ...")
-                result = experiment.run(_config_for(experiment, command.target))
+                result = experiment.run(experiment.report_config(command.target))
             pages.write(result, command.results)
             results.append(result)
             _print_result(result, command.results / experiment.name / "README.md", time.perf_counter() - page_started)
+        if beside:
+            progress.say(f"two at a time: {', '.join(e.name for e in beside)} ...")
+            names = [e.name for e in beside]
+            with contextlib.closing(side_by_side.run(names, command.target, command.results)) as finished:
+                for result, seconds in progress.track(finished, "untimed pages, two at a time", total=len(names)):
+                    results.append(result)
+                    _print_result(result, command.results / result.name / "README.md", seconds)
     partial = bool(command.only or command.stale)
     if partial or heavy:
         results = _merge_existing(results, command.results)
@@ -648,24 +659,11 @@ def report(command: Report) -> int:
     return 0  # a "differs" verdict is a finding on the page, not a failed command
 
 
-def _config_for(experiment, target: str):
-    config = experiment.config()
-    if "target" in {f.name for f in fields(config)} and _takes_target(experiment, target):
-        config = replace(config, target=target)
-    return config
-
-
 def _page_hash(folder: Path) -> str:
     try:
         return json.loads((folder / "result.json").read_text())["provenance"]["code_hash"]
     except (OSError, ValueError, LookupError, TypeError):  # missing or damaged: a page to measure again
         return ""
-
-
-def _takes_target(experiment, target: str) -> bool:
-    """A compile-only experiment keeps its own TPU topology unless the report's target is one."""
-
-    return parse_target(target).compile_only or not experiment.compile_only
 
 
 def _check_target(experiment, target: str) -> None:

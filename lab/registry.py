@@ -10,7 +10,10 @@ An experiment is a module with
 * ``judge(observations, config) -> Result``: pure (no JAX, no clock, no randomness): the checks, claims,
   tables, plots (as functions that draw them) and notes;
 * optionally ``HEAVY``: why a full ``lab report`` (15 minutes on a laptop) leaves it out; it runs when named
-  (``lab report --only NAME``, ``lab run NAME``) and its committed page stays in the index.
+  (``lab report --only NAME``, ``lab run NAME``) and its committed page stays in the index;
+* optionally ``COMPILE_ONLY = True`` (it compiles for its own TPU or GPU target, whatever the report's) or
+  ``UNTIMED = True`` (it reads no clock): `lab report` may then measure it beside another such page
+  (`lab.side_by_side`).
 
 `Experiment.run` measures and judges; `Experiment.rejudge` rebuilds a page
 from the observations its result.json stored, in milliseconds, so theory can
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
@@ -61,6 +64,23 @@ class Experiment:
     def compile_only(self) -> bool:
         """Whether it only compiles (and so may run on a compile-only target)."""
         return getattr(self.module, "COMPILE_ONLY", False)
+
+    def report_config(self, target: str):
+        """Its default Config on `lab report`'s target, where it takes one: a compile-only experiment keeps its own
+        TPU or GPU target unless the report's is compile-only too."""
+        from lab.targets.devices import parse_target  # local: starts no backend, but imports JAX
+
+        config = self.config()
+        if "target" in {f.name for f in fields(config)} and (
+            parse_target(target).compile_only or not self.compile_only
+        ):
+            config = replace(config, target=target)
+        return config
+
+    @property
+    def untimed(self) -> bool:
+        """Whether its measurement reads no clock, so it may run beside another page (`lab.side_by_side`)."""
+        return self.compile_only or getattr(self.module, "UNTIMED", False)
 
     @property
     def heavy(self) -> str | None:

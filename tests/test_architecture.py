@@ -33,7 +33,7 @@ LAYERS = (
     ("lab.parallel",),
     ("lab.report", "lab.training"),
     ("lab.doctor", "lab.predict", "lab.plan"),
-    ("lab.registry", "lab.cli", "lab.entry", "lab.__main__", "lab"),
+    ("lab.registry", "lab.side_by_side", "lab.cli", "lab.entry", "lab.__main__", "lab"),
 )
 MAX_LINES = 500
 

@@ -224,3 +224,23 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     with process.stderr:
         err = process.stderr.read()
     assert process.wait(timeout=60) == 141 and err == ""
+
+
+def test_untimed_pages_are_measured_two_at_a_time_in_workers_that_write_their_pages(capsys, tmp_path):
+    from lab import side_by_side
+    from lab.registry import get
+
+    names = ["oracle_checks", "reduce_scatter_pairing"]  # compile-only TPU, and untimed on the CPU target
+    assert all(get(name).untimed for name in names) and not get("allreduce_equivalence").untimed  # that one times
+    assert main(["report", "--only", *names, "--results", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "two at a time: oracle_checks, reduce_scatter_pairing" in captured.out + captured.err
+    index = (tmp_path / "README.md").read_text()
+    for name in names:
+        page = json.loads((tmp_path / name / "result.json").read_text())
+        assert page["provenance"]["beside"] == side_by_side.BESIDE and page["checks"]
+        assert "beside" in (tmp_path / name / "README.md").read_text() and f"({name}/README.md)" in index
+        assert f"  {name}: " in captured.out  # the parent prints each page's verdicts as it arrives
+    assert json.loads((tmp_path / "reduce_scatter_pairing" / "result.json").read_text())["provenance"]["devices"] == (
+        "8 x cpu"  # the worker started JAX on the parent's target
+    )

@@ -140,3 +140,27 @@ def test_a_signal_handled_inside_a_gc_callback_still_stops_the_process(signum, c
     )
     assert (result.returncode, result.stderr.strip(), result.stdout) == (code, line, "")
     assert time.monotonic() - started < 20
+
+
+def _children(pid: int) -> set[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return {int(c) for c in path.read_text().split()} if path.exists() else set()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads a process's children from /proc")
+def test_sigterm_while_pages_run_two_at_a_time_ends_the_workers_too(tmp_path):
+    argv = [sys.executable, "-m", "lab", "report", "--only", "oracle_checks", "reduce_scatter_pairing"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv += ["--results", str(tmp_path)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
+    deadline, workers = time.monotonic() + 60, set()
+    while len(workers) < 2 and time.monotonic() < deadline:  # the pool's two workers (and its resource tracker)
+        time.sleep(0.2)
+        workers = _children(process.pid)
+    time.sleep(2)  # the workers start JAX and begin measuring
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143 and err.strip().splitlines()[-1] == "lab: terminated", err[-2000:]
+    assert len(workers) >= 2
+    time.sleep(2)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a worker outlived the report"

@@ -44,7 +44,7 @@ def _verdicts(obs) -> list[str]:
 
 
 def test_the_page_agrees_on_consistent_observations():
-    assert _verdicts(_observations()) == ["agrees"] * 4
+    assert _verdicts(_observations()) == ["agrees"] * 3
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,6 @@ def test_the_page_agrees_on_consistent_observations():
         (0, lambda o: replace(o, solved_matmul=o.solved_matmul + 0.001)),  # the code moved the fit
         (1, lambda o: replace(o, calibration_run=replace(o.calibration_run, step_with_flash_s=0.9))),
         (2, lambda o: replace(o, held_out=replace(o.held_out, step_with_flash_s=1.8))),  # +20%
-        (3, lambda o: replace(o, held_out=replace(o.held_out, xla_compute_s=1.4))),  # XLA's own estimate the closer
     ],
 )
 def test_each_check_can_fail(index, perturb):
@@ -64,6 +63,15 @@ def test_the_ops_table_lists_only_what_differs_by_more_than_2x_and_says_which_is
     table = next(t for t in page.judge(_observations(), page.Config()).tables if "differs by more than 2x" in t.title)
     assert [row[0] for row in table.rows] == [GEMM[0]] and table.rows[0][-1] == "592"  # 32 x 37 TFLOP in 2 s
     assert "exceeds the whole published step" in table.note
+    beside = next(t for t in page.judge(_observations(), page.Config()).tables if "own estimate beside" in t.title)
+    assert "the lab's is the nearer" in beside.note
+    closer = replace(_observations().held_out, xla_compute_s=1.4)  # XLA's serial 1.5 s: the published step
+    beside = next(
+        t
+        for t in page.judge(replace(_observations(), held_out=closer), page.Config()).tables
+        if "own estimate beside" in t.title
+    )
+    assert "XLA's is the nearer" in beside.note
 
 
 def test_the_committed_page_replaces_exactly_the_attention_and_solved_the_stored_constant():
