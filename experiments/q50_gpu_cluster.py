@@ -13,7 +13,9 @@ each collective the nodes its replica groups span (the HLO's device ids mapped
 to the devices' ``process_index``: the node), so which link each one crosses
 is read from the compiled program, not assumed from the mesh. Every time on
 this page is a prediction from the compiled program on the lab's link model
-(`lab.targets.topology`), not a measurement: no GPU ran.
+(`lab.targets.topology`), not a measurement: no GPU ran. The answer is then
+judged again on the whole training step of each model, as `lab predict`
+prices it (`whole_step`), so it does not rest on one layer.
 
 One module, one question: the layer program, the closed forms it is judged
 against and the page's tables are kept together (about 600 lines) so that the
@@ -74,6 +76,9 @@ class Config:
     """global batch in sequences (fixed across cluster sizes: strong scaling)"""
     sequence_length: int = 2048
     """tokens per sequence"""
+    whole_steps: bool = True
+    """also predict each model's whole training step under both layouts with lab predict (two layers compiled, read
+    at the model's depth: lab.predict.depth), so the answer does not rest on one layer"""
 
 
 @dataclass(frozen=True)
@@ -112,10 +117,24 @@ class LayerStep:
 
 
 @dataclass(frozen=True)
+class WholeStep:
+    """A whole training step of the model the layer comes from, as `lab predict` predicts it (compile-only)."""
+
+    model: str
+    strategy: str
+    gpus: int
+    step_s: float  # as compiled: XLA's attention
+    step_with_flash_s: float  # XLA's attention priced as a flash kernel (lab.predict.attention)
+    compute_s: float
+    exposed_by_link: dict[str, float]
+
+
+@dataclass(frozen=True)
 class Observations:
     setup: Setup
     chip: str
     steps: tuple[LayerStep, ...]
+    whole: tuple[WholeStep, ...] = ()
 
 
 # --------------------------------------------------------------------------- measure
@@ -133,12 +152,38 @@ def measure(config: Config) -> Observations:
     if unknown:
         raise LabError(f"unknown model {unknown[0]!r}; use {', '.join(MODELS)}")
     chip = _chip(config)
-    steps, devices = [], ()
+    steps, whole, devices = [], [], ()
     for nodes, model in track([(n, m) for n in config.nodes for m in config.models], "clusters"):
         devices = devices_for(f"gpu:{chip}:{nodes}x8")
-        for strategy, spec in (("FSDP", "fsdp=-1"), ("FSDP x TP", "fsdp=-1,tensor=8")):
+        for strategy, spec in LAYOUTS:
             steps.append(compile_layer_step(model, strategy, spec, devices, config))
-    return Observations(Setup.of(f"gpu:{chip}", devices, "fsdp=N; fsdp=N/8,tensor=8"), chip, tuple(steps))
+            if config.whole_steps:
+                whole.append(whole_step(model, strategy, spec, f"gpu:{chip}:{nodes}x8", config))
+    setup = Setup.of(f"gpu:{chip}", devices, "fsdp=N; fsdp=N/8,tensor=8")
+    return Observations(setup, chip, tuple(steps), tuple(whole))
+
+
+LAYOUTS = (("FSDP", "fsdp=-1"), ("FSDP x TP", "fsdp=-1,tensor=8"))
+
+
+def whole_step(model: str, strategy: str, spec: str, target: str, config: Config) -> WholeStep:
+    """`lab predict` for the model's whole step (Llama 3 at the page's batch and sequence), two layers compiled."""
+    from lab.predict.command import Predict, run_prediction  # local: lab predict's compile imports its step
+
+    gpus = math.prod(int(n) for n in target.split(":")[2].split("x"))
+    if config.sequences % gpus:
+        raise LabError(f"--sequences {config.sequences} does not split over {gpus} GPUs; give a multiple of {gpus}")
+    command = Predict(
+        model=f"llama3-{model}",
+        seq=config.sequence_length,
+        batch_per_device=config.sequences // gpus,
+        mesh=spec,
+        target=target,
+        remat="full",
+        layers_compiled=2,
+    )
+    p = run_prediction(command)
+    return WholeStep(model, strategy, gpus, p.step_s, p.step_with_flash_s, p.compute_s, dict(p.exposed_by_link))
 
 
 def compile_layer_step(model: str, strategy: str, spec: str, devices, config: Config) -> LayerStep:
@@ -340,7 +385,12 @@ def judge(obs: Observations, config: Config) -> Result:
     return Result(
         summary=_summary(obs, config),
         theory=THEORY,
-        tables=[_step_table(obs), _link_table(obs, config), _collective_table(obs)],
+        tables=[
+            _step_table(obs),
+            *([_whole_table(obs)] if obs.whole else []),
+            _link_table(obs, config),
+            _collective_table(obs),
+        ],
         checks=[c for s in obs.steps for c in _checks(s, config)],
         claims=_claims(obs),
         plots={"step": partial(_plot, obs)},
@@ -427,6 +477,55 @@ def _pairs(obs: Observations):
             yield s, by[s.model, s.gpus, "FSDP x TP"]
 
 
+def _whole_pairs(obs: Observations):
+    by = {(w.model, w.gpus, w.strategy): w for w in obs.whole}
+    return [
+        (w, by[w.model, w.gpus, "FSDP x TP"])
+        for w in obs.whole
+        if w.strategy == "FSDP" and (w.model, w.gpus, "FSDP x TP") in by
+    ]
+
+
+def _whole_claim(obs: Observations) -> list[Claim]:
+    pairs = _whole_pairs(obs)
+    if not pairs:
+        return []
+    wins = [(f, m) for f, m in pairs if m.step_with_flash_s < f.step_with_flash_s]
+    return [
+        Claim(
+            "Past a few nodes, TP inside the node with a smaller FSDP beats one FSDP over every GPU (the whole step)",
+            "confirmed" if len(wins) == len(pairs) else ("refined" if wins else "refuted"),
+            "; ".join(
+                f"{f.model} on {f.gpus} GPUs: lab predict's step with flash attention, FSDP "
+                f"{f.step_with_flash_s:.3f} s, FSDP x TP {m.step_with_flash_s:.3f} s"
+                for f, m in pairs
+            ),
+        )
+    ]
+
+
+def _whole_table(obs: Observations) -> Table:
+    rows = [
+        [
+            w.model,
+            str(w.gpus),
+            w.strategy,
+            f"{w.step_s:.3f} s",
+            f"{w.step_with_flash_s:.3f} s",
+            f"{w.compute_s:.3f} s",
+            "; ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in sorted(w.exposed_by_link.items()) if v > 5e-4) or "none",
+        ]
+        for w in obs.whole
+    ]
+    return Table(
+        "The whole step (lab predict: Llama 3, remat full, two layers compiled and read at the model's depth)",
+        ["model", "GPUs", "layout", "step as compiled", "step with flash", "compute", "exposed per link"],
+        rows,
+        note="The step with flash replaces XLA's attention by a flash kernel's estimate (lab.predict.attention), as "
+        "a GPU run would use; H100's matmul efficiency is the one calibrated on results/gpu_predictions.",
+    )
+
+
 def _claims(obs: Observations) -> list[Claim]:
     pairs = list(_pairs(obs))
     if not pairs:
@@ -458,6 +557,7 @@ def _claims(obs: Observations) -> list[Claim]:
             )
             + ("; the IB bytes per GPU are equal in every pair (rail-optimised NICs)" if same_ib else ""),
         ),
+        *_whole_claim(obs),
     ]
 
 
@@ -578,14 +678,27 @@ def _summary(obs: Observations, config: Config) -> str:
         f"TP collective's groups stay in one node (NVLink) and only FSDP's weight traffic crosses InfiniBand; on "
         f"{f.gpus} GPUs the {f.model} layer is predicted at {overlapped_s(m) * 1e3:.2f} ms with FSDP x TP against "
         f"{overlapped_s(f) * 1e3:.2f} ms with FSDP over all GPUs (compute {compute_s(f) * 1e3:.2f} ms, IB "
-        f"{communication_s(f, 'infiniband') * 1e3:.2f} and {communication_s(m, 'infiniband') * 1e3:.2f} ms). These "
-        "times are predictions from the compiled programs on the lab's link model, not measurements."
+        f"{communication_s(f, 'infiniband') * 1e3:.2f} and {communication_s(m, 'infiniband') * 1e3:.2f} ms)."
+        + "".join(
+            f" The whole {w.model} step on {w.gpus} GPUs (lab predict, attention as flash): FSDP "
+            f"{w.step_with_flash_s:.3f} s, FSDP x TP {t.step_with_flash_s:.3f} s."
+            for w, t in _whole_pairs(obs)
+            if w.gpus == f.gpus and w.model == f.model
+        )
+        + " These times are predictions from the compiled programs on the lab's link model, not measurements."
     )
 
 
 def _notes(obs: Observations) -> list[str]:
     sync = sorted({s.sync_collectives for s in obs.steps})
+    whole = [
+        "The whole steps differ from the layer mostly in compute, where one layer shows none: FSDP x TP's compute is "
+        + ", ".join(f"{m.compute_s / f.compute_s:.2f}x FSDP's ({f.model}, {f.gpus} GPUs)" for f, m in _whole_pairs(obs))
+        + ". The whole step adds what the page's layer leaves out (lab.model's own layer and attention, the one-hot "
+        "embedding, the chunked loss, the optimizer); which of them costs the difference is not isolated here."
+    ]
     return [
+        *(whole if obs.whole else []),
         "Every collective in these programs is an async start/done pair; the backend_config of "
         f'{"/".join(map(str, sync))} per program says "is_sync":true (XLA:GPU found nothing to overlap them with '
         "and runs them synchronously): the overlapped step is a bound the schedule does not reach for those.",

@@ -31,8 +31,10 @@ def test_every_check_agrees_on_the_compiled_programs(result):
 
 
 def test_tp_stays_in_the_node_and_the_page_says_it_predicts(result):
-    claims = {c.claim.split(" (")[0]: c.status for c in result.claims}
-    assert claims["TP belongs inside the node"] == "confirmed"
+    claims = {c.claim.split(" (")[0]: c for c in result.claims}
+    assert claims["TP belongs inside the node"].status == "confirmed"
+    whole = next(c for c in result.claims if c.claim.endswith("(the whole step)"))  # re-judged on lab predict's step
+    assert whole.status in ("confirmed", "refined", "refuted") and "8b on 16 GPUs: lab predict's step" in whole.numbers
     page = render(result)
     assert "Question #50" in page and "not measurements" in page and "step" in result.plots
 
@@ -59,3 +61,19 @@ def test_the_flops_check_fails_when_the_count_is_off(observations):
     steps = tuple(replace(s, flops=s.flops * 1.01) if s is fsdp else s for s in observations.steps)
     checks = judge(replace(observations, steps=steps), SMALL).checks
     assert [c.verdict for c in checks if "FLOPs" in c.quantity and ": FSDP (" in c.quantity] == ["differs"]
+
+
+def test_the_whole_step_claim_follows_lab_predicts_two_steps(observations):
+    assert {w.strategy for w in observations.whole} == {"FSDP", "FSDP x TP"} and all(
+        w.step_s >= w.step_with_flash_s > 0 and w.gpus == 16 for w in observations.whole
+    )
+
+    def status(tp_faster: bool) -> str:
+        whole = tuple(
+            replace(w, step_with_flash_s=1.0 if (w.strategy == "FSDP x TP") == tp_faster else 2.0)
+            for w in observations.whole
+        )
+        claims = judge(replace(observations, whole=whole), SMALL).claims
+        return next(c.status for c in claims if c.claim.endswith("(the whole step)"))
+
+    assert (status(True), status(False)) == ("confirmed", "refuted")
