@@ -1,6 +1,7 @@
 """The `lab` command: one line and exit code 2 on a mistake; real output otherwise."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -226,21 +227,36 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     assert process.wait(timeout=60) == 141 and err == ""
 
 
-def test_untimed_pages_are_measured_two_at_a_time_in_workers_that_write_their_pages(capsys, tmp_path):
+def test_the_report_runs_timed_pages_alone_and_hands_the_untimed_ones_to_side_by_side(capsys, tmp_path, monkeypatch):
     from lab import side_by_side
-    from lab.registry import get
+    from lab.registry import Experiment, get
 
-    names = ["oracle_checks", "reduce_scatter_pairing"]  # compile-only TPU, and untimed on the CPU target
-    assert all(get(name).untimed for name in names) and not get("allreduce_equivalence").untimed  # that one times
+    names = ["allreduce_equivalence", "oracle_checks", "reduce_scatter_pairing"]  # the first one times
+    assert [get(name).untimed for name in names] == [False, True, True]
+    alone, beside = [], []
+
+    def run(self, config):
+        alone.append(self.name)
+        return self.rejudge(Path("results") / self.name)
+
+    def pool(chosen, target, results):
+        beside.append((list(chosen), target))
+        for name in chosen:
+            yield get(name).rejudge(Path("results") / name), 1.0
+
+    monkeypatch.setattr(Experiment, "run", run)
+    monkeypatch.setattr(side_by_side, "run", pool)
     assert main(["report", "--only", *names, "--results", str(tmp_path)]) == 0
-    captured = capsys.readouterr()
-    assert "two at a time: oracle_checks, reduce_scatter_pairing" in captured.out + captured.err
-    index = (tmp_path / "README.md").read_text()
-    for name in names:
-        page = json.loads((tmp_path / name / "result.json").read_text())
-        assert page["provenance"]["beside"] == side_by_side.BESIDE and page["checks"]
-        assert "beside" in (tmp_path / name / "README.md").read_text() and f"({name}/README.md)" in index
-        assert f"  {name}: " in captured.out  # the parent prints each page's verdicts as it arrives
-    assert json.loads((tmp_path / "reduce_scatter_pairing" / "result.json").read_text())["provenance"]["devices"] == (
-        "8 x cpu"  # the worker started JAX on the parent's target
-    )
+    assert alone == ["allreduce_equivalence"] and beside == [(names[1:], "cpu:8")]
+    assert all(f"({name}/README.md)" in (tmp_path / "README.md").read_text() for name in names)
+    assert "two at a time: oracle_checks, reduce_scatter_pairing" in "".join(capsys.readouterr())
+
+
+def test_a_page_measured_beside_another_is_written_by_its_child_and_says_so(tmp_path):
+    from lab import side_by_side
+    from lab.provenance import command
+
+    ((result, seconds),) = list(side_by_side.run(["oracle_checks"], "cpu:8", tmp_path))
+    page = json.loads((tmp_path / "oracle_checks" / "result.json").read_text())
+    assert page["provenance"]["beside"] == side_by_side.BESIDE and page["provenance"]["command"] == command()
+    assert result.name == "oracle_checks" and result.checks and seconds > 0
