@@ -158,7 +158,7 @@ def measure(config: Config) -> Observations:
         for strategy, spec in LAYOUTS:
             steps.append(compile_layer_step(model, strategy, spec, devices, config))
             if config.whole_steps:
-                whole.append(whole_step(model, strategy, spec, f"gpu:{chip}:{nodes}x8", config))
+                whole.append(whole_step(model, strategy, spec, f"gpu:{chip}:{nodes}x8", len(devices), config))
     setup = Setup.of(f"gpu:{chip}", devices, "fsdp=N; fsdp=N/8,tensor=8")
     return Observations(setup, chip, tuple(steps), tuple(whole))
 
@@ -166,11 +166,10 @@ def measure(config: Config) -> Observations:
 LAYOUTS = (("FSDP", "fsdp=-1"), ("FSDP x TP", "fsdp=-1,tensor=8"))
 
 
-def whole_step(model: str, strategy: str, spec: str, target: str, config: Config) -> WholeStep:
+def whole_step(model: str, strategy: str, spec: str, target: str, gpus: int, config: Config) -> WholeStep:
     """`lab predict` for the model's whole step (Llama 3 at the page's batch and sequence), two layers compiled."""
     from lab.predict.command import Predict, run_prediction  # local: lab predict's compile imports its step
 
-    gpus = math.prod(int(n) for n in target.split(":")[2].split("x"))
     if config.sequences % gpus:
         raise LabError(f"--sequences {config.sequences} does not split over {gpus} GPUs; give a multiple of {gpus}")
     command = Predict(

@@ -621,7 +621,7 @@ def report(command: Report) -> int:
         # exception while a plugin starts, a Ctrl-C included, and the report would then measure on
         devices_for(command.target)
     started, results = time.perf_counter(), []
-    # untimed pages, two at a time in worker processes once the timed ones have run alone (lab.side_by_side)
+    # untimed pages, two at a time in child processes once the timed ones have run alone (lab.side_by_side)
     untimed = [e for e in chosen if e.untimed and not command.rejudge]
     beside = untimed if len(untimed) > 1 else []
     alone = [e for e in chosen if e not in beside]

@@ -13,7 +13,9 @@ page back as it is written.
 A child writes its page itself and says in its provenance that it ran beside
 another page: the compile seconds such a page shows are a shared machine's.
 Its output goes nowhere but its errors to the parent's stderr; it leaves
-Ctrl-C to the parent, which stops the children on any stop of its own.
+Ctrl-C to the parent, which stops the children on any stop of its own
+(SIGTERM, which unwinds the child so that no half-written page stays behind,
+then SIGKILL for one still inside a compile).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from lab.report import Result
 WORKERS = 2
 BESIDE = "another page (lab report measures untimed pages two at a time): clocks on this page ran on a shared machine"
 POLL_S = 0.2
+STOP_S = 5.0  # how long a stopped child may take to leave cleanly before it is killed
 
 
 def run(names: Sequence[str], target: str, results: Path) -> Iterator[tuple[Result, float]]:
@@ -61,10 +64,15 @@ def run(names: Sequence[str], target: str, results: Path) -> Iterator[tuple[Resu
                         f"lines above); `lab report --only {name}` measures it alone"
                     )
                 yield pages.read(results / name), time.perf_counter() - started
-    finally:
+    finally:  # a stop here stops the children: asked first (a page being written finishes or is removed), then made
         for child, _ in running.values():
-            child.kill()
-            child.wait()
+            child.terminate()
+        for child, _ in running.values():
+            try:
+                child.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:  # inside a compile, where Python's handler cannot run yet
+                child.kill()
+                child.wait()
 
 
 def main(argv: Sequence[str]) -> None:
@@ -72,6 +80,7 @@ def main(argv: Sequence[str]) -> None:
     from lab.targets.devices import devices_for  # local: starts JAX's backends, in the child only
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the parent too, which stops us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: a page half written is removed
     target, results, name, typed = argv
     devices_for(target)
     experiment = get(name)

@@ -164,3 +164,5 @@ def test_sigterm_while_pages_run_two_at_a_time_ends_the_workers_too(tmp_path):
     assert len(workers) >= 2
     time.sleep(2)
     assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()], "a worker outlived the report"
+    left = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # pages.write's staging folders
+    assert not left and all((page / "README.md").exists() for page in tmp_path.iterdir() if page.is_dir())

@@ -90,7 +90,7 @@ def test_the_whole_step_is_lab_predicts_llama_at_the_pages_batch(monkeypatch):
     asked = []
     monkeypatch.setattr(command, "run_prediction", ask)
     with pytest.raises(Asked):
-        whole_step("70b", "FSDP x TP", "fsdp=-1,tensor=8", "gpu:h100:4x8", Config())
+        whole_step("70b", "FSDP x TP", "fsdp=-1,tensor=8", "gpu:h100:4x8", 32, Config())
     (c,) = asked
     assert (c.model, c.seq, c.batch_per_device, c.mesh, c.target) == (
         "llama3-70b",
