@@ -42,10 +42,12 @@ per device under ``shard_map``; TPU targets only). In general
     Ψ = (2 - tied) VD + L (2DK(H + G) + (2 + gated) DF + n_norms D) + D.
 
 An MoE model (``experts > 0``) replaces every MLP by E expert MLPs of width F
+(plain or gated, as ``feed_forward`` says: Mixtral's and Qwen3's are SwiGLU)
 and a top-k router (GShard, Lepikhin et al. 2020; the routing, balancing loss
 and load counts of `lab.moe`, the buffers of
-`lab.parallel.expert`): Ψ = 2VD + L (4DHK + DE + 2EDF + 2D) + D, of which a
-token uses the k experts it is routed to.
+`lab.parallel.expert`): Ψ = 2VD + L (4DHK + DE + (2 + gated) EDF + 2D) + D, of
+which a token uses the k experts it is routed to. ``qk_norm`` adds an RMSNorm
+of each query and key head (Qwen3): 2K more per layer.
 
 Over 500 lines, and one concept: the decoder family, each variant a few lines of
 the same blocks (attention, MLP, MoE, norm) that share one parameter formula.
@@ -91,6 +93,7 @@ class ModelConfig:
     block: str = "sequential"  # sequential (Llama: attention, then MLP) or parallel (GPT-J/PaLM: both from one norm)
     tied: bool = False  # the unembedding is the embedding table, transposed
     attention: str = "xla"  # xla (dot product, scores materialized) or flash (the Pallas TPU kernel; TPU only)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen3, OLMo 2, Gemma 3)
 
     def __post_init__(self) -> None:
         if self.experts < 0:
@@ -130,29 +133,41 @@ class ModelConfig:
     @property
     def block_parameters(self) -> int:
         """The weights inside the layer scan (attention, MLP or experts and router, the norms)."""
-        norms = 1 if self.block == "parallel" else 2
+        norms = (1 if self.block == "parallel" else 2) * self.embed + (2 * self.head_dim if self.qk_norm else 0)
         attention = 2 * self.embed * self.head_dim * (self.heads + self.groups)
-        return self.layers * (attention + self._feed_forward_parameters + norms * self.embed)
+        return self.layers * (attention + self._feed_forward_parameters + norms)
 
     @property
     def active_parameters(self) -> int:
         """The parameters one token goes through: Ψ with k experts in place of E (Ψ itself for a dense model)."""
         if not self.experts:
             return self.parameters
-        return self.parameters - self.layers * 2 * (self.experts - self.top_k) * self.embed * self.mlp
+        return self.parameters - self.layers * (self.experts - self.top_k) * self._one_mlp
+
+    @property
+    def _one_mlp(self) -> int:
+        """2DF for a plain MLP or expert, 3DF for a gated one."""
+        return (3 if self.gated else 2) * self.embed * self.mlp
 
     @property
     def _feed_forward_parameters(self) -> int:
-        """2DF for the MLP (3DF gated); DE + 2EDF for the router and the experts."""
+        """The MLP; or DE + E MLPs for the router and the experts."""
         if self.experts:
-            return self.experts * (self.embed + 2 * self.embed * self.mlp)
-        return (3 if self.gated else 2) * self.embed * self.mlp
+            return self.experts * (self.embed + self._one_mlp)
+        return self._one_mlp
 
 
 FEED_FORWARDS = ("gelu", "relu", "silu", "swiglu", "geglu")
 _GATED = {"swiglu": "silu", "geglu": "gelu"}  # gated MLPs and the activation of their gate
 _ACTIVATIONS = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "silu": jax.nn.silu}
 BLOCKS = ("sequential", "parallel")
+
+
+def _activation(config: ModelConfig) -> Callable[[jax.Array], jax.Array]:
+    """The MLP's activation: the named one, or the gate's of a gated MLP."""
+    return _ACTIVATIONS[_GATED.get(config.feed_forward, config.feed_forward)]
+
+
 ATTENTIONS = ("xla", "flash")
 
 
@@ -225,16 +240,18 @@ def _fan_in(in_axis, out_axis):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, computed in fp32 (Zhang & Sennrich 2019)."""
+    """x / rms(x) * scale over the last axis, computed in fp32 (Zhang & Sennrich 2019): the model width, or each
+    attention head's (``axis="head_dim"``, the query and key norms)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.scale = _param(rngs, nnx.initializers.ones, (config.embed,), ("embed",))
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, axis: str = "embed"):
+        width = config.embed if axis == "embed" else config.head_dim
+        self.scale = _param(rngs, nnx.initializers.ones, (width,), (axis,))
 
-    def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
-        x = x_BSD.astype(jnp.float32)
-        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    def __call__(self, x: jax.Array, layout: Parallelism) -> jax.Array:
+        wide = x.astype(jnp.float32)
+        normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + 1e-6)
         # einsum, not a broadcast multiply: JAX allows a reduced (replicated, gradient-unreduced) weight only in a dot
-        return jnp.einsum("bsd,d->bsd", normed, layout.use(self.scale).astype(jnp.float32)).astype(x_BSD.dtype)
+        return jnp.einsum("...d,d->...d", normed, layout.use(self.scale).astype(jnp.float32)).astype(x.dtype)
 
 
 def rotary(x_BSHK: jax.Array) -> jax.Array:
@@ -257,11 +274,18 @@ class Attention(nnx.Module):
         self.key = _param(rngs, _fan_in(0, (1, 2)), (d, g, k), ("embed", "heads", "head_dim"))
         self.value = _param(rngs, _fan_in(0, (1, 2)), (d, g, k), ("embed", "heads", "head_dim"))
         self.out = _param(rngs, _fan_in((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"))
+        if config.qk_norm:
+            self.query_norm = RMSNorm(config, rngs, "head_dim")
+            self.key_norm = RMSNorm(config, rngs, "head_dim")
+        self.qk_norm = config.qk_norm
         self.kernel = config.attention
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
-        q_BSHK = rotary(jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query)))
-        k_BSGK = rotary(jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.key)))
+        q_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query))
+        k_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.key))
+        if self.qk_norm:
+            q_BSHK, k_BSGK = self.query_norm(q_BSHK, layout), self.key_norm(k_BSGK, layout)
+        q_BSHK, k_BSGK = rotary(q_BSHK), rotary(k_BSGK)
         v_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.value))
         if self.kernel == "flash":
             mixed_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK)
@@ -368,7 +392,7 @@ class MLP(nnx.Module):
             self.w_gate = _param(rngs, _fan_in(0, 1), (config.embed, config.mlp), ("embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(0, 1), (config.mlp, config.embed), ("mlp", "embed"))
         self.gated = config.gated
-        self.activation = _ACTIVATIONS[_GATED.get(config.feed_forward, config.feed_forward)]
+        self.activation = _activation(config)
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         hidden_BSF = jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in))  # column-parallel
@@ -406,7 +430,10 @@ class MoE(nnx.Module):
             rngs, nnx.initializers.normal(0.02), (d, e), ("embed", "routing")
         )  # small: routing starts near uniform
         self.w_in = _param(rngs, _fan_in(1, 2), (e, d, f), ("experts", "embed", "mlp"))
+        if config.gated:
+            self.w_gate = _param(rngs, _fan_in(1, 2), (e, d, f), ("experts", "embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(1, 2), (e, f, d), ("experts", "mlp", "embed"))
+        self.activation = _activation(config)
         self.config = config
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats]:
@@ -416,7 +443,12 @@ class MoE(nnx.Module):
         routing = jax.vmap(lambda logits_SE: route(logits_SE, router))(logits_BSE)
         home_BECD = jax.vmap(lambda x_SD, one: dispatch(x_SD, one, experts))(x_BSD, routing)
         x_BECD = _move(home_BECD, layout, _BECD_AT_EXPERTS)  # dispatch: the all-to-all over expert
-        hidden_BECF = jax.nn.gelu(jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_in)))
+        hidden_BECF = jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_in))
+        if self.config.gated:
+            gate_BECF = jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_gate))
+            hidden_BECF = self.activation(gate_BECF) * hidden_BECF
+        else:
+            hidden_BECF = self.activation(hidden_BECF)
         y_BECD = jnp.einsum(
             "becf,efd->becd",
             hidden_BECF,

@@ -30,6 +30,10 @@ def test_an_moe_token_uses_k_of_the_experts_and_bad_routers_are_refused():
     moe = preset("tiny-moe")
     assert moe.parameters - moe.active_parameters == moe.layers * (moe.experts - moe.top_k) * 2 * moe.embed * moe.mlp
     assert preset("tiny").active_parameters == preset("tiny").parameters
+    gated = replace(moe, feed_forward="swiglu")  # each expert three D x F matrices
+    assert (
+        gated.parameters - gated.active_parameters == moe.layers * (moe.experts - moe.top_k) * 3 * moe.embed * moe.mlp
+    )
     with pytest.raises(LabError, match="top-k 3 is larger than the 2 experts"):
         ModelConfig(experts=2, top_k=3)
 
@@ -60,7 +64,14 @@ def _single_device_forward(config):
 # with a capacity, whether a token keeps its expert slot depends on the sequence's other tokens, later ones
 # included; with no dropping (capacity_factor=None) an MoE model is causal too
 @pytest.mark.parametrize(
-    "config", [preset("tiny"), ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None)], ids=["dense", "moe"]
+    "config",
+    [
+        preset("tiny"),
+        ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None),
+        # Qwen3's family: SwiGLU experts, a norm on each query and key head
+        ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None, feed_forward="swiglu", qk_norm=True, kv_heads=2),
+    ],
+    ids=["dense", "moe", "gated-moe-qk-norm"],
 )
 def test_logits_have_the_vocabulary_and_only_look_backwards(config):
     params, forward = _single_device_forward(config)

@@ -211,10 +211,9 @@ def _mlp_width(model) -> float:
 def saved_per_layer(model, tokens: float, tensor: int, remat: str, attention: str) -> float:
     """Bytes one layer keeps for the backward pass for `tokens` tokens on a chip (see the module docstring)."""
     d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
-    experts = model.experts
     if remat == "full":
         return ACTIVATION_BYTES * tokens * d  # the block's input: the scan's carry
-    hidden = (2 if model.gated or experts else 1) * f / tensor * _mlp_width(model)
+    hidden = (2 if model.gated else 1) * f / tensor * _mlp_width(model)
     dots = k * (h + 2 * g) / tensor + d + hidden + d  # q, k, v; attention out-projection; MLP hidden; MLP out
     scores = model.seq * h / tensor if attention == "xla" else 0.0  # [b, H, S, S]: a dot only without flash
     mixed = h * k / tensor if attention == "xla" else 0.0  # scores @ V is a dot too
@@ -263,10 +262,11 @@ def _block_matmuls(model, tensor: int) -> tuple[tuple[float, float, float], ...]
     """The forward matmuls of one layer on one tensor shard: (tokens through it per token, in, out features)."""
     d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
     attention = ((1.0, d, (h + 2 * g) * k / tensor), (1.0, h * k / tensor, d))  # q, k, v; the out-projection
+    width_in = (2 if model.gated else 1) * f / tensor  # W_in, and W_gate beside it in a gated MLP or expert
     if model.experts:  # each token through top_k experts (and the capacity's padding), and the router
         width = _mlp_width(model)
-        return (*attention, (width, d, 2 * f / tensor), (width, f / tensor, d), (1.0, d, model.experts))
-    return (*attention, (1.0, d, (2 if model.gated else 1) * f / tensor), (1.0, f / tensor, d))
+        return (*attention, (width, d, width_in), (width, f / tensor, d), (1.0, d, model.experts))
+    return (*attention, (1.0, d, width_in), (1.0, f / tensor, d))
 
 
 def _core_flops(model, tensor: int) -> float:

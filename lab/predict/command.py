@@ -19,9 +19,10 @@ the one replaced by the other.
 
 FLOPs convention (MaxText's, so MFU compares with published runs): model FLOPs
 per step = 6 · N' · tokens + 12 · L · H · K · S · tokens, where N' is the
-parameter count without the input embedding table (a lookup, no matmul; a tied
-table counts once, as the unembedding) and the attention term counts the full
-S x S score matrix, not the causal half.
+parameter count a token uses (an MoE's router and its k experts, not all E),
+without the input embedding table (a lookup, no matmul; a tied table counts
+once, as the unembedding) and the attention term counts the full S x S score
+matrix, not the causal half.
 
 JAX, libtpu and the compile are imported inside the functions that need them:
 libtpu must read ``LIBTPU_INIT_ARGS`` (the user's ``--libtpu-flags``) before it
@@ -138,7 +139,7 @@ class Prediction:
 
 def model_flops(config, tokens: int) -> float:
     """6 · N' · tokens + 12 · L · H · K · S · tokens (see the module docstring)."""
-    dense = config.parameters - (0 if config.tied else config.vocab * config.embed)
+    dense = config.active_parameters - (0 if config.tied else config.vocab * config.embed)
     attention = 12 * config.layers * config.heads * config.head_dim * config.seq
     return float(6 * dense * tokens + attention * tokens)
 
@@ -177,6 +178,7 @@ def run_prediction(command: Predict, efficiency=None):
         libtpu.prepare(command.libtpu_flags)
         devices = topology_devices(target.topology, command.slices)
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
+    check_experts(model, mesh.shape["expert"])
     chip = _chip(devices)
     efficiency = efficiency or calibration.efficiency(chip.name)
     pipelined = dict(mesh.shape).get("stage", 1) > 1
@@ -222,7 +224,9 @@ def run_prediction(command: Predict, efficiency=None):
         mfu=per_chip / chip.peak_bf16_flops,
         model_flops_per_step=flops,
         hardware_flops_per_step=step.matmul_flops * chips,
-        flops_convention="6*N'*tokens + 12*L*H*K*S*tokens (N' without input embedding; attention not causal-halved)",
+        flops_convention=(
+            "6*N'*tokens + 12*L*H*K*S*tokens (N': active, without input embedding; attention not causal-halved)"
+        ),
         memory_bytes=memory,
         layers_compiled=compiled.layers,
         hbm_bytes=int(chip.hbm_bytes),
@@ -265,6 +269,21 @@ def resolve_attention(choice: str, on_gpu: bool) -> str:
             "(or auto) on a GPU target"
         )
     return choice
+
+
+def check_experts(model, ways: int) -> None:
+    """The expert axis splits an MoE model's experts: it must divide their count, and a dense model has none."""
+    if ways > 1 and not model.experts:
+        raise LabError(
+            f"--mesh expert={ways}: a dense model has no experts to split; give an MoE model (experts=E, or a preset "
+            "such as mixtral-8x7b) or leave the expert axis out"
+        )
+    if model.experts % ways:
+        fits = [w for w in range(2, ways + 1) if model.experts % w == 0]
+        raise LabError(
+            f"--mesh expert={ways} does not divide the model's {model.experts} experts; use an expert axis of "
+            + (f"{', '.join(map(str, fits))} or 1" if fits else "1")
+        )
 
 
 def _chips(target, slices: int) -> int:

@@ -406,8 +406,10 @@ def convolution_flops(schedule: ScheduledModule, computation: str, instruction: 
     """2 · output batch · output features · kernel input features · the real (unpadded) taps of every window.
 
     The TPU compiler writes many dots as convolutions whose windows run mostly over padding (a [.., 1] input,
-    a window of 64 padded 63 on each side: each output reads one real element), so the taps are counted per
-    spatial dimension as the (output, tap) pairs that land inside the input, not as the window's size.
+    a window of 64 padded 63 on each side: each output reads one real element), or over the holes of a dilated
+    input (a batched matmul's batch of 8 as a spatial dimension dilated 8 times, window 8, stride 7: each output
+    reads one of the 8 taps), so the taps are counted per spatial dimension as the (output, tap) pairs that land
+    on a real input element, not as the window's size.
     """
     shapes = schedule.shapes(computation)
     lhs = arrays(shapes.get(instruction.operands[0], ""))
@@ -419,40 +421,46 @@ def convolution_flops(schedule: ScheduledModule, computation: str, instruction: 
     lhs_labels, rest = labels.split("_")
     rhs_labels, out_labels = rest.split("->")
     lhs_dims, rhs_dims, out_dims = lhs[0][1], rhs[0][1], out[0][1]
-    window = _window(instruction.attr(r"window=\{([^}]*)\}") or "")
+    window = _window(instruction.attributes.get("window", "").strip("{} "))  # as written: its blanks separate
     macs = out_dims[out_labels.index("b")] * out_dims[out_labels.index("f")] * rhs_dims[rhs_labels.index("i")]
     for d in range(len(lhs_labels) - 2):
         n = lhs_dims[lhs_labels.index(str(d))]
         w = rhs_dims[rhs_labels.index(str(d))]
         n_out = out_dims[out_labels.index(str(d))]
-        lo, stride, dilation = window["pad"][d][0] if d < len(window["pad"]) else 0, 1, 1
-        if d < len(window["stride"]):
-            stride = window["stride"][d]
-        if d < len(window["rhs_dilate"]):
-            dilation = window["rhs_dilate"][d]
-        macs *= _taps(n, w, n_out, lo, stride, dilation)
+        lo = window["pad"][d][0] if d < len(window["pad"]) else 0
+        stride, dilation, holes = (
+            window[k][d] if d < len(window[k]) else 1 for k in ("stride", "rhs_dilate", "lhs_dilate")
+        )
+        macs *= _taps(n, w, n_out, lo, stride, dilation, holes)
     return 2.0 * macs
 
 
 def _window(text: str) -> dict[str, list]:
-    found: dict[str, list] = {"pad": [], "stride": [], "rhs_dilate": []}
+    found: dict[str, list] = {"pad": [], "stride": [], "rhs_dilate": [], "lhs_dilate": []}
     for part in text.split():
         key, _, value = part.partition("=")
         if key == "pad":
             found["pad"] = [tuple(int(x) for x in p.split("_")) for p in value.split("x")]
-        elif key in ("stride", "rhs_dilate"):
+        elif key in ("stride", "rhs_dilate", "lhs_dilate"):
             found[key] = [int(x) for x in value.split("x")]
     return found
 
 
-def _taps(n: int, w: int, n_out: int, lo: int, stride: int, dilation: int) -> int:
-    """(output, tap) pairs of one spatial dimension whose input position o·stride + k·dilation - lo is in [0, n)."""
-    total = 0
+def _taps(n: int, w: int, n_out: int, lo: int, stride: int, dilation: int, holes: int = 1) -> int:
+    """(output, tap) pairs of one spatial dimension whose position o·stride + k·dilation - lo in the input, dilated
+    `holes` times ((n - 1)·holes + 1 positions, a real element at every multiple of `holes`), is a real element."""
+    total, extent = 0, (n - 1) * holes + 1
     for k in range(w):
         offset = k * dilation - lo
         first = max(0, math.ceil(-offset / stride))
-        last = min(n_out, math.ceil((n - offset) / stride))
-        total += max(0, last - first)
+        last = min(n_out, math.ceil((extent - offset) / stride))
+        if holes == 1:
+            total += max(0, last - first)
+            continue
+        # outputs o with (o·stride + offset) a multiple of `holes`: one residue class modulo holes / gcd(stride, holes)
+        period = holes // math.gcd(stride, holes)
+        hits = [o for o in range(first, min(last, first + period)) if (o * stride + offset) % holes == 0]
+        total += sum(len(range(o, last, period)) for o in hits)
     return total
 
 

@@ -1,25 +1,38 @@
 """Model specs: published decoder configurations, and the ``--model`` text that names one.
 
-A spec is a `lab.model.ModelConfig` at full size. Nothing is allocated for it:
+A spec is a `lab.model.ModelConfig` at full size, dense or mixture-of-experts. Nothing is allocated for it:
 the predictor declares its parameters abstractly (`lab.model.abstract_model`)
 and compiles the step for a topology with no chips. ``--model`` takes a preset
-name (``llama3-8b``) or ``key=value`` pairs with the keys of `KEYS`::
+name (``llama3-8b``), ``key=value`` pairs with the keys of `KEYS`, or a preset
+and pairs that change it (``mixtral-8x7b,capacity=2``)::
 
     layers=32,d_model=4096,heads=32,kv_heads=8,head_dim=128,d_ff=14336,vocab=128256,mlp=swiglu,block=sequential,tied=false
 
+An MoE spec adds ``experts``, ``top_k``, ``capacity`` (slots per expert as a
+multiple of the mean load, MaxText's ``capacity_factor``; ``none`` drops nothing,
+compiled as a buffer the size of each routing group per expert, not a ragged
+kernel) and ``d_ff`` is then each expert's width.
+
 The presets are the configurations their authors published (each one's
 ``config.json`` on the Hugging Face hub, or its paper); their parameter counts
-are checked against the published totals in the tests. Rotary positions,
+are checked against the published totals in the tests: to the parameter where
+the count was published exactly, to the digits published otherwise (an MoE's
+total and active counts, as its model card gives them). Rotary positions,
 RMSNorm and no biases are the family's; GPT-J/PaLM-style parallel blocks and
-plain activations are there for specs typed in, not for these presets.
+plain activations are there for specs typed in, not for these presets. Not
+here, because the lab's decoder does not have their blocks: DeepSeek-V3 (latent
+attention, a shared expert), Llama 4 (a shared expert, dense and MoE layers
+interleaved), GPT-OSS (biases, attention sinks, sliding-window layers).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from lab.errors import LabError
 from lab.model import BLOCKS, FEED_FORWARDS, ModelConfig
+from lab.moe import parse_capacity_factor
 
 
 def _llama(layers, d_model, heads, kv_heads, d_ff, vocab, head_dim=128) -> ModelConfig:
@@ -36,8 +49,14 @@ def _llama(layers, d_model, heads, kv_heads, d_ff, vocab, head_dim=128) -> Model
     )
 
 
-# name -> (config, published parameter count, where it was published)
-PRESETS: dict[str, tuple[ModelConfig, int, str]] = {
+def _moe(layers, d_model, heads, kv_heads, d_ff, vocab, experts, top_k, *, qk_norm=False) -> ModelConfig:
+    """Llama's blocks with every MLP a top-k mixture of SwiGLU experts `d_ff` wide (Mixtral, Qwen3-MoE)."""
+    return replace(_llama(layers, d_model, heads, kv_heads, d_ff, vocab), experts=experts, top_k=top_k, qk_norm=qk_norm)
+
+
+# name -> (config, published parameter count, where it was published); an MoE's count as its card gives it,
+# "total / active" with the card's digits
+PRESETS: dict[str, tuple[ModelConfig, int | str, str]] = {
     "llama2-7b": (
         _llama(32, 4096, 32, None, 11008, 32000),
         6_738_415_616,
@@ -78,10 +97,34 @@ PRESETS: dict[str, tuple[ModelConfig, int, str]] = {
         8_537_680_896,
         "google/gemma-7b config.json (8.54B: head_dim 256 independent of d_model, GeGLU, tied embeddings)",
     ),
+    "mixtral-8x7b": (
+        _moe(32, 4096, 32, 8, 14336, 32000, experts=8, top_k=2),
+        "46.7B / 12.9B",
+        "mistralai/Mixtral-8x7B-v0.1 config.json; Mistral AI, 'Mixtral of experts' (2023-12-11): 46.7B total, "
+        "12.9B per token",
+    ),
+    "mixtral-8x22b": (
+        _moe(56, 6144, 48, 8, 16384, 32768, experts=8, top_k=2),
+        "141B / 39B",
+        "mistralai/Mixtral-8x22B-v0.1 config.json; Mistral AI, 'Cheaper, Better, Faster, Stronger' (2024-04-17): "
+        "141B total, 39B active",
+    ),
+    "qwen3-30b-a3b": (
+        _moe(48, 2048, 32, 4, 768, 151936, experts=128, top_k=8, qk_norm=True),
+        "30.5B / 3.3B",
+        "Qwen/Qwen3-30B-A3B config.json and model card: 30.5B in total, 3.3B activated",
+    ),
+    "qwen3-235b-a22b": (
+        _moe(94, 4096, 64, 4, 1536, 151936, experts=128, top_k=8, qk_norm=True),
+        "235B / 22B",
+        "Qwen/Qwen3-235B-A22B config.json and model card: 235B in total, 22B activated",
+    ),
 }
 PRESETS["llama3.1-8b"] = PRESETS["llama3-8b"]
 PRESETS["llama3.1-70b"] = PRESETS["llama3-70b"]
 PRESETS["llama3.1-405b"] = PRESETS["llama3-405b"]
+
+_MOE_PRESETS = tuple(name for name, (config, _, _) in PRESETS.items() if config.experts)
 
 # --model key -> ModelConfig field
 KEYS = {
@@ -95,8 +138,12 @@ KEYS = {
     "mlp": "feed_forward",
     "block": "block",
     "tied": "tied",
+    "qk_norm": "qk_norm",
+    "experts": "experts",
+    "top_k": "top_k",
+    "capacity": "capacity_factor",
 }
-_INTEGER_KEYS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff", "vocab")
+_INTEGER_KEYS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff", "vocab", "experts", "top_k")
 _REQUIRED = ("layers", "d_model", "heads", "d_ff", "vocab")
 EXAMPLE = "layers=32,d_model=4096,heads=32,kv_heads=8,head_dim=128,d_ff=14336,vocab=128256,mlp=swiglu"
 
@@ -119,15 +166,30 @@ def check_step_tokens(batch_per_device: int, chips: int, seq: int) -> int:
 
 
 def parse_model(text: str) -> ModelConfig:
-    """A preset name or ``key=value,...`` pairs (see `KEYS`) -> ModelConfig; a LabError names what is wrong."""
+    """A preset name, ``key=value,...`` pairs (see `KEYS`), or a preset then pairs -> ModelConfig; a LabError
+    names what is wrong."""
     text = text.strip()
-    if "=" not in text:
-        key = text.lower()
+    first, _, rest = text.partition(",")
+    if "=" not in first:
+        key = first.strip().lower()
         if key not in PRESETS:
-            raise LabError(f"unknown model preset {text!r}; use one of {', '.join(PRESETS)} or key=value pairs")
-        return PRESETS[key][0]
+            raise LabError(f"unknown model preset {first!r}; use one of {', '.join(PRESETS)} or key=value pairs")
+        base = PRESETS[key][0]
+        return replace(base, **_fields(text, rest)) if rest.strip() else base
+    fields = _fields(text, text)
+    missing = [k for k in _REQUIRED if KEYS[k] not in fields]
+    if missing:
+        raise LabError(f"--model: give {', '.join(missing)} too (e.g. {EXAMPLE})")
+    fields.setdefault("seq", 4096)
+    if "head_dim" not in fields:
+        fields["head_dim"] = _whole(fields["embed"], fields["heads"])
+    return ModelConfig(**fields)
+
+
+def _fields(text: str, pairs: str) -> dict[str, object]:
+    """``key=value,...`` -> ModelConfig fields."""
     given: dict[str, str] = {}
-    for part in text.split(","):
+    for part in pairs.split(","):
         name, sep, value = (s.strip() for s in part.partition("="))
         if not sep or not name or not value:
             raise LabError(f"--model {text!r}: write key=value pairs separated by commas, e.g. {EXAMPLE}")
@@ -136,15 +198,9 @@ def parse_model(text: str) -> ModelConfig:
         if name in given:
             raise LabError(f"--model: key {name!r} is given twice")
         given[name] = value
-    missing = [k for k in _REQUIRED if k not in given]
-    if missing:
-        raise LabError(f"--model: give {', '.join(missing)} too (e.g. {EXAMPLE})")
-    fields: dict[str, object] = {"seq": 4096}
-    for name, value in given.items():
-        fields[KEYS[name]] = _value(name, value)
-    if "head_dim" not in given:
-        fields["head_dim"] = _whole(fields["embed"], fields["heads"])
-    return ModelConfig(**fields)
+    if not given.get("experts") and not text.startswith(_MOE_PRESETS) and {"top_k", "capacity"} & given.keys():
+        raise LabError(f"--model {text!r}: top_k and capacity are an MoE's; give experts=E too")
+    return {KEYS[name]: _value(name, value) for name, value in given.items()}
 
 
 def _value(name: str, value: str) -> object:
@@ -152,10 +208,15 @@ def _value(name: str, value: str) -> object:
         if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise LabError(f"--model: {name}={value!r} must be a positive integer")
         return int(value)
-    if name == "tied":
+    if name in ("tied", "qk_norm"):
         if value.lower() not in ("true", "false"):
-            raise LabError(f"--model: tied={value!r}; use true or false")
+            raise LabError(f"--model: {name}={value!r}; use true or false")
         return value.lower() == "true"
+    if name == "capacity":
+        factor = parse_capacity_factor(value)
+        if factor is not None and not (math.isfinite(factor) and factor > 0):
+            raise LabError(f"--model: capacity={value!r}; use a number above 0 such as 1.25, or none")
+        return factor
     choices = FEED_FORWARDS if name == "mlp" else BLOCKS
     if value not in choices:
         raise LabError(f"--model: {name}={value!r}; use one of {', '.join(choices)}")
@@ -168,7 +229,8 @@ def _whole(d_model: int, heads: int) -> int:
     return d_model // heads
 
 
-def published_parameters(name: str) -> tuple[int, str]:
-    """The parameter count a preset's authors published, and where."""
+def published_parameters(name: str) -> tuple[int | str, str]:
+    """The parameter count a preset's authors published (exact, or an MoE's "total / active" as its card writes
+    them), and where."""
     _, count, source = PRESETS[name]
     return count, source

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 from lab.cli import main
-from lab.hlo.text import parse_instruction
+from lab.hlo.schedule import parse_schedule
 from lab.predict.attention import flash_seconds
 from lab.predict.calibration import solve_matmul_efficiency
 from lab.predict.command import Predict, model_flops, run_prediction
-from lab.predict.ops import _taps
+from lab.predict.ops import _taps, convolution_flops
 from lab.predict.spec import parse_model
 from lab.targets.hardware import H100, profile
 
@@ -143,12 +143,58 @@ def test_flags_libtpu_knows_pass_its_check():
     libtpu.check(("--xla_tpu_enable_async_collective_fusion=true", "--xla_tpu_no_crash_on_oom=true"))
 
 
-def test_padded_convolution_windows_count_only_real_taps():
+CONVOLUTIONS = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[8,512,1024,1], b: bf16[12,8,160,512], x: f32[4,1,16], w: f32[64,16,32]) -> bf16[8,1024,12,160] {
+  %a = bf16[8,512,1024,1]{3,2,1,0} parameter(0)
+  %b = bf16[12,8,160,512]{3,2,1,0} parameter(1)
+  %x = f32[4,1,16]{2,1,0} parameter(2)
+  %w = f32[64,16,32]{2,1,0} parameter(3)
+  %padded = f32[4,64,32]{2,1,0} convolution(%x, %w), window={size=64 pad=63_63}, dim_labels=b0f_0io->b0f
+  ROOT %experts = bf16[8,1024,12,160]{3,2,1,0} convolution(%a, %b),
+    window={size=8x12 stride=7x1 pad=0_0x11_11 lhs_dilate=8x1 rhs_reversal=0x1}, dim_labels=0fb1_10oi->0b1f
+}
+"""
+
+
+def test_convolution_windows_count_only_the_taps_on_real_elements():
     # a [.., 1] input under a window of 64 padded 63 each side: 64 outputs, one real tap each
     assert _taps(n=1, w=64, n_out=64, lo=63, stride=1, dilation=1) == 64
     assert _taps(n=8, w=3, n_out=6, lo=0, stride=1, dilation=1) == 18  # a valid convolution
-    line = "%c = f32[4]{0} convolution(%a, %b), window={size=64 pad=63_63}, dim_labels=b0f_0io->b0f"
-    assert parse_instruction(line).opcode == "convolution"
+    # 8 elements dilated 8 times (57 positions), window 8, stride 7: each of 8 outputs lands on one element
+    assert _taps(n=8, w=8, n_out=8, lo=0, stride=7, dilation=1, holes=8) == 8
+    schedule = parse_schedule(CONVOLUTIONS)
+    padded, experts = (i for i in schedule.computations[schedule.entry] if i.opcode == "convolution")
+    assert convolution_flops(schedule, schedule.entry, padded) == 2 * 4 * 32 * 16 * 64
+    # libtpu's form of an MoE layer's expert matmul becd,edf->becf (b 12, e 8, c 160, d 512, f 1024): the experts
+    # as a dilated spatial dimension, the batch as a padded one (it once counted 3 of the 8 experts' taps)
+    assert convolution_flops(schedule, schedule.entry, experts) == 2 * 12 * 8 * 160 * 512 * 1024
+
+
+def test_an_moe_step_prices_each_expert_matmul_at_its_einsums_flops(capsys):
+    # E 8, top-2, capacity 1.25 of 128 tokens: 40 slots per expert; remat full: every expert einsum runs forward,
+    # again in the recompute, and twice backward (SwiGLU: three einsums a layer)
+    moe = "layers=2,d_model=256,heads=4,kv_heads=2,d_ff=512,vocab=1024,mlp=swiglu,experts=8,top_k=2,capacity=1.25"
+    argv = ["predict", "--model", moe, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=2,expert=2", "--seq", "128"]
+    assert main([*argv, "--batch-per-device", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    config = parse_model(moe)
+    assert out["parameters"] == config.parameters and config.active_parameters < config.parameters
+    assert out["model_flops_per_step"] == model_flops(replace(config, seq=128), 2 * 4 * 128)
+    assert any(name.startswith("expert") for name in out["exposed_by_link"])  # the dispatch and combine all-to-alls
+    per_einsum = 2 * (2 * 2) * (8 / 2) * 40 * 256 * 512  # per chip: 4 sequences' slots for 4 of the 8 experts
+    expert_ops = [o["flops"] / per_einsum for o in out["top_ops"] if "/moe/be" in o["op"]]
+    # a fusion holds one einsum or two whole ones, never a fraction (3/8 and 36/8 before the windows were read)
+    assert expert_ops and all(ratio in (1.0, 2.0) for ratio in expert_ops), expert_ops
+
+
+def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line(capsys):
+    moe = "layers=2,d_model=256,heads=4,d_ff=512,vocab=1024,experts=6,top_k=2"
+    assert main(["predict", "--model", moe, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=1,expert=4"]) == 2
+    err = capsys.readouterr().err
+    assert "expert=4 does not divide the model's 6 experts" in err and len(err.strip().splitlines()) == 1
+    assert main(["predict", "--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "expert=4"]) == 2
+    assert "a dense model has no experts to split" in capsys.readouterr().err
 
 
 def test_a_model_too_big_for_the_chips_says_by_how_much_and_what_would_fit(capsys):

@@ -1,5 +1,6 @@
 """Presets against their published parameter counts; the typed-in --model parser; the model family's shapes."""
 
+import math
 from dataclasses import replace
 
 import jax
@@ -14,8 +15,17 @@ from lab.predict.spec import PRESETS, parse_model, published_parameters
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_have_their_published_parameter_counts(name):
     count, source = published_parameters(name)
+    config = PRESETS[name][0]
     assert source
-    assert PRESETS[name][0].parameters == count
+    if isinstance(count, int):
+        assert config.parameters == count
+    else:  # an MoE's card: "total / active" in billions, to the digits it gives, rounded (Mistral) or cut (Qwen3:
+        # 3.35B active written 3.3B)
+        for ours, published in zip((config.parameters, config.active_parameters), count.split(" / "), strict=True):
+            digits = len(published.removesuffix("B").partition(".")[2])
+            unit = 10.0**-digits
+            cut = math.floor(ours / 1e9 / unit) * unit
+            assert published in (f"{ours / 1e9:.{digits}f}B", f"{cut:.{digits}f}B"), (ours, published)
 
 
 @pytest.mark.parametrize(
@@ -24,6 +34,8 @@ def test_presets_have_their_published_parameter_counts(name):
         ModelConfig(kv_heads=2, feed_forward="swiglu"),
         ModelConfig(block="parallel", tied=True, feed_forward="relu"),
         ModelConfig(heads=4, kv_heads=1, head_dim=32, feed_forward="geglu", tied=True),
+        ModelConfig(kv_heads=2, qk_norm=True, experts=4, top_k=2, feed_forward="swiglu"),
+        ModelConfig(block="parallel", qk_norm=True, experts=4, top_k=1),
     ],
 )
 def test_the_formula_counts_what_the_model_declares(config):
@@ -51,6 +63,17 @@ def test_the_typed_in_spec_reads_every_key():
     assert (parallel.head_dim, parallel.block, parallel.tied, parallel.gated) == (64, "parallel", True, False)
 
 
+def test_an_moe_is_typed_in_or_a_preset_changed():
+    typed = parse_model(
+        "layers=32,d_model=4096,heads=32,kv_heads=8,d_ff=14336,vocab=32000,mlp=swiglu,experts=8,top_k=2,capacity=1.25"
+    )
+    assert typed.parameters == PRESETS["mixtral-8x7b"][0].parameters
+    changed = parse_model("mixtral-8x7b,capacity=none,top_k=1")
+    assert (changed.capacity_factor, changed.top_k, changed.experts, changed.layers) == (None, 1, 8, 32)
+    qwen = parse_model("qwen3-30b-a3b")
+    assert (qwen.qk_norm, qwen.experts, qwen.top_k, qwen.mlp) == (True, 128, 8, 768)
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [
@@ -61,6 +84,12 @@ def test_the_typed_in_spec_reads_every_key():
         ("layers=2,d_model=256,heads=4,kv_heads=3,d_ff=512,vocab=9", "must divide heads"),
         ("layers=2,d_model=256,heads=4,d_ff=512,vocab=9,mlp=tanh", "mlp='tanh'"),
         ("layers=2,d_model=250,heads=4,d_ff=512,vocab=9", "give head_dim"),
+        ("layers=2,d_model=256,heads=4,d_ff=512,vocab=9,experts=4,top_k=5", "top-k 5 is larger than the 4 experts"),
+        ("layers=2,d_model=256,heads=4,d_ff=512,vocab=9,top_k=2", "give experts=E too"),
+        ("mixtral-8x7b,capacity=0", "capacity='0'"),
+        ("mixtral-8x7b,capacity=lots", "capacity factor 'lots'"),
+        ("mixtral-8x7b,colour=red", "unknown key 'colour'"),
+        ("mixtral-8x7b,experts", "write key=value pairs"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(text, words):
