@@ -144,10 +144,33 @@ def model_flops(config, tokens: int) -> float:
     return float(6 * dense * tokens + attention * tokens)
 
 
+@dataclass(frozen=True)
+class Reading:
+    """One compiled step read at the model's depth, not yet priced: what a prediction, or a calibration, starts from."""
+
+    command: Predict
+    model: object  # lab.model.ModelConfig at full size, with the command's sequence and attention
+    target: object  # lab.targets.devices.Target
+    mesh: object
+    chip: object  # lab.targets.hardware.ChipProfile
+    compiled: object  # lab.predict.step.Compiled
+    read: object  # lab.predict.ops.ReadSchedule, at the model's depth
+    memory: int  # bytes per chip, at the model's depth
+    read_s: float  # seconds reading the schedule took
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.target.platform == "gpu"
+
+
 def run_prediction(command: Predict, efficiency=None):
     """Compile and predict; returns the `Prediction` (`efficiency`: the chip's calibrated constants unless given)."""
+    return price(read_step(command), efficiency)
+
+
+def read_step(command: Predict) -> Reading:
+    """Check the command, compile its step (or fewer layers, see `Predict.layers_compiled`) and read it at depth."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
-    from lab.predict import xla_estimate
     from lab.predict.step import DoesNotFit
     from lab.targets import libtpu
     from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
@@ -171,7 +194,7 @@ def run_prediction(command: Predict, efficiency=None):
         check_flash_tiling(command.seq)
     check_step_tokens(command.batch_per_device, _chips(target, command.slices), command.seq)
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
-    compiled_layers = _compiled_layers(command.layers_compiled, model.layers)
+    compiled_layers = compiled_layers_for(command.layers_compiled, model.layers)
     if on_gpu:
         devices = gpu_cluster_devices(target.topology)
     else:
@@ -180,7 +203,6 @@ def run_prediction(command: Predict, efficiency=None):
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     check_experts(model, mesh.shape["expert"])
     chip = _chip(devices)
-    efficiency = efficiency or calibration.efficiency(chip.name)
     pipelined = dict(mesh.shape).get("stage", 1) > 1
     if compiled_layers < model.layers and pipelined:
         raise LabError(_PIPELINED)
@@ -188,34 +210,47 @@ def run_prediction(command: Predict, efficiency=None):
     if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
         compiled_layers = FALLBACK_LAYERS
     try:
-        compiled, step, memory, attention_s, predict_s = _compile(
-            model, compiled_layers, mesh, chip, efficiency, command
-        )
+        compiled, read, memory, read_s = _compile(model, compiled_layers, mesh, chip, command)
     except DoesNotFit as err:
         if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined:
             raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
         # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
-        compiled, step, memory, attention_s, predict_s = _compile(
-            model, FALLBACK_LAYERS, mesh, chip, efficiency, command
-        )
-    xla = xla_estimate.estimate(compiled.hlo, step) if on_gpu else None
-    chips = len(devices)
+        compiled, read, memory, read_s = _compile(model, FALLBACK_LAYERS, mesh, chip, command)
+    return Reading(command, model, target, mesh, chip, compiled, read, memory, read_s)
+
+
+def price(reading: Reading, efficiency=None) -> Prediction:
+    """The step of `reading` priced op by op at `efficiency` (the chip's calibrated constants unless given)."""
+    # local: see read_step
+    import time
+
+    from lab.predict import xla_estimate
+    from lab.predict.attention import attention_terms
+
+    command, model, mesh, chip = reading.command, reading.model, reading.mesh, reading.chip
+    started = time.perf_counter()
+    efficiency = efficiency or calibration.efficiency(chip.name)
+    step = reading.read.predict(efficiency)
+    attention_s = attention_terms(reading.read, step, model, command.batch_per_device, command.remat, chip, efficiency)
+    xla = xla_estimate.estimate(reading.compiled.hlo, step) if reading.on_gpu else None
+    chips = mesh.devices.size
     tokens = command.batch_per_device * chips * command.seq
     flops = model_flops(model, tokens)
     per_chip = flops / chips / step.step_s
+    memory = reading.memory
     over = max(0, memory - int(chip.hbm_bytes))
     return Prediction(
         model=command.model,
         parameters=model.parameters,
         layers=model.layers,
-        target=str(target),
+        target=str(reading.target),
         slices=command.slices,
         chips=chips,
         mesh=_mesh_text(mesh),
         seq=command.seq,
         batch_per_device=command.batch_per_device,
         remat=command.remat,
-        attention=attention,
+        attention=model.attention,
         step_s=step.step_s,
         compute_s=step.compute_s,
         exposed_comm_s=step.exposed_comm_s,
@@ -228,7 +263,7 @@ def run_prediction(command: Predict, efficiency=None):
             "6*N'*tokens + 12*L*H*K*S*tokens (N': active, without input embedding; attention not causal-halved)"
         ),
         memory_bytes=memory,
-        layers_compiled=compiled.layers,
+        layers_compiled=reading.compiled.layers,
         hbm_bytes=int(chip.hbm_bytes),
         fits=over == 0,
         over_by_bytes=over,
@@ -247,8 +282,8 @@ def run_prediction(command: Predict, efficiency=None):
             }
             for o in step.top_ops(10)
         ],
-        compile_s=compiled.compile_s,
-        predict_s=predict_s,
+        compile_s=reading.compiled.compile_s,
+        predict_s=reading.read_s + time.perf_counter() - started,
         efficiency=asdict(efficiency),
         calibrated=calibration.calibrated(chip.name),
         calibrated_on=calibration.source_chip(chip.name),
@@ -309,13 +344,12 @@ def _check_gpu_options(command: Predict) -> None:
         raise LabError("--libtpu-flags: libtpu compiles for TPU targets only; a GPU target takes no libtpu flags")
 
 
-def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
-    """Compile the step with `layers` layers and predict it at the model's depth: (Compiled, StepPrediction,
-    memory bytes per chip, `attention_terms`, seconds the prediction took)."""
-    # local: see run_prediction
+def _compile(model, layers: int, mesh, chip, command: Predict):
+    """Compile the step with `layers` layers and read it at the model's depth: (Compiled, ReadSchedule, memory bytes
+    per chip, seconds the reading took)."""
+    # local: see read_step
     import time
 
-    from lab.predict.attention import attention_terms
     from lab.predict.depth import deeper
     from lab.predict.ops import read_schedule
     from lab.predict.step import compile_step
@@ -334,16 +368,14 @@ def _compile(model, layers: int, mesh, chip, efficiency, command: Predict):
     if layers < model.layers:
         depth = deeper(read.schedule, layers, model.layers)
         read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
-    step = read.predict(efficiency)
-    terms = attention_terms(read, step, model, command.batch_per_device, command.remat, chip, efficiency)
-    return compiled, step, memory, terms, time.perf_counter() - started
+    return compiled, read, memory, time.perf_counter() - started
 
 
 _PIPELINED = (
     "--layers-compiled with a stage axis: the pipeline runs each stage's layers inside its loop over micro-batches, "
     "which lab.predict.depth does not read deeper; compile every layer (--layers-compiled 0)"
 )
-FALLBACK_LAYERS = 2  # the fewest layers whose scan XLA keeps as a loop (see `_compiled_layers`)
+FALLBACK_LAYERS = 2  # the fewest layers whose scan XLA keeps as a loop (see `compiled_layers_for`)
 
 
 def _saved_inputs_bytes(model, command: Predict) -> int:
@@ -357,7 +389,7 @@ def _saved_inputs_bytes(model, command: Predict) -> int:
     return model.layers * command.batch_per_device * command.seq * model.embed * itemsize
 
 
-def _compiled_layers(layers_compiled: int, layers: int) -> int:
+def compiled_layers_for(layers_compiled: int, layers: int) -> int:
     if layers_compiled < 0:
         raise LabError(f"--layers-compiled {layers_compiled}: use 0 (all layers) or a count of 2 or more")
     if layers_compiled == 1:  # XLA removes a loop of one trip: that program has no layer loop to read deeper

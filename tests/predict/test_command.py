@@ -9,6 +9,7 @@ import pytest
 
 from lab.cli import main
 from lab.hlo.schedule import parse_schedule
+from lab.predict import calibration
 from lab.predict.attention import flash_seconds
 from lab.predict.calibration import solve_matmul_efficiency
 from lab.predict.command import Predict, model_flops, run_prediction
@@ -71,7 +72,9 @@ def test_a_small_step_on_v5e_predicts_every_reported_quantity(capsys):
 def test_every_generation_predicts_on_its_own_chip(target, chip):
     p = run_prediction(Predict(model=SMALL, target=target, mesh="fsdp=2,tensor=2", seq=128))
     assert p.chips == 4 and p.hbm_bytes == profile(chip).hbm_bytes and p.fits
-    assert p.calibrated == (chip == "v6e")  # the others borrow v6e's matmul efficiency, and say so
+    # v4 and v6e have runs that set their constants; v5p's run cannot (results/published_runs): it borrows v6e's
+    assert p.calibrated == (chip != "v5p") and p.calibrated_on == ("v6e" if chip == "v5p" else chip)
+    assert p.efficiency["matmul"] == calibration.MATMUL_EFFICIENCY[p.calibrated_on]
     assert p.step_s >= p.compute_s > 0 and p.comm_s > 0  # the tensor all-reduces and fsdp gathers are priced
 
 
@@ -224,7 +227,7 @@ def test_a_step_too_big_to_compile_whole_is_read_from_two_layers(monkeypatch):
     monkeypatch.setattr(command, "_compile", refuse_the_whole_depth)
     deep = SMALL.replace("layers=2", "layers=12")
     p = run_prediction(Predict(model=deep, target="tpu:v5e:2x2", mesh="fsdp=4", seq=128))
-    # two layers, not one: XLA compiles a one-layer scan without its loop (`_compiled_layers`)
+    # two layers, not one: XLA compiles a one-layer scan without its loop (`compiled_layers_for`)
     assert asked == [12, 2] and p.layers_compiled == 2 and p.layers == 12 and p.step_s > 0
 
 
