@@ -28,6 +28,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
+from lab.errors import LabError
 from lab.predict import calibration
 from lab.progress import track
 from lab.provenance import Setup
@@ -53,8 +54,8 @@ PARITY_BASIS = (
 
 @dataclass(frozen=True)
 class Config:
-    layers_compiled: int = 0
-    """0: compile every layer; K (2 or more): compile K and read the program at the model's depth"""
+    chips: tuple[str, ...] = tuple(run.topology.split(":")[0] for run in RUNS)
+    """the generations whose development run to compile (v5e, v5p, v4), each program whole"""
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Observations:
     wall_s: float
 
 
-def _command(run, layers_compiled: int):
+def _command(run):
     from lab.predict.command import Predict
 
     return Predict(
@@ -107,15 +108,14 @@ def _command(run, layers_compiled: int):
         target=f"tpu:{run.topology}",
         attention=run.compiled_attention,
         libtpu_flags=run.flags,
-        layers_compiled=layers_compiled,
     )
 
 
-def _row(run, layers_compiled: int) -> Row:
+def _row(run) -> Row:
     """Compile `run` and price it twice; in a process of its own, since libtpu takes its flags once a process."""
     from lab.predict.command import price, read_step
 
-    reading = read_step(_command(run, layers_compiled))
+    reading = read_step(_command(run))
     chip = reading.chip.name
     borrowed = calibration.efficiency(BORROWED_FROM)
     at_peak = price(reading, replace(borrowed, matmul=1.0))
@@ -156,24 +156,31 @@ def _row(run, layers_compiled: int) -> Row:
 
 def measure(config: Config) -> Observations:
     # local: the parent starts libtpu only to describe the first run's chips; each run compiles in a child
-    from lab.predict.command import compiled_layers_for
     from lab.targets.devices import topology_devices
 
-    compiled_layers_for(config.layers_compiled, 2**31 - 1)  # a bad count is refused here, before any child starts
+    runs = _chosen(config.chips)  # an unknown chip is refused here, before any child starts
     started = time.perf_counter()
-    first = RUNS[0]
+    first = runs[0]
     devices = topology_devices(first.topology)
     rows = []
     # libtpu reads its flags once, when it starts: each run, with its own flags, compiles in a fresh process
     spawn = multiprocessing.get_context("spawn")
-    for run in track(RUNS, "published runs"):
+    for run in track(runs, "published runs"):
         with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
-            rows.append(fresh.submit(_row, run, config.layers_compiled).result())
+            rows.append(fresh.submit(_row, run).result())
     return Observations(
         Setup.of(f"tpu:{first.topology} (and each other run's slice)", devices, first.mesh),
         rows=tuple(rows),
         wall_s=time.perf_counter() - started,
     )
+
+
+def _chosen(chips: tuple[str, ...]) -> tuple:
+    known = {run.topology.split(":")[0]: run for run in RUNS}
+    unknown = [chip for chip in chips if chip not in known]
+    if unknown or not chips:
+        raise LabError(f"--chips {' '.join(chips) or '(none)'}: choose among {', '.join(known)}")
+    return tuple(known[chip] for chip in dict.fromkeys(chips))
 
 
 # --------------------------------------------------------------------------- judge
@@ -214,7 +221,7 @@ def _checks(obs: Observations) -> list[Check]:
                 round(r.borrowed_step_s, 3),
                 kind="model",
                 rtol=PUBLISHED_RTOL,
-                basis=PUBLISHED_BASIS + next(run.source for run in RUNS if run.name == r.name),
+                basis=PUBLISHED_BASIS + next((run.source for run in RUNS if run.name == r.name), ""),
             ),
             check(
                 f"{r.name}: model TFLOP per chip a step, MaxText's (published TFLOP/s x step) = the lab's count",

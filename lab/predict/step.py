@@ -36,6 +36,7 @@ from lab.errors import LabError
 from lab.model import ModelConfig, run_blocks
 from lab.predict import xla_estimate
 from lab.predict.depth import LAYERS_SCOPE
+from lab.targets.devices import quiet_native_stderr
 from lab.training.step import TrainConfig, Trainer
 
 REMATS = {"full": "full", "minimal": "dots", "none": "none"}  # the predictor's names -> lab.parallel.layout's
@@ -114,7 +115,10 @@ def compile_step(
     with jax.set_mesh(mesh):
         lowered = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch(global_batch))
         try:
-            compiled = lowered.compile(xla_estimate.COMPILER_OPTIONS if _on_gpu(mesh) else None)
+            # the compiler's C++ log (libtpu's rematerialization warnings on a step over HBM) is not the user's:
+            # the prediction says what does not fit, and by how much
+            with quiet_native_stderr():
+                compiled = lowered.compile(xla_estimate.COMPILER_OPTIONS if _on_gpu(mesh) else None)
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
                 raise

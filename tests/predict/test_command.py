@@ -288,9 +288,11 @@ def test_a_small_step_on_two_h100_nodes_puts_fsdp_on_nvlink_and_data_on_infiniba
     assert "step with flash" in shown and "XLA's own" in shown
 
 
-@pytest.mark.parametrize("chip", ["h200", "b200"])
-def test_other_gpus_borrow_the_h100_constant_and_say_so(capsys, chip):
-    argv = ["predict", "--model", SMALL, "--target", f"gpu:{chip}:1x8", "--mesh", "fsdp=8", "--seq", "256"]
+def test_other_gpus_borrow_the_h100_constant_and_say_so(capsys):
+    # every GPU without a run borrows through the same lookup; one of them (compiled) shows the user that it does
+    assert {calibration.source_chip(chip) for chip in ("h200", "b200")} == {"h100"}
+    assert not calibration.calibrated("h200") and not calibration.calibrated("b200")
+    argv = ["predict", "--model", SMALL, "--target", "gpu:b200:1x8", "--mesh", "fsdp=8", "--seq", "256"]
     assert main(argv) == 0
     assert "(h100's: this chip has no calibration run)" in capsys.readouterr().out
 
