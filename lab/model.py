@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from lab.errors import LabError
 from lab.moe import Balance, LoadCounts, RouterConfig, balance_loss, combine, dispatch, load_counts, route
@@ -281,12 +282,13 @@ class Attention(nnx.Module):
         self.kernel = config.attention
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
-        q_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query))
-        k_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.key))
+        # the projections' outputs carry MaxText's names, for a remat policy that offloads them (lab.parallel.layout)
+        q_BSHK = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query)), "query_proj")
+        k_BSGK = checkpoint_name(jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.key)), "key_proj")
         if self.qk_norm:
             q_BSHK, k_BSGK = self.query_norm(q_BSHK, layout), self.key_norm(k_BSGK, layout)
         q_BSHK, k_BSGK = rotary(q_BSHK), rotary(k_BSGK)
-        v_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.value))
+        v_BSGK = checkpoint_name(jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.value)), "value_proj")
         if self.kernel == "flash":
             mixed_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK)
         elif k_BSGK.shape[2] == q_BSHK.shape[2]:
@@ -294,9 +296,10 @@ class Attention(nnx.Module):
         else:
             mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout)
         # row-parallel: heads may be split, so each device may hold a partial sum; out_sharding completes it
-        return jnp.einsum(
+        out_BSD = jnp.einsum(
             "bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), out_sharding=activation_sharding(layout, _BSD)
         )
+        return checkpoint_name(out_BSD, "out_proj")
 
 
 def _causal_softmax(scores: jax.Array, dtype) -> jax.Array:
@@ -482,6 +485,7 @@ class Block(nnx.Module):
 
     def forward(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
         """The block's output and, for an MoE block, its `MoEStats`."""
+        x_BSD = checkpoint_name(x_BSD, "decoder_layer_input")  # every use of the input goes through the name
         if self.parallel:
             return self._parallel(x_BSD, layout)
         with jax.named_scope("attention"):

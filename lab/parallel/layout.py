@@ -77,6 +77,35 @@ _REMAT: dict[str, Callable | None] = {
     ),  # weight-matmul outputs to host memory
 }
 REMAT_POLICIES = tuple(_REMAT)
+# MaxText's names for the activations a custom policy may send to host memory (`lab.model` names them alike)
+OFFLOADABLE = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj")
+OFFLOAD_PREFIX = "offload:"
+
+
+def remat_policy(name: str) -> Callable | None:
+    """The checkpoint policy a remat name means: one of `REMAT_POLICIES`, or ``offload:<names>``, MaxText's custom
+    policy: the named activations (`OFFLOADABLE`) go to host memory in the forward pass and come back for the
+    backward, everything else in the block is recomputed."""
+    if name in _REMAT:
+        return _REMAT[name]
+    if not name.startswith(OFFLOAD_PREFIX):
+        raise LabError(
+            f"unknown remat policy {name!r}; use one of {', '.join(_REMAT)} or {OFFLOAD_PREFIX}<names> with names "
+            f"from {', '.join(OFFLOADABLE)}"
+        )
+    names = tuple(n.strip() for n in name.removeprefix(OFFLOAD_PREFIX).split(","))
+    unknown = [n for n in names if n not in OFFLOADABLE]
+    if unknown:
+        raise LabError(
+            f"{name!r}: {', '.join(map(repr, unknown))} cannot be offloaded; name some of "
+            f"{', '.join(OFFLOADABLE)}, comma-separated"
+        )
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=names,
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
 
 
 def _gathered(prim, params) -> bool:
@@ -101,8 +130,7 @@ class Layout:
     sizes: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.remat not in _REMAT:
-            raise LabError(f"unknown remat policy {self.remat!r}; use one of {', '.join(_REMAT)}")
+        remat_policy(self.remat)  # refuses a name it does not know
         object.__setattr__(self, "sizes", dict(self.mesh.shape))
 
     # --- where arrays live -------------------------------------------------------------
@@ -196,7 +224,7 @@ class Layout:
         spec and, when the compute dtype differs, of the ``convert_element_type`` after it; refusing both makes the
         backward pass gather again (casts of activations are recomputed too, which costs one elementwise pass).
         """
-        base = _REMAT[self.remat]
+        base = remat_policy(self.remat)
         if not self.strategy.shards_params:
             return base
         if self.strategy.reshard_after_forward:

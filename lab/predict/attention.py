@@ -26,7 +26,7 @@ def flash_seconds(config, batch_per_device: int, remat: str, peak_flops: float, 
     split sequences); each costs FLASH_UNITS · S² · K, times (n + 1) / 2n of the n x n tiles under the diagonal.
     """
     s, blocks = config.seq, max(1, math.ceil(config.seq / FLASH_BLOCK_Q))
-    units = FLASH_UNITS + (4 if remat == "full" else 0)
+    units = FLASH_UNITS + (0 if remat in ("minimal", "none") else 4)  # full and offload:<names> run it again
     flops = config.layers * units * batch_per_device * config.heads * s * s * config.head_dim
     return flops * (blocks + 1) / (2 * blocks) / (peak_flops * matmul_efficiency)
 

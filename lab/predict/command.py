@@ -37,14 +37,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from rich.console import Console
-from rich.table import Table
 
 from lab.errors import LabError
 from lab.model import check_flash_tiling
 from lab.predict import calibration
+from lab.predict.display import show
 from lab.predict.spec import check_step_tokens, parse_model
 from lab.targets.gpu import GPU_TARGET_FORM
-from lab.units import format_bytes
 
 GiB = 2**30
 
@@ -63,8 +62,10 @@ class Predict:
     """tokens per sequence"""
     batch_per_device: int = 1
     """sequences per chip per step"""
-    remat: Literal["full", "minimal", "none"] = "full"
-    """what the backward pass keeps: full (each block's input only), minimal (every matmul output), none"""
+    remat: str = "full"
+    """what the backward pass keeps: full (each block's input only), minimal (every matmul output), none, or
+    offload:<names> (MaxText's custom policy: these to host memory, the rest recomputed; names from
+    decoder_layer_input, query_proj, key_proj, value_proj, out_proj)"""
     mesh: str = "fsdp=-1"
     """one slice's (or the whole GPU cluster's) mesh over data,stage,fsdp,expert,tensor (one axis may be -1)"""
     target: str = "tpu:v6e:16x16"
@@ -131,6 +132,7 @@ class Prediction:
     attention_flash_s: float  # ... and a flash kernel's estimate for the same attention (`lab.predict.attention`)
     xla_compute_s: float | None = None  # on GPU: XLA's own estimate of the same compute (`lab.predict.xla_estimate`)
     xla_comm_s: float | None = None  # ... and of the same collectives, each whole
+    host_bytes: int = 0  # per chip, in host memory: what an offloading remat sends there (its transfers: hidden)
 
     @property
     def step_with_flash_s(self) -> float:
@@ -172,7 +174,7 @@ def run_prediction(command: Predict, efficiency=None):
 def read_step(command: Predict) -> Reading:
     """Check the command, compile its step (or fewer layers, see `Predict.layers_compiled`) and read it at depth."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
-    from lab.predict.step import DoesNotFit
+    from lab.predict.step import OFFLOAD_PREFIX, DoesNotFit, layout_remat
     from lab.targets import libtpu
     from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
 
@@ -194,6 +196,7 @@ def read_step(command: Predict) -> Reading:
     if attention == "flash":
         check_flash_tiling(command.seq)
     check_step_tokens(command.batch_per_device, _chips(target, command.slices), command.seq)
+    layout_remat(command.remat)  # a policy name it does not know stops here, before libtpu starts
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
     compiled_layers = compiled_layers_for(command.layers_compiled, model.layers)
     if on_gpu:
@@ -207,13 +210,16 @@ def read_step(command: Predict) -> Reading:
     pipelined = dict(mesh.shape).get("stage", 1) > 1
     if compiled_layers < model.layers and pipelined:
         raise LabError(_PIPELINED)
-    whole = compiled_layers == model.layers > FALLBACK_LAYERS and not pipelined
+    offloads = command.remat.startswith(OFFLOAD_PREFIX)
+    if compiled_layers < model.layers and offloads:
+        raise LabError(_OFFLOADED)
+    whole = compiled_layers == model.layers > FALLBACK_LAYERS and not (pipelined or offloads)
     if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
         compiled_layers = FALLBACK_LAYERS
     try:
         compiled, read, memory, read_s = _compile(model, compiled_layers, mesh, chip, command)
     except DoesNotFit as err:
-        if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined:
+        if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined or offloads:
             raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
         # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
         compiled, read, memory, read_s = _compile(model, FALLBACK_LAYERS, mesh, chip, command)
@@ -292,6 +298,7 @@ def price(reading: Reading, efficiency=None) -> Prediction:
         attention_flash_s=attention_s[1],
         xla_compute_s=xla.compute_s if xla else None,
         xla_comm_s=xla.comm_s if xla else None,
+        host_bytes=int(reading.compiled.memory.get("host_temp_size", 0)),
     )
 
 
@@ -376,6 +383,10 @@ _PIPELINED = (
     "--layers-compiled with a stage axis: the pipeline runs each stage's layers inside its loop over micro-batches, "
     "which lab.predict.depth does not read deeper; compile every layer (--layers-compiled 0)"
 )
+_OFFLOADED = (
+    "--layers-compiled with an offloading remat: XLA unrolls or peels the layer loops that move activations to "
+    "host memory, so fewer layers cannot be read as the model's depth; compile every layer (--layers-compiled 0)"
+)
 FALLBACK_LAYERS = 2  # the fewest layers whose scan XLA keeps as a loop (see `compiled_layers_for`)
 
 
@@ -434,7 +445,8 @@ def _chip(devices):
 
 
 def _memory_bytes(memory: dict[str, int]) -> int:
-    if memory.get("peak_memory"):
+    """HBM per chip: XLA's peak, or (with buffers in host memory, which that peak counts too) the device's buffers."""
+    if memory.get("peak_memory") and not memory.get("host_temp_size"):
         return int(memory["peak_memory"])
     return int(
         memory.get("argument_size", 0)
@@ -472,72 +484,3 @@ def predict(command: Predict) -> int:
         return 0
     show(result, console)
     return 0
-
-
-def show(p: Prediction, console: Console) -> None:
-    """The prediction as a few lines and two tables."""
-    fit = "fits" if p.fits else f"DOES NOT FIT ({p.advice})"
-    lines = [
-        f"{p.model} ({p.parameters / 1e9:.2f} B params), seq {p.seq}, batch {p.batch_per_device}/chip, "
-        f"remat {p.remat}, attention {p.attention}",
-        (
-            f"{p.target} = {p.chips} GPUs, mesh {p.mesh}"
-            if p.target.startswith("gpu:")
-            else f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}"
-        ),
-        *(
-            [f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)"]
-            if p.layers_compiled < p.layers
-            else []
-        ),
-        f"step            {p.step_s:.3f} s  (compute {p.compute_s:.3f} s + exposed communication "
-        f"{p.exposed_comm_s:.3f} s of {p.comm_s:.3f} s)",
-        f"model TFLOP/s   {p.tflops_per_chip:.1f} per chip, MFU {p.mfu:.1%}  [{p.flops_convention}]",
-        f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
-        f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
-        f"memory per chip {format_bytes(p.memory_bytes)} of {format_bytes(p.hbm_bytes)} HBM: {fit}",
-        *(
-            [
-                f"attention       XLA's scores in HBM {p.attention_xla_s:.3f} s; a flash kernel's estimate "
-                f"{p.attention_flash_s:.3f} s: step with flash {p.step_with_flash_s:.3f} s"
-            ]
-            if p.attention == "xla"
-            else []
-        ),
-        *(
-            [
-                f"XLA's own       compute {p.xla_compute_s:.3f} s, collectives {p.xla_comm_s:.3f} s (its GPU cost "
-                f"model per fusion, speed of light per collective, each whole), beside the lab's {p.compute_s:.3f} s "
-                f"and {p.comm_s:.3f} s"
-            ]
-            if p.xla_compute_s is not None
-            else []
-        ),
-        f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
-        f"HBM {p.efficiency['hbm']:.2f}"
-        + ("" if p.calibrated else f" ({p.calibrated_on}'s: this chip has no calibration run)"),
-    ]
-    for line in lines:
-        console.print(line, highlight=False)
-    links = Table(title="exposed communication per axis and link")
-    for column in ("axes on link", "exposed s"):
-        links.add_column(column)
-    for name, seconds in sorted(p.exposed_by_link.items(), key=lambda kv: -kv[1]):
-        links.add_row(name, f"{seconds:.4f}")
-    console.print(links)
-    ops = Table(title="ten most expensive ops")
-    xla = p.xla_compute_s is not None
-    for column in ("op", "runs", "seconds", *(["XLA's s"] if xla else []), "bound", "TFLOP/run", "GB/run"):
-        ops.add_column(column)
-    for o in p.top_ops:
-        theirs = [f"{o['xla_seconds']:.4f}" if o["xla_seconds"] is not None else "-"] if xla else []
-        ops.add_row(
-            o["op"][-70:],
-            str(o["runs"]),
-            f"{o['seconds']:.4f}",
-            *theirs,
-            o["bound"],
-            f"{o['flops'] / 1e12:.2f}",
-            f"{o['bytes'] / 1e9:.2f}",
-        )
-    console.print(ops)

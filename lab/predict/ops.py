@@ -62,6 +62,10 @@ _FREE = {
     "copy-done",
     "slice-start",
     "slice-done",
+    "dynamic-slice-start",  # the async DMAs of an offloading remat policy: to host memory and back
+    "dynamic-slice-done",
+    "dynamic-update-slice-start",
+    "dynamic-update-slice-done",
     "opt-barrier",
     "add-dependency",
 }

@@ -12,7 +12,10 @@ things change at full size:
   vocabulary tiling, Liger's fused linear cross-entropy). Same loss, same
   FLOPs (plus one recompute of the head matmul), a bounded buffer.
 * the remat names: ``full`` saves only each block's input (`nothing_saveable`),
-  ``minimal`` saves every matmul output (`dots_saveable`), ``none`` saves all.
+  ``minimal`` saves every matmul output (`dots_saveable`), ``none`` saves all;
+  ``offload:<names>`` is MaxText's custom policy, the named activations (the
+  block's input, the attention's projections) sent to host memory and brought
+  back for the backward pass, the rest recomputed.
 
 A program that does not fit the chip's HBM is still a prediction, not an
 error. libtpu refuses to compile it; ``--xla_tpu_no_crash_on_oom=true`` (set
@@ -34,6 +37,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.model import ModelConfig, run_blocks
+from lab.parallel.layout import OFFLOAD_PREFIX, OFFLOADABLE, remat_policy
 from lab.predict import xla_estimate
 from lab.predict.depth import LAYERS_SCOPE
 from lab.targets.devices import quiet_native_stderr
@@ -93,6 +97,23 @@ class Compiled:
     layers: int
 
 
+def layout_remat(remat: str) -> str:
+    """The predictor's remat name as `lab.parallel.layout` writes it: full, minimal and none mapped (`REMATS`),
+    ``offload:<names>`` (MaxText's custom policy: the named activations to host memory) passed on, checked."""
+    if remat in REMATS:
+        return REMATS[remat]
+    if not remat.startswith(OFFLOAD_PREFIX):
+        raise LabError(
+            f"--remat {remat!r}: use one of {', '.join(REMATS)} or {OFFLOAD_PREFIX}<names> "
+            f"(names: {', '.join(OFFLOADABLE)})"
+        )
+    try:
+        remat_policy(remat)
+    except LabError as err:
+        raise LabError(f"--remat {err}") from None
+    return remat
+
+
 def compile_step(
     model: ModelConfig,
     mesh,
@@ -104,11 +125,10 @@ def compile_step(
     strategy: str = "zero3",
 ) -> Compiled:
     """Lower and compile one training step of `model` over `mesh`, `batch_per_device` sequences per chip."""
-    if remat not in REMATS:
-        raise LabError(f"--remat {remat!r}: use one of {', '.join(REMATS)}")
+    policy = layout_remat(remat)
     if batch_per_device < 1:
         raise LabError(f"--batch-per-device {batch_per_device}: use 1 or more")
-    config = TrainConfig(strategy=strategy, param_dtype=param_dtype, compute_dtype=compute_dtype, remat=REMATS[remat])
+    config = TrainConfig(strategy=strategy, param_dtype=param_dtype, compute_dtype=compute_dtype, remat=policy)
     trainer = _ChunkedLossTrainer(model, config, mesh)
     global_batch = batch_per_device * mesh.devices.size
     started = time.perf_counter()

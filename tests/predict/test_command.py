@@ -12,7 +12,7 @@ from lab.hlo.schedule import parse_schedule
 from lab.predict import calibration
 from lab.predict.attention import flash_seconds
 from lab.predict.calibration import solve_matmul_efficiency
-from lab.predict.command import Predict, model_flops, run_prediction
+from lab.predict.command import Predict, model_flops, price, read_step, run_prediction
 from lab.predict.ops import _taps, convolution_flops
 from lab.predict.spec import parse_model
 from lab.targets.hardware import H100, profile
@@ -100,6 +100,9 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL, "--target", "cpu:8"], "compiles for tpu"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--layers-compiled", "1"], "without its loop"),
         (["--model", SMALL.replace("layers=2", "layers=8"), "--mesh", "stage=2,fsdp=2", *LAYERS_2], "stage axis"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "half"], "offload:<names>"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlpwi,out_proj"], "'mlpwi' cannot be"),
+        (["--model", SMALL.replace("layers=2", "layers=4"), "--remat", "offload:out_proj", *LAYERS_2], "unrolls"),
     ],
 )
 def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
@@ -189,6 +192,20 @@ def test_an_moe_step_prices_each_expert_matmul_at_its_einsums_flops(capsys):
     expert_ops = [o["flops"] / per_einsum for o in out["top_ops"] if "/moe/be" in o["op"]]
     # a fusion holds one einsum or two whole ones, never a fraction (3/8 and 36/8 before the windows were read)
     assert expert_ops and all(ratio in (1.0, 2.0) for ratio in expert_ops), expert_ops
+
+
+def test_an_offloading_remat_sends_the_named_activations_to_host_and_recomputes_the_rest():
+    # MaxText's custom policy: the attention's four projections offloaded are not recomputed; remat full recomputes
+    # them (and everything else). Per chip, a layer's projections are 2 * tokens * D * (H + G + G + H) * K FLOPs.
+    config, chips, tokens = parse_model(SMALL), 4, 2 * 128
+    args = {"model": SMALL, "target": "tpu:v5e:2x2", "mesh": "fsdp=4", "seq": 128, "batch_per_device": 2}
+    full = read_step(Predict(**args))
+    offload = read_step(Predict(**args, remat="offload:decoder_layer_input,query_proj,key_proj,value_proj,out_proj"))
+    projections = 2 * tokens * config.embed * 2 * (config.heads + config.groups) * config.head_dim * config.layers
+    assert price(full).hardware_flops_per_step - price(offload).hardware_flops_per_step == chips * projections
+    # the named activations live in host memory (space 5) between the forward and the backward pass
+    assert "S(5)" in offload.compiled.hlo and "S(5)" not in full.compiled.hlo
+    assert price(offload).host_bytes > 0 and price(full).host_bytes == 0
 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line(capsys):

@@ -1,0 +1,79 @@
+"""``lab predict``'s terminal view: the prediction as a few lines, the exposed communication per link and the ten
+most expensive ops (``--json`` prints the same `lab.predict.command.Prediction` whole)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from lab.units import format_bytes
+
+
+def show(p, console: Console) -> None:
+    """`p` (a `lab.predict.command.Prediction`) as a few lines and two tables."""
+    fit = "fits" if p.fits else f"DOES NOT FIT ({p.advice})"
+    lines = [
+        f"{p.model} ({p.parameters / 1e9:.2f} B params), seq {p.seq}, batch {p.batch_per_device}/chip, "
+        f"remat {p.remat}, attention {p.attention}",
+        (
+            f"{p.target} = {p.chips} GPUs, mesh {p.mesh}"
+            if p.target.startswith("gpu:")
+            else f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}"
+        ),
+        *(
+            [f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)"]
+            if p.layers_compiled < p.layers
+            else []
+        ),
+        f"step            {p.step_s:.3f} s  (compute {p.compute_s:.3f} s + exposed communication "
+        f"{p.exposed_comm_s:.3f} s of {p.comm_s:.3f} s)",
+        f"model TFLOP/s   {p.tflops_per_chip:.1f} per chip, MFU {p.mfu:.1%}  [{p.flops_convention}]",
+        f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
+        f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
+        f"memory per chip {format_bytes(p.memory_bytes)} of {format_bytes(p.hbm_bytes)} HBM: {fit}"
+        + (f"; {format_bytes(p.host_bytes)} offloaded to host memory" if p.host_bytes else ""),
+        *(
+            [
+                f"attention       XLA's scores in HBM {p.attention_xla_s:.3f} s; a flash kernel's estimate "
+                f"{p.attention_flash_s:.3f} s: step with flash {p.step_with_flash_s:.3f} s"
+            ]
+            if p.attention == "xla"
+            else []
+        ),
+        *(
+            [
+                f"XLA's own       compute {p.xla_compute_s:.3f} s, collectives {p.xla_comm_s:.3f} s (its GPU cost "
+                f"model per fusion, speed of light per collective, each whole), beside the lab's {p.compute_s:.3f} s "
+                f"and {p.comm_s:.3f} s"
+            ]
+            if p.xla_compute_s is not None
+            else []
+        ),
+        f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
+        f"HBM {p.efficiency['hbm']:.2f}"
+        + ("" if p.calibrated else f" ({p.calibrated_on}'s: this chip has no calibration run)"),
+    ]
+    for line in lines:
+        console.print(line, highlight=False)
+    links = Table(title="exposed communication per axis and link")
+    for column in ("axes on link", "exposed s"):
+        links.add_column(column)
+    for name, seconds in sorted(p.exposed_by_link.items(), key=lambda kv: -kv[1]):
+        links.add_row(name, f"{seconds:.4f}")
+    console.print(links)
+    ops = Table(title="ten most expensive ops")
+    xla = p.xla_compute_s is not None
+    for column in ("op", "runs", "seconds", *(["XLA's s"] if xla else []), "bound", "TFLOP/run", "GB/run"):
+        ops.add_column(column)
+    for o in p.top_ops:
+        theirs = [f"{o['xla_seconds']:.4f}" if o["xla_seconds"] is not None else "-"] if xla else []
+        ops.add_row(
+            o["op"][-70:],
+            str(o["runs"]),
+            f"{o['seconds']:.4f}",
+            *theirs,
+            o["bound"],
+            f"{o['flops'] / 1e12:.2f}",
+            f"{o['bytes'] / 1e9:.2f}",
+        )
+    console.print(ops)
