@@ -37,6 +37,7 @@ from lab.verdict import Check, Claim, check
 
 QUESTION = "#50"
 COMPILE_ONLY = True  # compiles for TPU topologies through libtpu, whatever target `lab report` uses
+HEAVY = "about 4 minutes here: three full-size TPU compiles (32B, 64B, 52B), each in its own process"
 RUNS = calibration.GENERATION_RUNS
 BORROWED_FROM = "v6e"
 PUBLISHED_RTOL = 0.10
