@@ -109,6 +109,7 @@ def _command(run):
         target=f"tpu:{run.topology}",
         attention=run.compiled_attention,
         libtpu_flags=run.flags,
+        sequence_parallel=run.sequence_parallel,
     )
 
 
@@ -130,7 +131,7 @@ def _row(run) -> Row:
         name=run.name,
         chip=chip,
         target=own.target,
-        mesh=own.mesh,
+        mesh=own.mesh + (", sequence parallel" if own.sequence_parallel else ""),
         seq=run.seq,
         batch_per_device=run.batch_per_device,
         remat=f"{run.compiled_remat} (the run's: {run.remat})",

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
 from lab.moe import Balance, LoadCounts, RouterConfig, balance_loss, combine, dispatch, load_counts, route
@@ -199,8 +200,9 @@ class Parallelism(Protocol):
 
     compute_dtype: jnp.dtype
 
-    def use(self, param: nnx.Param) -> jax.Array:
-        """The weight as a matmul uses it: gathered, cast to the compute dtype."""
+    def use(self, param: nnx.Param, beside: jax.Array | None = None) -> jax.Array:
+        """The weight as a matmul uses it: gathered, cast to the compute dtype; `beside` is the activation an
+        elementwise weight (a norm's scale) meets, where that decides how the weight's gradient is reduced."""
         ...
 
     @property
@@ -216,7 +218,7 @@ class WholeWeights:
     compute_dtype: jnp.dtype = jnp.float32
     remat_policy: Callable | None = None
 
-    def use(self, param: nnx.Param) -> jax.Array:
+    def use(self, param: nnx.Param, beside: jax.Array | None = None) -> jax.Array:
         return param[...].astype(self.compute_dtype)
 
 
@@ -230,6 +232,31 @@ def _move(x: jax.Array, layout: Parallelism, axes: tuple[str, ...]) -> jax.Array
     """`x` resharded to where `layout` puts an activation with logical `axes` (by whatever collective that takes)."""
     sharding = activation_sharding(layout, axes)
     return x if sharding is None else jax.reshard(x, sharding)
+
+
+def sequence_whole(x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
+    """The residual stream whole along the sequence: with sequence parallelism (a layout's ``sequence_parallel``),
+    the all-gather before a sub-layer's column-parallel matmuls (and before the head); otherwise `x_BSD` itself."""
+    return _move(x_BSD, layout, _BSD_WHOLE) if getattr(layout, "sequence_parallel", False) else x_BSD
+
+
+def sequence_split(x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
+    """The residual stream where the blocks carry it: with sequence parallelism split along the sequence over
+    ``tensor`` (a local slice of an array that is whole there); otherwise `x_BSD` itself."""
+    return _move(x_BSD, layout, _BSD) if getattr(layout, "sequence_parallel", False) else x_BSD
+
+
+def row_parallel(equation: str, lhs: jax.Array, weight: jax.Array, layout: Parallelism) -> jax.Array:
+    """A matmul back into the residual stream contracting a dimension ``tensor`` may split (Megatron's row-parallel
+    attention output and W_out): each device holds a partial sum, completed by an all-reduce (the out_sharding),
+    or with sequence parallelism by a reduce-scatter along the sequence. The latter is written as the partial sums
+    (unreduced over ``tensor``) resharded, so that autodiff transposes it into the all-gather of the cotangent."""
+    out = activation_sharding(layout, _BSD)
+    if not getattr(layout, "sequence_parallel", False):
+        return jnp.einsum(equation, lhs, weight, out_sharding=out)
+    whole = activation_sharding(layout, _BSD_WHOLE)
+    partial = jnp.einsum(equation, lhs, weight, out_sharding=whole.update(spec=P(*whole.spec, unreduced={"tensor"})))
+    return jax.reshard(partial, out)
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
@@ -252,7 +279,8 @@ class RMSNorm(nnx.Module):
         wide = x.astype(jnp.float32)
         normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + 1e-6)
         # einsum, not a broadcast multiply: JAX allows a reduced (replicated, gradient-unreduced) weight only in a dot
-        return jnp.einsum("...d,d->...d", normed, layout.use(self.scale).astype(jnp.float32)).astype(x.dtype)
+        scale = layout.use(self.scale, beside=x).astype(jnp.float32)
+        return jnp.einsum("...d,d->...d", normed, scale).astype(x.dtype)
 
 
 def rotary(x_BSHK: jax.Array) -> jax.Array:
@@ -295,11 +323,7 @@ class Attention(nnx.Module):
             mixed_BSHK = _dot_attention(q_BSHK, k_BSGK, v_BSGK)
         else:
             mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout)
-        # row-parallel: heads may be split, so each device may hold a partial sum; out_sharding completes it
-        out_BSD = jnp.einsum(
-            "bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), out_sharding=activation_sharding(layout, _BSD)
-        )
-        return checkpoint_name(out_BSD, "out_proj")
+        return checkpoint_name(row_parallel("bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), layout), "out_proj")
 
 
 def _causal_softmax(scores: jax.Array, dtype) -> jax.Array:
@@ -320,7 +344,7 @@ def _grouped_dot_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Arr
     """Grouped-query attention: query head g·R + r reads key/value head g (R = H/G queries per K/V head)."""
     b, s, h, k = q_BSHK.shape
     g = k_BSGK.shape[2]
-    grouped = activation_sharding(layout, ("batch", "sequence", "heads", None, "head_dim"))
+    grouped = activation_sharding(layout, ("batch", None, "heads", None, "head_dim"))
     q_BSGRK = jnp.reshape(q_BSHK, (b, s, g, h // g, k), out_sharding=grouped)  # a split over tensor stays on G
     scores_BGRST = jnp.einsum("bsgrk,btgk->bgrst", q_BSGRK, k_BSGK).astype(jnp.float32) / jnp.sqrt(k)
     weights_BGRST = _causal_softmax(scores_BGRST, q_BSHK.dtype)
@@ -403,9 +427,7 @@ class MLP(nnx.Module):
             hidden_BSF = self.activation(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_gate))) * hidden_BSF
         else:
             hidden_BSF = self.activation(hidden_BSF)
-        return jnp.einsum(
-            "bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), out_sharding=activation_sharding(layout, _BSD)
-        )  # row-parallel
+        return row_parallel("bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), layout)
 
 
 class MoEStats(NamedTuple):
@@ -489,29 +511,30 @@ class Block(nnx.Module):
         if self.parallel:
             return self._parallel(x_BSD, layout)
         with jax.named_scope("attention"):
-            x_BSD = x_BSD + self.attention(self.attention_norm(x_BSD, layout), layout)
+            x_BSD = x_BSD + self.attention(sequence_whole(self.attention_norm(x_BSD, layout), layout), layout)
         if self.experts:
             with jax.named_scope("moe"):
-                y_BSD, stats = self.moe(self.mlp_norm(x_BSD, layout), layout)
-                return x_BSD + y_BSD, stats
+                y_BSD, stats = self.moe(sequence_whole(self.mlp_norm(x_BSD, layout), layout), layout)
+                return x_BSD + sequence_split(y_BSD, layout), stats
         with jax.named_scope("mlp"):
-            return x_BSD + self.mlp(self.mlp_norm(x_BSD, layout), layout), None
+            return x_BSD + self.mlp(sequence_whole(self.mlp_norm(x_BSD, layout), layout), layout), None
 
     def _parallel(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
-        normed_BSD = self.attention_norm(x_BSD, layout)
+        normed_BSD = sequence_whole(self.attention_norm(x_BSD, layout), layout)
         with jax.named_scope("attention"):
             mixed_BSD = self.attention(normed_BSD, layout)
         if self.experts:
             with jax.named_scope("moe"):
                 y_BSD, stats = self.moe(normed_BSD, layout)
-                return x_BSD + mixed_BSD + y_BSD, stats
+                return x_BSD + mixed_BSD + sequence_split(y_BSD, layout), stats
         with jax.named_scope("mlp"):
             return x_BSD + mixed_BSD + self.mlp(normed_BSD, layout), None
 
 
 _LAYERS = {nnx.PARTITION_NAME: "layers"}  # nnx.vmap/scan add and remove this logical axis on the stacked weights
-_BSD = ("batch", "sequence", "embed")
-_BSHK = ("batch", "sequence", "heads", "head_dim")
+_BSD = ("batch", "sequence", "embed")  # the residual stream (`sequence`: split over tensor by sequence parallelism)
+_BSD_WHOLE = ("batch", None, "embed")  # a sub-layer's input: attention and the MLP see the whole sequence
+_BSHK = ("batch", None, "heads", "head_dim")
 _BECD_AT_HOME = ("batch", "routing", "capacity", "embed")  # each device: its sequences' slots for every expert
 _BECD_AT_EXPERTS = (
     "batch",
@@ -551,11 +574,11 @@ class Transformer(nnx.Module):
         # a one-hot matmul, not a gather: JAX 0.10 has no sharding rule for gathering from a reduced array,
         # and as a matmul the table's gradient comes out unreduced like every other weight's
         one_hot_BSV = jax.nn.one_hot(tokens_BS, self.config.vocab, dtype=layout.compute_dtype)
-        return jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding))
+        return sequence_split(jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding)), layout)
 
     def head(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         """The last block's output -> logits [B, S, V] (fp32): final norm and unembedding."""
-        x_BSD = self.final_norm(x_BSD, layout)
+        x_BSD = sequence_whole(self.final_norm(x_BSD, layout), layout)
         if self.config.tied:
             return jnp.einsum("bsd,vd->bsv", x_BSD, layout.use(self.embedding)).astype(jnp.float32)
         return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)

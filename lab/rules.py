@@ -142,6 +142,9 @@ BATCH_OVER_DATA_AXES = Rules.of({"batch": DATA_AXES})  # activations of every da
 # it (logical axis `routing`: every token is scored against every expert) stays whole on every device.
 MEGATRON = Rules.of({"heads": "tensor", "mlp": "tensor"})
 VOCAB_PARALLEL = Rules.of({"vocab": "tensor"})  # the embedding and the logits split over vocab (Megatron Section 3)
+# Megatron's sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198, Section 4.2): the residual stream
+# between sub-layers split along the sequence over `tensor` (`lab.parallel.layout.Layout.sequence_parallel`)
+SEQUENCE_PARALLEL = Rules.of({"sequence": "tensor"})
 MODEL_PARALLEL = MEGATRON | Rules.of({"experts": "expert", "layers": "stage"})
 TABLES = ("params", "grads", "optimizer", "compute")
 

@@ -41,6 +41,13 @@ The stacked blocks' ``layers`` dimension is split over ``stage`` in every
 table too (pipeline stages, `lab.parallel.pipeline.spmd`); a block uses one
 layer's weights, so `use` never gathers over ``stage``.
 
+With ``sequence_parallel`` the residual stream between sub-layers (the block's
+input, the norms, the residual adds) is split along the sequence over
+``tensor`` too (Megatron SP, `lab.rules.SEQUENCE_PARALLEL`): a sub-layer's
+input is gathered whole before its column-parallel matmuls and the row-parallel
+matmul's ``out_sharding`` becomes a reduce-scatter; the bytes moved are those
+of the all-reduce they replace, the activations saved for the backward are 1/t.
+
 Meshes use Explicit axis types, so every collective here is a `jax.reshard`
 or an ``out_sharding`` someone wrote; nothing is left to sharding propagation.
 """
@@ -60,6 +67,7 @@ from jax.sharding import PartitionSpec as P
 from lab.errors import LabError
 from lab.rules import (
     DATA_AXES,
+    SEQUENCE_PARALLEL,
     Strategy,
     check_divisible,
     check_sufficiently_sharded,
@@ -116,6 +124,18 @@ def _gathered(prim, params) -> bool:
     return prim.name == "convert_element_type"
 
 
+def _partial_sum(prim, params) -> bool:
+    """A matmul whose output is unreduced: partial sums (`lab.model.row_parallel` under sequence parallelism)."""
+    return prim.name == "dot_general" and bool(
+        getattr(getattr(params.get("out_sharding"), "spec", None), "unreduced", None)
+    )
+
+
+def _reduces_partial(prim, args) -> bool:
+    """A ``reshard`` of partial sums: their reduction (all-reduce, or reduce-scatter)."""
+    return prim.name == "reshard" and bool(args and getattr(args[0].sharding.spec, "unreduced", None))
+
+
 @dataclass(frozen=True)
 class Layout:
     """A strategy on a mesh, with the dtypes of the working weights and of the matmuls."""
@@ -127,11 +147,18 @@ class Layout:
     )  # the working copy the forward gathers (FSDP2's MixedPrecisionPolicy.param_dtype)
     compute_dtype: jnp.dtype = jnp.float32
     remat: str = "none"
+    sequence_parallel: bool = False  # the residual stream split along the sequence over `tensor` (module docstring)
     sizes: dict[str, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         remat_policy(self.remat)  # refuses a name it does not know
         object.__setattr__(self, "sizes", dict(self.mesh.shape))
+        if self.sequence_parallel and self.sizes.get("tensor", 1) == 1:
+            raise LabError(
+                "sequence parallelism splits the sequence over the tensor axis; give the mesh tensor=2 or more"
+            )
+        if self.sequence_parallel and self.stages > 1:
+            raise LabError("sequence parallelism with a stage axis is not built; drop one of them")
 
     # --- where arrays live -------------------------------------------------------------
 
@@ -157,6 +184,8 @@ class Layout:
         their experts (``experts`` over ``expert``) stay split over data and fsdp only.
         """
         rules = self.strategy.activations | self.strategy.model_parallel
+        if self.sequence_parallel:
+            rules = rules | SEQUENCE_PARALLEL
         others = self._live(rules.spec([None if a == "batch" else a for a in axes], "an activation"))
         batch = _entry([a for a in rules.mesh_axes("batch") if a in self.data_axes and a not in spec_axes(others)])
         return NamedSharding(
@@ -166,7 +195,7 @@ class Layout:
     def batch_spec(self) -> P:
         """The tokens' spec: the batch split over the live batch axes (a size-1 axis in a contracting
         dimension would have to appear in every unreduced set, so it is left out)."""
-        return self.activation_sharding(("batch", "sequence")).spec
+        return self.activation_sharding(("batch", None)).spec  # [B, S + 1]: the sequence stays whole
 
     def check_batch(self, global_batch: int, micro_batches: int = 1) -> None:
         ways = micro_batches * math.prod(self.sizes[a] for a in self.data_axes)
@@ -206,13 +235,19 @@ class Layout:
 
     # --- the forward pass: a weight as a matmul uses it --------------------------------
 
-    def use(self, param: nnx.Param) -> jax.Array:
+    def use(self, param: nnx.Param, beside: jax.Array | None = None) -> jax.Array:
         """The weight whole over every data axis it is split on (ZeRO-3: the all-gather over fsdp), still split
-        over the model-parallel axes, reduced over the batch axes it is whole on, in the compute dtype."""
+        over the model-parallel axes, reduced over the batch axes it is whole on, in the compute dtype.
+
+        An elementwise weight (a norm's scale) may meet an activation split over a model axis too: ``tensor`` splits
+        the heads a q/k norm scales, and the sequence under sequence parallelism. Each such device then holds a
+        partial sum of the weight's gradient, so the weight is reduced over those axes as well (`beside`)."""
         w = param[...]
-        if self.data_axes:  # a no-op unless the weight is split over a data axis
+        model_axes = spec_axes(jax.typeof(beside).sharding.spec) - self.data_axes if beside is not None else set()
+        if self.data_axes or model_axes:  # a no-op unless the weight is split over a data axis or meets a split
             spec = self._live(self.strategy.rules("compute", w.size).spec(logical_axes(param)))
-            w = jax.reshard(w, NamedSharding(self.mesh, P(*spec, reduced=self.data_axes - spec_axes(spec))))
+            reduced = (self.data_axes | model_axes) - spec_axes(spec)
+            w = jax.reshard(w, NamedSharding(self.mesh, P(*spec, reduced=reduced)))
         return w.astype(self.compute_dtype)
 
     @property
@@ -224,7 +259,23 @@ class Layout:
         spec and, when the compute dtype differs, of the ``convert_element_type`` after it; refusing both makes the
         backward pass gather again (casts of activations are recomputed too, which costs one elementwise pass).
         """
-        base = remat_policy(self.remat)
+        policy = self._weights_policy(remat_policy(self.remat))
+        if not self.sequence_parallel:
+            return policy
+        # a row-parallel matmul's partial sums are never saved (JAX cannot slice an unreduced residual out of the
+        # layers' stack); their reduce-scatter, the sub-layer's output, is saved where the policy saves matmuls
+        inner = policy or (lambda *args, **params: True)
+        keeps_matmuls = self.remat in ("dots", "none")
+        return lambda prim, *args, **params: (
+            False
+            if _partial_sum(prim, params)
+            else keeps_matmuls
+            if _reduces_partial(prim, args)
+            else inner(prim, *args, **params)
+        )
+
+    def _weights_policy(self, base: Callable | None) -> Callable | None:
+        """`base` without (or, keeping them, with) the gathered weights."""
         if not self.strategy.shards_params:
             return base
         if self.strategy.reshard_after_forward:

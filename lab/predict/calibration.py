@@ -80,6 +80,7 @@ class PublishedRun:
     source: str  # repository, file and commit
     compiled_remat: str = "full"  # the recipe's policy as the lab writes it (lab.predict.step.layout_remat)
     compiled_attention: str = "flash"
+    sequence_parallel: bool = False  # the residual stream split over tensor between sub-layers (see MAXTEXT_64B_V5P)
     flags: str = ""  # the run's libtpu flags, passed to the compile as it got them
     differs: str = ""  # what the lab's program does not do the run's way, beside the remat and attention
 
@@ -180,7 +181,7 @@ MAXTEXT_32B_V5E = PublishedRun(
 )
 MAXTEXT_64B_V5P = PublishedRun(
     name="MaxText 64B on v5p-128",
-    preset=f"layers=64,d_model=10240,d_ff=32768,{MT2023}",
+    preset=f"layers=64,d_model=10240,d_ff=32768,{MT2023},block=parallel,qk_norm=true",
     topology="v5p:4x4x4",
     slices=1,
     batch_per_device=4,
@@ -194,16 +195,20 @@ MAXTEXT_64B_V5P = PublishedRun(
     source=f"{MAXTEXT} MaxText/configs/v5p/README.md @76bd53b0f44caf989c88189afadeb1062f9254f0 (64B row: "
     "323 TFLOP/s/chip, MFU 70.31%; config MaxText/configs/v5p/64b.sh, same commit)",
     compiled_remat="minimal",
+    sequence_parallel=True,
     flags="--xla_tpu_megacore_fusion_allow_ags=false --xla_enable_async_collective_permute=true "
     "--xla_tpu_enable_ag_backward_pipelining=true --xla_tpu_enable_data_parallel_all_reduce_opt=true "
     "--xla_tpu_data_parallel_opt_different_sized_ops=true --xla_tpu_enable_async_collective_fusion=true "
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
     "--xla_enable_async_all_gather=true",
-    differs="none known beyond the remat names (MaxText's minimal saves the projections' outputs, as the lab's)",
+    differs="MaxText then split the residual stream's embedding dimension over tensor (activation_embed), the lab "
+    "splits its sequence (sequence parallelism): the same all-gather and reduce-scatter bytes, but not the norms' "
+    "small all-reduce of sums; a value RMSNorm beside the q/k norms; the embedding and the head whole over tensor "
+    "(MaxText split them by vocabulary: the lab runs their matmuls tensor=4 times)",
 )
 MAXTEXT_52B_V4 = PublishedRun(
     name="MaxText 52B on v4-384",
-    preset=f"layers=32,d_model=12288,d_ff=49152,{MT2023}",
+    preset=f"layers=32,d_model=12288,d_ff=49152,{MT2023},block=parallel",
     topology="v4:4x4x12",
     slices=1,
     batch_per_device=10,
@@ -218,7 +223,7 @@ MAXTEXT_52B_V4 = PublishedRun(
     "on v4-384, 154 TFLOP/s/chip, MFU 56%; config MaxText/configs/1xv4-384.sh, same commit)",
     compiled_attention="xla",
     flags="--xla_enable_async_all_gather=true",
-    differs="T5 relative-position bias on the attention logits (the lab: rotary)",
+    differs="T5 relative-position bias on the attention logits (the lab: rotary); LayerNorm (the lab: RMSNorm)",
 )
 GENERATION_RUNS = (MAXTEXT_32B_V5E, MAXTEXT_64B_V5P, MAXTEXT_52B_V4)
 

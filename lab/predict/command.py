@@ -81,6 +81,9 @@ class Predict:
     on GPU"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    sequence_parallel: bool = False
+    """split the residual stream between sub-layers along the sequence over the tensor axis (Megatron SP: an
+    all-gather before and a reduce-scatter after each sub-layer in place of its all-reduce)"""
     layers_compiled: int = 0
     """0: compile every layer (or 2, read at the model's depth, when the layers' saved inputs alone exceed HBM or
     libtpu refuses the whole step); K (2 or more): compile K layers under scan and read that program at the
@@ -102,6 +105,7 @@ class Prediction:
     slices: int
     chips: int
     mesh: str
+    sequence_parallel: bool
     seq: int
     batch_per_device: int
     remat: str
@@ -254,6 +258,7 @@ def price(reading: Reading, efficiency=None) -> Prediction:
         slices=command.slices,
         chips=chips,
         mesh=_mesh_text(mesh),
+        sequence_parallel=command.sequence_parallel,
         seq=command.seq,
         batch_per_device=command.batch_per_device,
         remat=command.remat,
@@ -369,6 +374,7 @@ def _compile(model, layers: int, mesh, chip, command: Predict):
         remat=command.remat,
         param_dtype=command.param_dtype,
         compute_dtype=command.compute_dtype,
+        sequence_parallel=command.sequence_parallel,
     )
     started = time.perf_counter()
     read = read_schedule(compiled.hlo, mesh, chip)

@@ -19,7 +19,8 @@ def show(p, console: Console) -> None:
             f"{p.target} = {p.chips} GPUs, mesh {p.mesh}"
             if p.target.startswith("gpu:")
             else f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}"
-        ),
+        )
+        + (", sequence parallel" if p.sequence_parallel else ""),
         *(
             [f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)"]
             if p.layers_compiled < p.layers

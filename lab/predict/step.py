@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 
 from lab.errors import LabError
-from lab.model import ModelConfig, run_blocks
+from lab.model import ModelConfig, run_blocks, sequence_whole
 from lab.parallel.layout import OFFLOAD_PREFIX, OFFLOADABLE, remat_policy
 from lab.predict import xla_estimate
 from lab.predict.depth import LAYERS_SCOPE
@@ -62,6 +62,7 @@ class _ChunkedLossTrainer(Trainer):
 
 def chunked_next_token_loss(model, x_BSD: jax.Array, targets_BS: jax.Array, layout, chunk: int = LOSS_CHUNK):
     """Mean next-token cross-entropy, the head applied to `chunk` positions at a time, each recomputed backward."""
+    x_BSD = sequence_whole(x_BSD, layout)  # sequence parallelism: the chunks are cut from the whole sequence
     b, s, d = x_BSD.shape
     chunk = min(chunk, s)
     if s % chunk:
@@ -123,12 +124,19 @@ def compile_step(
     param_dtype: str = "float32",
     compute_dtype: str = "bfloat16",
     strategy: str = "zero3",
+    sequence_parallel: bool = False,
 ) -> Compiled:
     """Lower and compile one training step of `model` over `mesh`, `batch_per_device` sequences per chip."""
     policy = layout_remat(remat)
     if batch_per_device < 1:
         raise LabError(f"--batch-per-device {batch_per_device}: use 1 or more")
-    config = TrainConfig(strategy=strategy, param_dtype=param_dtype, compute_dtype=compute_dtype, remat=policy)
+    config = TrainConfig(
+        strategy=strategy,
+        param_dtype=param_dtype,
+        compute_dtype=compute_dtype,
+        remat=policy,
+        sequence_parallel=sequence_parallel,
+    )
     trainer = _ChunkedLossTrainer(model, config, mesh)
     global_batch = batch_per_device * mesh.devices.size
     started = time.perf_counter()

@@ -61,6 +61,7 @@ class TrainConfig:
     compute_dtype: str = "float32"
     remat: str = "none"  # none | dots | full | offload
     persist_below: int = 0  # ZeRO-3: parameters with fewer elements stay replicated
+    sequence_parallel: bool = False  # Megatron SP on the tensor axis (`lab.parallel.layout.Layout.sequence_parallel`)
 
     def dtype(self, name: str) -> jnp.dtype:
         if name not in DTYPES:
@@ -85,7 +86,12 @@ class Trainer:
         strategy = replace(get_strategy(config.strategy), persist_below=config.persist_below)
         self.model, self.config, self.mesh = model, config, mesh
         self.layout = Layout(
-            mesh, strategy, config.dtype(config.param_dtype), config.dtype(config.compute_dtype), config.remat
+            mesh,
+            strategy,
+            config.dtype(config.param_dtype),
+            config.dtype(config.compute_dtype),
+            config.remat,
+            config.sequence_parallel,
         )
         if model.layers % self.layout.stages:
             raise LabError(

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from lab.cli import main
+from lab.hlo import parse_collectives
 from lab.hlo.schedule import parse_schedule
 from lab.predict import calibration
 from lab.predict.attention import flash_seconds
@@ -101,6 +102,7 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--layers-compiled", "1"], "without its loop"),
         (["--model", SMALL.replace("layers=2", "layers=8"), "--mesh", "stage=2,fsdp=2", *LAYERS_2], "stage axis"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "half"], "offload:<names>"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--sequence-parallel"], "tensor=2 or more"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlpwi,out_proj"], "'mlpwi' cannot be"),
         (["--model", SMALL.replace("layers=2", "layers=4"), "--remat", "offload:out_proj", *LAYERS_2], "unrolls"),
     ],
@@ -206,6 +208,22 @@ def test_an_offloading_remat_sends_the_named_activations_to_host_and_recomputes_
     # the named activations live in host memory (space 5) between the forward and the backward pass
     assert "S(5)" in offload.compiled.hlo and "S(5)" not in full.compiled.hlo
     assert price(offload).host_bytes > 0 and price(full).host_bytes == 0
+
+
+def test_sequence_parallelism_reduce_scatters_over_tensor_and_keeps_less_on_each_chip():
+    # Megatron SP on the TPU compiler: each row-parallel output reduce-scattered along the sequence over tensor (the
+    # TP step all-reduces it), the residual stream and what the layers save split tensor ways
+    args = {"model": SMALL + ",qk_norm=true", "target": "tpu:v5e:2x2", "mesh": "fsdp=2,tensor=2", "seq": 512}
+    tp = read_step(Predict(**args, batch_per_device=4, remat="minimal"))
+    sp = read_step(Predict(**args, batch_per_device=4, remat="minimal", sequence_parallel=True))
+
+    def over_tensor(reading):
+        found, _ = parse_collectives(reading.compiled.hlo, (1, 1, 2, 1, 2))
+        return {c.kind for c in found if c.axes == ("tensor",) and "transpose" not in (c.op_name or "")}
+
+    assert "reduce-scatter" in over_tensor(sp) and "reduce-scatter" not in over_tensor(tp)
+    assert "all-gather" in over_tensor(sp) and "all-reduce" in over_tensor(tp)
+    assert price(sp).memory_bytes < price(tp).memory_bytes
 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line(capsys):

@@ -108,6 +108,56 @@ def test_tensor_layout_all_reduces_each_row_parallel_output_over_tensor(tensor_r
     assert weight_gathers == {("fsdp",)}  # ZeRO-3 gathers over fsdp alone: the tensor split stays
 
 
+QK_NORM = replace(preset("tiny"), qk_norm=True)  # a q/k norm's scale meets heads split over tensor too
+
+
+@pytest.fixture(scope="module")
+def qk_norm_control():
+    return _run(QK_NORM, MeshSpec().build(jax.devices()[:1]), strategy="ddp")
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_run(qk_norm_control, devices):
+    return _run(
+        QK_NORM,
+        MeshSpec.parse("data=2,fsdp=2,tensor=2").build(devices),
+        qk_norm_control[1],
+        strategy="zero3",
+        sequence_parallel=True,
+        remat="dots",  # saves matmul outputs: the partial sums must not be among them, their reduce-scatter is
+    )
+
+
+def test_sequence_parallel_matches_one_device(qk_norm_control, sequence_parallel_run):
+    np.testing.assert_allclose(_losses(sequence_parallel_run[2]), _losses(qk_norm_control[2]), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(sequence_parallel_run[3].params), jax.tree.leaves(qk_norm_control[3].params)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def test_sequence_parallel_reduce_scatters_each_row_parallel_output_and_gathers_each_sub_layer_input(
+    sequence_parallel_run,
+):
+    trainer = sequence_parallel_run[0]
+    program = trainer.inspect_step(BATCH, to_read=True)
+    forward = {
+        (c.kind, scope)
+        for c in program.collectives
+        if c.axes == ("tensor",) and "forward_backward" in (c.op_name or "") and "transpose" not in c.op_name
+        for scope in ("attention", "mlp")
+        if f"/{scope}/" in c.op_name
+    }
+    # Korthikanti et al.: each sub-layer's input is gathered along the sequence first (the TP step has no forward
+    # all-gather over tensor); XLA:CPU writes the reduce-scatter after it as all-reduce + dynamic-slice, the TPU
+    # compiler as a reduce-scatter (tests/predict/test_command.py)
+    assert {("all-gather", "attention"), ("all-gather", "mlp")} <= forward
+
+
+def test_sequence_parallel_needs_a_tensor_axis_and_no_stage_axis(devices):
+    for mesh, says in (("fsdp=8", "tensor=2 or more"), ("stage=2,tensor=2,fsdp=2", "stage axis")):
+        with pytest.raises(LabError, match=says):
+            Trainer(preset("tiny"), TrainConfig(sequence_parallel=True), MeshSpec.parse(mesh).build(devices))
+
+
 def test_moe_with_expert_parallelism_matches_one_device(moe_control, expert_run):
     assert _losses(expert_run[2]) == pytest.approx(_losses(moe_control[2]), rel=1e-5)
     for got, want in zip(expert_run[2], moe_control[2]):
