@@ -24,7 +24,11 @@ order it runs, so each can be priced on its own:
   finishes in the next then waits as it would), times its trip count (the
   condition's bound);
 * a collective: the lab's link model (`lab.targets.topology.placement` and
-  `lab.targets.topology.predict`) on the ICI or DCN links of its mesh axes.
+  `lab.targets.topology.predict`) on the ICI or DCN links of its mesh axes;
+* a DMA between HBM and host memory (memory space S(5): an offloading remat
+  policy's ``dynamic-update-slice-start`` of a layer's activation to host, its
+  ``dynamic-slice-start`` back): the bytes over the chip's PCIe bandwidth,
+  each direction its own link (`lab.targets.hardware.ChipProfile.host_bandwidth`).
 
 The schedule decides overlap. The compute stream runs the instructions in
 order; an async collective starts when its start instruction is reached (after
@@ -62,7 +66,7 @@ _FREE = {
     "copy-done",
     "slice-start",
     "slice-done",
-    "dynamic-slice-start",  # the async DMAs of an offloading remat policy: to host memory and back
+    "dynamic-slice-start",  # the async DMAs of an offloading remat policy, on the PCIe links (`_host_transfer`)
     "dynamic-slice-done",
     "dynamic-update-slice-start",
     "dynamic-update-slice-done",
@@ -70,6 +74,24 @@ _FREE = {
     "add-dependency",
 }
 _SLICING = {"dynamic-slice", "slice", "gather"}
+HOST_SPACE = "S(5)"  # TPU memory space 5: pinned host memory (an offloading checkpoint policy's destination)
+_TRANSFERS = {"dynamic-update-slice-start": "to host", "dynamic-slice-start": "from host"}
+_TRANSFER_DONES = {"dynamic-update-slice-done", "dynamic-slice-done"}
+
+
+def _host_transfer(instruction: Instruction) -> tuple[str, int] | None:
+    """An async DMA between HBM and host memory: (direction, bytes moved), or None for any other instruction.
+
+    A ``dynamic-update-slice-start`` writes its update (one layer's activation) into the host buffer, a
+    ``dynamic-slice-start`` reads a slice of it back; in both shapes the slice is the second array that is not a
+    scalar: ((buffer, update, indices), buffer, u32) and ((buffer, indices), slice, u32)."""
+    direction = _TRANSFERS.get(instruction.opcode)
+    if direction is None or HOST_SPACE not in instruction.shape:
+        return None
+    moved = [a for a in arrays(instruction.shape) if a[1]][1:2]
+    return direction, nbytes(moved)
+
+
 _FLASH_UNITS = (("bwd_dkv", 8), ("bwd_dq", 6), ("flash", 4))  # matmul FLOPs per b·h·S·T·K of each kernel
 
 
@@ -207,6 +229,7 @@ class _Simulator:
         self.matmul_flops = 0.0
         self._ops: dict[tuple[str, str], list] = {}
         self._comms: dict[int, list] = {}
+        self._host: dict[tuple[str, str], list] = {}  # DMA start -> [link, bytes, seconds, runs, exposed]
         self._counting = True
 
     # --- the walk ----------------------------------------------------------------------
@@ -223,7 +246,11 @@ class _Simulator:
             key = (computation, instruction.name)
             if key in self.starts:
                 self._start(self.starts[key], clock, runs)
-            if instruction.opcode == "while":
+            if instruction.opcode in _TRANSFERS:
+                self._transfer_start(key, instruction, clock)
+            elif instruction.opcode in _TRANSFER_DONES and instruction.operands:
+                self._transfer_done((computation, instruction.operands[0]), clock, runs)
+            elif instruction.opcode == "while":
                 self._loop(computation, instruction, clock, runs)
             elif instruction.opcode in ("call", "conditional"):
                 for callee in instruction.callees:
@@ -305,6 +332,31 @@ class _Simulator:
         clock.t += wait
         self._record(window, runs, wait)
 
+    def _transfer_start(self, key: tuple[str, str], instruction: Instruction, clock: _Clock) -> None:
+        transfer = _host_transfer(instruction)
+        if transfer is None:
+            return
+        direction, size = transfer
+        size = int(size * self._scale.get(key, 1.0))
+        bandwidth = self.chip.host_bandwidth
+        seconds = size / bandwidth if bandwidth else 0.0  # a chip without a PCIe figure: transfers taken as free
+        link = f"PCIe {direction}"
+        begin = max(clock.t, clock.links.get(link, 0.0))
+        clock.links[link] = begin + seconds
+        clock.transfers[key] = begin + seconds
+        self._host.setdefault(key, [link, size, seconds, 0, 0.0])
+
+    def _transfer_done(self, key: tuple[str, str], clock: _Clock, runs: int) -> None:
+        end = clock.transfers.pop(key, None)
+        if end is None:
+            return
+        wait = max(0.0, end - clock.t)
+        clock.t += wait
+        if self._counting and runs:
+            entry = self._host[key]
+            entry[3] += runs
+            entry[4] += wait * runs
+
     def _record(self, window: Window, runs: int, exposed: float) -> None:
         if not (self._counting and runs):
             return
@@ -340,6 +392,8 @@ class _Simulator:
                     window.start,
                 )
             )
+        for (_, name), (link, size, seconds, runs, exposed) in self._host.items():
+            out.append(CommCost("host transfer", (), "pcie", link, size, runs, seconds * runs, exposed, True, name))
         return out
 
 
@@ -348,11 +402,13 @@ class _Clock:
     t: float = 0.0
     links: dict[str, float] = field(default_factory=dict)  # when each network is free again
     inflight: dict[int, float] = field(default_factory=dict)  # window -> when its bytes arrive
+    transfers: dict[tuple[str, str], float] = field(default_factory=dict)  # host DMA start -> when it is done
 
     def drain(self) -> None:
         """The step ends when its last transfer has arrived."""
-        if self.inflight:
-            self.t = max(self.t, *self.inflight.values())
+        pending = [*self.inflight.values(), *self.transfers.values()]
+        if pending:
+            self.t = max(self.t, *pending)
 
 
 def score_ops(read: ReadSchedule, step: StepPrediction, seq: int) -> list[OpCost]:

@@ -63,6 +63,7 @@ class ChipProfile:
     sources: tuple[str, ...] = ()
     note: str = ""
     peak_fp8_flops: float | None = None  # dense fp8 FLOP/s per chip where the chip has fp8 units (H100, H200)
+    host_bandwidth: float | None = None  # bytes/s per chip each way between HBM and host memory (PCIe)
 
     @property
     def links_per_chip(self) -> int:
@@ -107,6 +108,7 @@ TPU_V4 = ChipProfile(
     hop_latency_s=1e-6,  # book Part 3, A note on ICI latency: "typically around 1us"
     chips_per_host=4,  # book TPU Specs: host 2x2x1
     wrap_cube=4,  # book: 4x4x4 and 4x4x8 wrap, 2x2x4 does not; Cloud: torus when every dimension is a multiple of 4
+    host_bandwidth=1.6e10,  # book TPU Specs: "PCIe bandwidth for TPU v4 is 16GB / second each way"
     sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v4"),
 )
 
@@ -121,6 +123,7 @@ TPU_V5P = ChipProfile(
     hop_latency_s=1e-6,  # book Part 3, A note on ICI latency
     chips_per_host=4,  # book TPU Specs: host 2x2x1
     wrap_cube=4,  # book TPU Networking: wraparound from the optical switches of whole 4x4x4 cubes
+    host_bandwidth=1.5e10,  # book TPU Specs: PCIe "typically around 1.5e10 bytes / second per chip"
     sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v5p"),
 )
 
@@ -135,6 +138,7 @@ TPU_V5E = ChipProfile(
     hop_latency_s=1e-6,  # book Part 3, A note on ICI latency
     chips_per_host=8,  # book TPU Specs: host 4x2
     wrap_axis=16,  # book: "smaller topologies can be requested without wraps on dims < 16"
+    host_bandwidth=1.5e10,  # book TPU Specs: PCIe "typically around 1.5e10 bytes / second per chip"
     sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v5e"),
 )
 
@@ -149,6 +153,7 @@ TPU_V6E = ChipProfile(
     hop_latency_s=1e-6,  # book Part 3, A note on ICI latency
     chips_per_host=8,  # book TPU Specs: host 4x2
     wrap_axis=16,  # book: as v5e, wraps only along a full 16-chip axis
+    host_bandwidth=3.2e10,  # book TPU Specs: "Trillium (TPU v6e) has 32GB/s, about 2x higher than v5"
     sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v6e"),
 )
 

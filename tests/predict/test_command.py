@@ -208,6 +208,13 @@ def test_an_offloading_remat_sends_the_named_activations_to_host_and_recomputes_
     # the named activations live in host memory (space 5) between the forward and the backward pass
     assert "S(5)" in offload.compiled.hlo and "S(5)" not in full.compiled.hlo
     assert price(offload).host_bytes > 0 and price(full).host_bytes == 0
+    # ...and cross PCIe twice: each layer's block input, Q, K, V and attention output out, and back, at v5e's PCIe
+    named = tokens * (config.embed + (config.heads + 2 * config.groups) * config.head_dim + config.embed) * 2
+    transfers = [c for c in offload.read.predict(calibration.efficiency("v5e")).comms if c.kind == "host transfer"]
+    for direction in ("to host", "from host"):
+        moved = [c for c in transfers if c.link == f"PCIe {direction}"]
+        assert sum(c.bytes * c.runs for c in moved) == config.layers * named
+        assert sum(c.seconds for c in moved) == pytest.approx(config.layers * named / profile("v5e").host_bandwidth)
 
 
 def test_sequence_parallelism_reduce_scatters_over_tensor_and_keeps_less_on_each_chip():
