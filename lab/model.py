@@ -196,13 +196,14 @@ class Parallelism(Protocol):
 
     A layout may also have ``activation_sharding(axes) -> NamedSharding``, where activations with these logical axes go
     (see `activation_sharding`); one without it (one device, a shard_map body) leaves them where the matmuls put them.
+    One that places activations takes ``use(param, beside=x)`` too: `x` is the activation an elementwise weight (a
+    norm's scale) meets, whose split decides over which axes the weight's gradient is summed.
     """
 
     compute_dtype: jnp.dtype
 
-    def use(self, param: nnx.Param, beside: jax.Array | None = None) -> jax.Array:
-        """The weight as a matmul uses it: gathered, cast to the compute dtype; `beside` is the activation an
-        elementwise weight (a norm's scale) meets, where that decides how the weight's gradient is reduced."""
+    def use(self, param: nnx.Param) -> jax.Array:
+        """The weight as a matmul uses it: gathered, cast to the compute dtype."""
         ...
 
     @property
@@ -218,7 +219,7 @@ class WholeWeights:
     compute_dtype: jnp.dtype = jnp.float32
     remat_policy: Callable | None = None
 
-    def use(self, param: nnx.Param, beside: jax.Array | None = None) -> jax.Array:
+    def use(self, param: nnx.Param) -> jax.Array:
         return param[...].astype(self.compute_dtype)
 
 
@@ -279,7 +280,8 @@ class RMSNorm(nnx.Module):
         wide = x.astype(jnp.float32)
         normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + 1e-6)
         # einsum, not a broadcast multiply: JAX allows a reduced (replicated, gradient-unreduced) weight only in a dot
-        scale = layout.use(self.scale, beside=x).astype(jnp.float32)
+        places = getattr(layout, "activation_sharding", None) is not None  # then `use` takes `beside` (Parallelism)
+        scale = (layout.use(self.scale, beside=x) if places else layout.use(self.scale)).astype(jnp.float32)
         return jnp.einsum("...d,d->...d", normed, scale).astype(x.dtype)
 
 

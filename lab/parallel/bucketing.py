@@ -183,7 +183,7 @@ class _LocalLayout:
     compute_dtype: jnp.dtype = jnp.float32
     remat_policy: None = None
 
-    def use(self, param, beside: jax.Array | None = None) -> jax.Array:
+    def use(self, param) -> jax.Array:
         return param[...]
 
 

@@ -35,7 +35,7 @@ class _LocalLayout:
     compute_dtype: jnp.dtype = jnp.float32
     remat_policy: None = None
 
-    def use(self, param: nnx.Param, beside: jax.Array | None = None) -> jax.Array:
+    def use(self, param: nnx.Param) -> jax.Array:
         return param[...]
 
 
