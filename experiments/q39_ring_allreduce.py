@@ -228,20 +228,32 @@ class Model:
     alpha_step: float  # s: one more step in the same call, from the same chain
 
 
+def _line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Slope and intercept of y = a x + b by least squares on relative residuals (weights 1/y, so us and ms
+    points count alike), in closed form with exactly rounded sums: the same bits on any install, so a rejudge
+    reproduces the page exactly (LAPACK's least squares, behind np.polyfit, differs in the last bit by build)."""
+    w = [1.0 / (v * v) for v in y]
+    total = math.fsum(w)
+    xm = math.fsum(wi * xi for wi, xi in zip(w, x)) / total
+    ym = math.fsum(wi * yi for wi, yi in zip(w, y)) / total
+    slope = math.fsum(wi * (xi - xm) * (yi - ym) for wi, xi, yi in zip(w, x, y)) / math.fsum(
+        wi * (xi - xm) ** 2 for wi, xi in zip(w, x)
+    )
+    return slope, ym - slope * xm
+
+
 def fit(obs: Observations) -> Model:
     fitted = obs.sweep[1:-1]
-    sizes = np.asarray([at.size for at in fitted], float)
-    permute = np.asarray([at.fastest(PERMUTE) for at in fitted])
-    slope, alpha = np.polyfit(sizes, permute, 1, w=1.0 / permute)  # relative residuals: us and ms points alike
-    beta = 1.0 / max(float(slope), 1e-15)
-    adds = np.asarray([at.fastest(ADD) for at in fitted])
-    gamma = max(float(np.polyfit(sizes, adds, 1, w=1.0 / adds)[0]), 0.0)
+    sizes = [float(at.size) for at in fitted]
+    slope, alpha = _line(sizes, [at.fastest(PERMUTE) for at in fitted])
+    beta = 1.0 / max(slope, 1e-15)
+    gamma = max(_line(sizes, [at.fastest(ADD) for at in fitted])[0], 0.0)
     # the chain runs in the same rounds as the smallest size's programs: the same load, whatever it was
     at = next(a for a in obs.sweep if any(p.name == CHAIN for p in a.programs))
     per_step = (at.fastest(CHAIN) - at.fastest(PERMUTE)) / (obs.chain_length - 1)  # one step: alpha_step + m/beta
     alpha_step = max(per_step - at.size / beta, 0.0)
     overhead = max(at.fastest(PERMUTE) - per_step, 0.0)
-    return Model(tuple(int(s) for s in sizes), max(float(alpha), 1e-9), beta, gamma, overhead, alpha_step)
+    return Model(tuple(int(s) for s in sizes), max(alpha, 1e-9), beta, gamma, overhead, alpha_step)
 
 
 def textbook(name: str, size: int, n: int, model: Model) -> float:
