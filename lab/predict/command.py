@@ -81,6 +81,10 @@ class Predict:
     on GPU"""
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    matmul_precision: Literal["bf16", "int8", "fp8"] = "bf16"
+    """the precision the step's matmuls run at: bf16 as compiled, or int8 / fp8 (a quantized run, AQT-style),
+    priced at the chip's int8 / fp8 peak; the program compiled stays bf16 (its quantize and dequantize ops and its
+    narrower weights are not in it) and the flash attention kernel stays at bf16"""
     sequence_parallel: bool = False
     """split the residual stream between sub-layers along the sequence over the tensor axis (Megatron SP: an
     all-gather before and a reduce-scatter after each sub-layer in place of its all-reduce)"""
@@ -106,6 +110,7 @@ class Prediction:
     chips: int
     mesh: str
     sequence_parallel: bool
+    matmul_precision: str
     seq: int
     batch_per_device: int
     remat: str
@@ -181,6 +186,7 @@ def read_step(command: Predict) -> Reading:
     from lab.predict.step import OFFLOAD_PREFIX, DoesNotFit, layout_remat
     from lab.targets import libtpu
     from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
+    from lab.targets.hardware import profile
 
     target = parse_target(command.target)
     on_gpu = target.platform == "gpu"
@@ -201,6 +207,7 @@ def read_step(command: Predict) -> Reading:
         check_flash_tiling(command.seq)
     check_step_tokens(command.batch_per_device, _chips(target, command.slices), command.seq)
     layout_remat(command.remat)  # a policy name it does not know stops here, before libtpu starts
+    _check_precision(command.matmul_precision, profile(target.topology.partition(":")[0]))  # as is a precision
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
     compiled_layers = compiled_layers_for(command.layers_compiled, model.layers)
     if on_gpu:
@@ -241,7 +248,7 @@ def price(reading: Reading, efficiency=None) -> Prediction:
     command, model, mesh, chip = reading.command, reading.model, reading.mesh, reading.chip
     started = time.perf_counter()
     efficiency = efficiency or calibration.efficiency(chip.name)
-    step = reading.read.predict(efficiency)
+    step = reading.read.predict(efficiency, command.matmul_precision)
     attention_s = attention_terms(reading.read, step, model, command.batch_per_device, command.remat, chip, efficiency)
     xla = xla_estimate.estimate(reading.compiled.hlo, step) if reading.on_gpu else None
     chips = mesh.devices.size
@@ -259,6 +266,7 @@ def price(reading: Reading, efficiency=None) -> Prediction:
         chips=chips,
         mesh=_mesh_text(mesh),
         sequence_parallel=command.sequence_parallel,
+        matmul_precision=command.matmul_precision,
         seq=command.seq,
         batch_per_device=command.batch_per_device,
         remat=command.remat,
@@ -344,6 +352,16 @@ def _chips(target, slices: int) -> int:
         _, nodes, per_node = parse_cluster(str(target))
         return nodes * per_node
     return math.prod(topology_shape(target.topology)) * slices
+
+
+def _check_precision(precision: str, chip) -> None:
+    """A matmul precision the chip publishes no peak for (fp8 on v5e) is refused before libtpu starts."""
+    if precision not in chip.matmul_peaks:
+        runs = " or ".join(chip.matmul_peaks)
+        raise LabError(
+            f"--matmul-precision {precision}: {chip.name} publishes no {precision} matmul peak (its matrix units run "
+            f"{runs}); use --matmul-precision {runs}"
+        )
 
 
 def _check_gpu_options(command: Predict) -> None:

@@ -22,6 +22,14 @@ def show(p, console: Console) -> None:
         )
         + (", sequence parallel" if p.sequence_parallel else ""),
         *(
+            [
+                f"matmuls         priced at the chip's {p.matmul_precision} peak (compiled bf16: no quantize or "
+                "dequantize ops; the attention kernel at bf16); MFU against the bf16 peak"
+            ]
+            if p.matmul_precision != "bf16"
+            else []
+        ),
+        *(
             [f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)"]
             if p.layers_compiled < p.layers
             else []

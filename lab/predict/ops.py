@@ -11,7 +11,9 @@ order it runs, so each can be priced on its own:
   convolutions inside it, `lab.hlo.schedule.flops`) over the chip's peak times
   the matmul efficiency, or its HBM bytes over the bandwidth times the HBM
   efficiency, whichever is longer (a roofline per op; the constants are
-  `lab.predict.calibration`'s). Bytes are the fusion's operands and result,
+  `lab.predict.calibration`'s). The peak is bf16's, or the chip's int8 or fp8
+  peak for a quantized step (`lab predict --matmul-precision`: priced, not
+  compiled; the attention kernel stays bf16). Bytes are the fusion's operands and result,
   except that an operand the fusion only slices (a layer's weights or saved
   activation taken out of the scanned stack) counts the slice it reads, and a
   buffer updated in place counts its update;
@@ -195,8 +197,9 @@ class ReadSchedule:
         """The same program with loops run `trips` times and ops scaled by `scale` (`lab.predict.depth`)."""
         return replace(self, trips=dict(trips), scale=dict(scale), work={}, links={})
 
-    def predict(self, efficiency: Efficiency) -> StepPrediction:
-        simulator = _Simulator(self, efficiency)
+    def predict(self, efficiency: Efficiency, precision: str = "bf16") -> StepPrediction:
+        """The step priced at `efficiency`, its matmuls at the chip's `precision` peak (see `_Simulator`)."""
+        simulator = _Simulator(self, efficiency, precision)
         total = simulator.run(self.schedule.entry, 1)
         prediction = StepPrediction(total, simulator.compute_s, simulator.matmul_flops, simulator.op_list(), [])
         prediction.comms = simulator.comm_list()
@@ -216,8 +219,9 @@ def read_schedule(hlo_text: str, mesh, chip: ChipProfile) -> ReadSchedule:
 class _Simulator:
     """The compute stream and the links, walked through the schedule (see the module docstring)."""
 
-    def __init__(self, read: ReadSchedule, efficiency: Efficiency):
+    def __init__(self, read: ReadSchedule, efficiency: Efficiency, precision: str = "bf16"):
         self.schedule, self.mesh, self.chip, self.efficiency = read.schedule, read.mesh, read.chip, efficiency
+        self.matmul_peak = read.chip.matmul_peak(precision)
         self._work, self._comm_seconds = read.work, read.links
         self._trips, self._scale = read.trips, read.scale
         self.starts: dict[tuple[str, str], Window] = {}
@@ -286,7 +290,10 @@ class _Simulator:
             factor = self._scale.get(key, 1.0)
             self._work[key] = (factor * op_flops(self.schedule, computation, instruction), factor * moved)
         matmul, moved = self._work[key]
-        compute = matmul / (self.chip.peak_bf16_flops * self.efficiency.matmul)
+        # a quantized step (AQT int8, fp8) runs its dots and convolutions at the precision's peak; an attention
+        # kernel (a custom call) stays bf16, as MaxText quantizes the projections and MLPs, not the attention
+        peak = self.chip.peak_bf16_flops if instruction.opcode == "custom-call" else self.matmul_peak
+        compute = matmul / (peak * self.efficiency.matmul)
         memory = moved / (self.chip.hbm_bandwidth * self.efficiency.hbm)
         seconds = max(compute, memory)
         if self._counting and runs:

@@ -42,6 +42,7 @@ SCALING_BOOK_TPUS = (
     "https://jax-ml.github.io/scaling-book/tpus/ (TPU Specs tables; source jax-ml/scaling-book tpus.md @54e2c43)"
 )
 SCALING_BOOK_SHARDING = "https://jax-ml.github.io/scaling-book/sharding/ (A note on ICI latency)"
+CLOUD_TPU7X = "https://cloud.google.com/tpu/docs/tpu7x (specification table: v5p, v6e, TPU7x)"
 SCALING_BOOK_GPUS = "https://jax-ml.github.io/scaling-book/gpus/ (Summary of GPU specs; Networking)"
 
 
@@ -62,8 +63,22 @@ class ChipProfile:
     wrap_axis: int = 0  # an axis of exactly this length wraps (v5e, v6e)
     sources: tuple[str, ...] = ()
     note: str = ""
-    peak_fp8_flops: float | None = None  # dense fp8 FLOP/s per chip where the chip has fp8 units (H100, H200)
+    peak_fp8_flops: float | None = None  # dense fp8 FLOP/s per chip where its maker publishes one
+    peak_int8_ops: float | None = None  # dense int8 OP/s per chip where its maker publishes one
     host_bandwidth: float | None = None  # bytes/s per chip each way between HBM and host memory (PCIe)
+
+    @property
+    def matmul_peaks(self) -> dict[str, float]:
+        """Dense matmul operations per second at each precision its maker publishes a peak for (bf16, int8, fp8)."""
+        peaks = {"bf16": self.peak_bf16_flops, "int8": self.peak_int8_ops, "fp8": self.peak_fp8_flops}
+        return {precision: peak for precision, peak in peaks.items() if peak}
+
+    def matmul_peak(self, precision: str) -> float:
+        """The peak at `precision`; a LabError where the chip has none published (no such matrix units)."""
+        if precision not in self.matmul_peaks:
+            runs = " or ".join(self.matmul_peaks)
+            raise LabError(f"{self.name} publishes no {precision} matmul peak: its matrix units run {runs}")
+        return self.matmul_peaks[precision]
 
     @property
     def links_per_chip(self) -> int:
@@ -109,6 +124,7 @@ TPU_V4 = ChipProfile(
     chips_per_host=4,  # book TPU Specs: host 2x2x1
     wrap_cube=4,  # book: 4x4x4 and 4x4x8 wrap, 2x2x4 does not; Cloud: torus when every dimension is a multiple of 4
     host_bandwidth=1.6e10,  # book TPU Specs: "PCIe bandwidth for TPU v4 is 16GB / second each way"
+    peak_int8_ops=2.75e14,  # Cloud v4: 275 peak TFLOPs bf16 or int8 (no fp8 published)
     sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v4"),
 )
 
@@ -124,7 +140,9 @@ TPU_V5P = ChipProfile(
     chips_per_host=4,  # book TPU Specs: host 2x2x1
     wrap_cube=4,  # book TPU Networking: wraparound from the optical switches of whole 4x4x4 cubes
     host_bandwidth=1.5e10,  # book TPU Specs: PCIe "typically around 1.5e10 bytes / second per chip"
-    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v5p"),
+    peak_int8_ops=9.18e14,  # book TPU Specs: 9.18e14 int8 OP/s; Cloud v5p: 918 TOPs
+    peak_fp8_flops=4.59e14,  # Cloud TPU7x comparison table: v5p fp8 459 TFLOPs, its bf16 rate
+    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v5p", CLOUD_TPU7X),
 )
 
 TPU_V5E = ChipProfile(
@@ -139,6 +157,7 @@ TPU_V5E = ChipProfile(
     chips_per_host=8,  # book TPU Specs: host 4x2
     wrap_axis=16,  # book: "smaller topologies can be requested without wraps on dims < 16"
     host_bandwidth=1.5e10,  # book TPU Specs: PCIe "typically around 1.5e10 bytes / second per chip"
+    peak_int8_ops=3.94e14,  # book TPU Specs: 3.94e14 int8 OP/s; Cloud v5e: 393 TOPs (no fp8 published)
     sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v5e"),
 )
 
@@ -154,7 +173,9 @@ TPU_V6E = ChipProfile(
     chips_per_host=8,  # book TPU Specs: host 4x2
     wrap_axis=16,  # book: as v5e, wraps only along a full 16-chip axis
     host_bandwidth=3.2e10,  # book TPU Specs: "Trillium (TPU v6e) has 32GB/s, about 2x higher than v5"
-    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v6e"),
+    peak_int8_ops=1.84e15,  # book TPU Specs: 1.84e15 int8 OP/s; Cloud v6e: 1836 TOPs
+    peak_fp8_flops=9.18e14,  # Cloud TPU7x comparison table: v6e fp8 918 TFLOPs, its bf16 rate
+    sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v6e", CLOUD_TPU7X),
 )
 
 _NCCL_LATENCY = "NVIDIA/nccl src/graph/tuning.cc hwLat, NVLink ring LL (2020-era table: 0.47 us)"
@@ -175,6 +196,7 @@ H100 = ChipProfile(
     chips_per_host=8,  # DGX/HGX H100 node
     sources=("https://www.nvidia.com/en-us/data-center/h100/", SCALING_BOOK_GPUS, _NCCL_LATENCY, _DGX_H100),
     peak_fp8_flops=1.979e15,  # H100 SXM datasheet: 3,958 TFLOPS fp8 with 2:4 sparsity, dense is half
+    peak_int8_ops=1.979e15,  # H100 SXM datasheet: 3,958 TOPS int8 with 2:4 sparsity, dense is half
 )
 
 H200 = ChipProfile(
@@ -189,6 +211,7 @@ H200 = ChipProfile(
     chips_per_host=8,  # HGX H200 8-GPU board
     sources=("https://www.nvidia.com/en-us/data-center/h200/", SCALING_BOOK_GPUS, _NCCL_LATENCY, _DGX_H100),
     peak_fp8_flops=1.979e15,  # H200 datasheet: 3,958 TFLOPS fp8 with sparsity, dense is half (as H100 SXM)
+    peak_int8_ops=1.979e15,  # H200 datasheet: 3,958 TOPS int8 with sparsity, dense is half
 )
 
 _DGX_B200 = (
@@ -209,6 +232,7 @@ B200 = ChipProfile(
     chips_per_host=8,  # DGX/HGX B200 node
     sources=("https://www.nvidia.com/en-us/data-center/hgx/", _DGX_B200, _NCCL_LATENCY),
     peak_fp8_flops=4.5e15,  # DGX B200: 72 PFLOPS fp8 (sparse) over 8 GPUs, dense is half
+    peak_int8_ops=4.5e15,  # HGX B200: 72 POPS int8 (sparse) over 8 GPUs, dense is half
 )
 
 PROFILES: dict[str, ChipProfile] = {chip.name: chip for chip in (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, H100, H200, B200)}

@@ -105,6 +105,7 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--sequence-parallel"], "tensor=2 or more"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlpwi,out_proj"], "'mlpwi' cannot be"),
         (["--model", SMALL.replace("layers=2", "layers=4"), "--remat", "offload:out_proj", *LAYERS_2], "unrolls"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--matmul-precision", "fp8"], "v5e publishes no fp8"),
     ],
 )
 def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
@@ -370,3 +371,25 @@ def test_the_efficiency_solved_against_an_adjusted_step_matches_it():
     assert solve_matmul_efficiency(Read(), 4.1) == pytest.approx(0.5, abs=1e-6)
     minus_one = solve_matmul_efficiency(Read(), 4.1, step_s=lambda p, e: p.step_s - 1)  # 2/e + 0.1 - 1 = 4.1
     assert minus_one == pytest.approx(2 / 5, abs=1e-6)
+
+
+def test_a_quantized_step_prices_its_dots_at_the_int8_peak_and_the_attention_kernel_at_bf16():
+    reading = read_step(Predict(model=SMALL, target="tpu:v5e:2x2", mesh="fsdp=4", seq=256))
+    efficiency = calibration.efficiency("v5e")
+    bf16, int8 = (reading.read.predict(efficiency, precision) for precision in ("bf16", "int8"))
+    kernels = {
+        (computation, i.name)
+        for computation, instructions in reading.read.schedule.computations.items()
+        for i in instructions
+        if i.opcode == "custom-call"
+    }
+    at_bf16 = {(o.computation, o.name): o for o in bf16.ops}
+    priced = [(o, at_bf16[(o.computation, o.name)]) for o in int8.ops if o.flops]
+    assert {(o.computation, o.name) for o, _ in priced} & kernels, "the flash kernels are priced ops"
+    for quantized, whole in priced:
+        ratio = 1 if (quantized.computation, quantized.name) in kernels else profile("v5e").peak_int8_ops / 1.97e14
+        assert quantized.seconds_compute == pytest.approx(whole.seconds_compute / ratio, rel=1e-9)
+        assert quantized.seconds_memory == whole.seconds_memory
+    assert int8.compute_s < bf16.compute_s and int8.matmul_flops == bf16.matmul_flops
+    p = price(replace(reading, command=replace(reading.command, matmul_precision="int8")))
+    assert p.matmul_precision == "int8" and p.compute_s == pytest.approx(int8.compute_s)
