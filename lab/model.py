@@ -325,6 +325,7 @@ class Attention(nnx.Module):
             mixed_BSHK = _dot_attention(q_BSHK, k_BSGK, v_BSGK)
         else:
             mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout)
+        mixed_BSHK = checkpoint_name(mixed_BSHK, "context")  # the attention's output, before its projection
         return checkpoint_name(row_parallel("bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), layout), "out_proj")
 
 

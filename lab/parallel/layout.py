@@ -85,35 +85,55 @@ _REMAT: dict[str, Callable | None] = {
     ),  # weight-matmul outputs to host memory
 }
 REMAT_POLICIES = tuple(_REMAT)
-# MaxText's names for the activations a custom policy may send to host memory (`lab.model` names them alike)
-OFFLOADABLE = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj")
-OFFLOAD_PREFIX = "offload:"
+# MaxText's names for the activations its custom remat policy places (`lab.model` names them alike)
+NAMED_ACTIVATIONS = ("decoder_layer_input", "context", "query_proj", "key_proj", "value_proj", "out_proj")
+OFFLOAD_PREFIX = "offload:"  # offload:<names>: these to host memory, the rest recomputed
+CUSTOM_PREFIX = "custom:"  # custom:<name>=<device|offload|remat>,...: MaxText's custom policy as a recipe writes it
+_PLACES = ("device", "offload", "remat")
 
 
 def remat_policy(name: str) -> Callable | None:
-    """The checkpoint policy a remat name means: one of `REMAT_POLICIES`, or ``offload:<names>``, MaxText's custom
-    policy: the named activations (`OFFLOADABLE`) go to host memory in the forward pass and come back for the
-    backward, everything else in the block is recomputed."""
+    """The checkpoint policy a remat name means: one of `REMAT_POLICIES`, or MaxText's custom policy, as
+    ``custom:<name>=<device|offload|remat>,...`` (each named activation of `NAMED_ACTIVATIONS` kept in HBM, sent to
+    host memory in the forward pass and back for the backward, or recomputed) or ``offload:<names>`` (these
+    offloaded); everything unnamed in the block is recomputed."""
     if name in _REMAT:
         return _REMAT[name]
-    if not name.startswith(OFFLOAD_PREFIX):
-        raise LabError(
-            f"unknown remat policy {name!r}; use one of {', '.join(_REMAT)} or {OFFLOAD_PREFIX}<names> with names "
-            f"from {', '.join(OFFLOADABLE)}"
-        )
-    names = tuple(n.strip() for n in name.removeprefix(OFFLOAD_PREFIX).split(","))
-    unknown = [n for n in names if n not in OFFLOADABLE]
-    if unknown:
-        raise LabError(
-            f"{name!r}: {', '.join(map(repr, unknown))} cannot be offloaded; name some of "
-            f"{', '.join(OFFLOADABLE)}, comma-separated"
-        )
+    saved, offloaded = custom_places(name)
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(),
-        names_which_can_be_offloaded=names,
+        names_which_can_be_saved=saved,
+        names_which_can_be_offloaded=offloaded,
         offload_src="device",
         offload_dst="pinned_host",
     )
+
+
+def custom_places(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The activations a custom remat saves in HBM and those it offloads to host memory; a LabError says what is
+    wrong with `name`."""
+    example = f"{CUSTOM_PREFIX}decoder_layer_input=offload,query_proj=device"
+    if name.startswith(OFFLOAD_PREFIX):
+        places = {n.strip(): "offload" for n in name.removeprefix(OFFLOAD_PREFIX).split(",")}
+    elif name.startswith(CUSTOM_PREFIX):
+        pairs = [pair.partition("=") for pair in name.removeprefix(CUSTOM_PREFIX).split(",")]
+        if any(not sep for _, sep, _ in pairs):
+            raise LabError(f"{name!r}: write name=place pairs, e.g. {example}")
+        places = {n.strip(): place.strip() for n, _, place in pairs}
+    else:
+        raise LabError(
+            f"unknown remat policy {name!r}; use one of {', '.join(_REMAT)}, {OFFLOAD_PREFIX}<names> or "
+            f"{CUSTOM_PREFIX}<name>=<{'|'.join(_PLACES)}>,... with names from {', '.join(NAMED_ACTIVATIONS)}"
+        )
+    unknown = [n for n in places if n not in NAMED_ACTIVATIONS]
+    if unknown:
+        raise LabError(
+            f"{name!r}: {', '.join(map(repr, unknown))} is not a named activation; name some of "
+            f"{', '.join(NAMED_ACTIVATIONS)}, comma-separated"
+        )
+    wrong = [f"{n}={place}" for n, place in places.items() if place not in _PLACES]
+    if wrong:
+        raise LabError(f"{name!r}: {', '.join(wrong)}: a place is one of {', '.join(_PLACES)}")
+    return tuple(n for n, p in places.items() if p == "device"), tuple(n for n, p in places.items() if p == "offload")
 
 
 def _gathered(prim, params) -> bool:

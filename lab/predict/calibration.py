@@ -87,6 +87,7 @@ class PublishedRun:
     sequence_parallel: bool = False  # the residual stream split over tensor between sub-layers (see MAXTEXT_64B_V5P)
     flags: str = ""  # the run's libtpu flags, passed to the compile as it got them
     differs: str = ""  # what the lab's program does not do the run's way, beside the remat and attention
+    causal_flops: bool = False  # MaxText's formula of the day halved the attention for causality (from 2023-11-29)
 
 
 # the Trillium recipes' custom policies, by MaxText's names: these activations go to host memory, the rest is recomputed
@@ -209,6 +210,7 @@ MAXTEXT_64B_V5P = PublishedRun(
     "splits its sequence (sequence parallelism): the same all-gather and reduce-scatter bytes, but not the norms' "
     "small all-reduce of sums; a value RMSNorm beside the q/k norms; the embedding and the head whole over tensor "
     "(MaxText split them by vocabulary: the lab runs their matmuls tensor=4 times)",
+    causal_flops=True,
 )
 MAXTEXT_52B_V4 = PublishedRun(
     name="MaxText 52B on v4-384",
@@ -229,7 +231,32 @@ MAXTEXT_52B_V4 = PublishedRun(
     flags="--xla_enable_async_all_gather=true",
     differs="T5 relative-position bias on the attention logits (the lab: rotary); LayerNorm (the lab: RMSNorm)",
 )
-GENERATION_RUNS = (MAXTEXT_32B_V5E, MAXTEXT_64B_V5P, MAXTEXT_52B_V4)
+# TPU7x (Ironwood): the tpu-recipes table's Llama 3.1 70B row, configured by its recipe folder
+IRONWOOD_RECIPE = "training/ironwood/llama3.1-70b/8k-bf16-tpu7x-4x4x4/run_recipe.sh"
+LLAMA31_70B_TPU7X = PublishedRun(
+    name="Llama 3.1 70B on TPU7x-64",
+    preset="llama3.1-70b",
+    topology="tpu7x:4x4x4",
+    slices=1,
+    batch_per_device=2,  # per JAX device, two to a chip: 256 sequences a step on 64 chips
+    seq=8192,
+    mesh="fsdp=128",
+    remat="custom: decoder_layer_input, context, query/key/value_proj saved in HBM, the rest recomputed",
+    attention="flash (tokamax splash)",
+    libtpu_flags="the recipe's fifteen (SparseCore offload of all-gather, reduce-scatter and all-reduce)",
+    step_s=12.2,
+    tflops_per_device=1207.05 / 2,  # published per chip, 1207.05 TFLOP/s; a chip is two of JAX's devices
+    source=f"{TPU_RECIPES} training/ironwood/README.md @c8cfe2f689081d36701a101cd73a70965d80926b (llama3.1-70b, "
+    f"8192, bf16, 64 chips: 12.2 s, 1207.05 TFLOP/s/chip; config {IRONWOOD_RECIPE} "
+    "@bc90a99229efb4d63bf0e04a45bcb5955f68bc76)",
+    compiled_remat="custom:decoder_layer_input=device,context=device,query_proj=device,key_proj=device,"
+    "value_proj=device",
+    differs="the recipe offloads its all-gathers, reduce-scatters and all-reduces to the SparseCores (its XLA "
+    "flags, not passed: the lab prices them as TensorCore collectives on ICI); Adam's first moment in bf16 "
+    "(mu_dtype; the lab keeps fp32); tokamax's splash kernel with its block sizes (the lab: Pallas flash, 512)",
+    causal_flops=True,
+)
+GENERATION_RUNS = (MAXTEXT_32B_V5E, MAXTEXT_64B_V5P, MAXTEXT_52B_V4, LLAMA31_70B_TPU7X)
 
 # NVIDIA H100: MaxText's Llama 2 7B, remat minimal_flash, cuDNN flash attention (attention=cudnn_flash_te), bf16
 JAX_TOOLBOX = "NVIDIA/JAX-Toolbox"

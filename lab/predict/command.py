@@ -64,8 +64,9 @@ class Predict:
     """sequences per chip per step"""
     remat: str = "full"
     """what the backward pass keeps: full (each block's input only), minimal (every matmul output), none, or
-    offload:<names> (MaxText's custom policy: these to host memory, the rest recomputed; names from
-    decoder_layer_input, query_proj, key_proj, value_proj, out_proj)"""
+    MaxText's custom policy, custom:<name>=<device|offload|remat>,... (each named activation kept in HBM, sent to
+    host memory or recomputed; the rest recomputed) or offload:<names> (these to host memory); names from
+    decoder_layer_input, context, query_proj, key_proj, value_proj, out_proj"""
     mesh: str = "fsdp=-1"
     """one slice's (or the whole GPU cluster's) mesh over data,stage,fsdp,expert,tensor (one axis may be -1)"""
     target: str = "tpu:v6e:16x16"
@@ -142,6 +143,7 @@ class Prediction:
     xla_compute_s: float | None = None  # on GPU: XLA's own estimate of the same compute (`lab.predict.xla_estimate`)
     xla_comm_s: float | None = None  # ... and of the same collectives, each whole
     host_bytes: int = 0  # per chip, in host memory: what an offloading remat sends there (its transfers: hidden)
+    devices_per_chip: int = 1  # 2 on TPU7x: `chips` then counts devices, and every per-chip figure is per device
 
     @property
     def step_with_flash_s(self) -> float:
@@ -183,7 +185,7 @@ def run_prediction(command: Predict, efficiency=None):
 def read_step(command: Predict) -> Reading:
     """Check the command, compile its step (or fewer layers, see `Predict.layers_compiled`) and read it at depth."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
-    from lab.predict.step import OFFLOAD_PREFIX, DoesNotFit, layout_remat
+    from lab.predict.step import DoesNotFit, layout_remat, offloads
     from lab.targets import libtpu
     from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
     from lab.targets.hardware import profile
@@ -221,16 +223,16 @@ def read_step(command: Predict) -> Reading:
     pipelined = dict(mesh.shape).get("stage", 1) > 1
     if compiled_layers < model.layers and pipelined:
         raise LabError(_PIPELINED)
-    offloads = command.remat.startswith(OFFLOAD_PREFIX)
-    if compiled_layers < model.layers and offloads:
+    offloaded = offloads(command.remat)
+    if compiled_layers < model.layers and offloaded:
         raise LabError(_OFFLOADED)
-    whole = compiled_layers == model.layers > FALLBACK_LAYERS and not (pipelined or offloads)
+    whole = compiled_layers == model.layers > FALLBACK_LAYERS and not (pipelined or offloaded)
     if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
         compiled_layers = FALLBACK_LAYERS
     try:
         compiled, read, memory, read_s = _compile(model, compiled_layers, mesh, chip, command)
     except DoesNotFit as err:
-        if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined or offloads:
+        if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined or offloaded:
             raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
         # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
         compiled, read, memory, read_s = _compile(model, FALLBACK_LAYERS, mesh, chip, command)
@@ -312,6 +314,7 @@ def price(reading: Reading, efficiency=None) -> Prediction:
         xla_compute_s=xla.compute_s if xla else None,
         xla_comm_s=xla.comm_s if xla else None,
         host_bytes=int(reading.compiled.memory.get("host_temp_size", 0)),
+        devices_per_chip=chip.devices_per_chip,
     )
 
 
@@ -347,11 +350,12 @@ def _chips(target, slices: int) -> int:
     # local: see run_prediction
     from lab.targets.devices import topology_shape
     from lab.targets.gpu import parse_cluster
+    from lab.targets.hardware import profile
 
     if target.platform == "gpu":
         _, nodes, per_node = parse_cluster(str(target))
         return nodes * per_node
-    return math.prod(topology_shape(target.topology)) * slices
+    return math.prod(topology_shape(target.topology)) * slices * profile(target.generation).devices_per_chip
 
 
 def _check_precision(precision: str, chip) -> None:

@@ -19,6 +19,9 @@ def show(p, console: Console) -> None:
             f"{p.target} = {p.chips} GPUs, mesh {p.mesh}"
             if p.target.startswith("gpu:")
             else f"{p.target} x {p.slices} slice(s) = {p.chips} chips, mesh {p.mesh}"
+            if p.devices_per_chip == 1
+            else f"{p.target} x {p.slices} slice(s) = {p.chips} devices ({p.devices_per_chip} per chip: every 'per "
+            f"chip' below is per device), mesh {p.mesh}"
         )
         + (", sequence parallel" if p.sequence_parallel else ""),
         *(

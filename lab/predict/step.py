@@ -37,7 +37,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.model import ModelConfig, run_blocks, sequence_whole
-from lab.parallel.layout import OFFLOAD_PREFIX, OFFLOADABLE, remat_policy
+from lab.parallel.layout import CUSTOM_PREFIX, NAMED_ACTIVATIONS, OFFLOAD_PREFIX, custom_places, remat_policy
 from lab.predict import xla_estimate
 from lab.predict.depth import LAYERS_SCOPE
 from lab.targets.devices import quiet_native_stderr
@@ -100,19 +100,25 @@ class Compiled:
 
 def layout_remat(remat: str) -> str:
     """The predictor's remat name as `lab.parallel.layout` writes it: full, minimal and none mapped (`REMATS`),
-    ``offload:<names>`` (MaxText's custom policy: the named activations to host memory) passed on, checked."""
+    MaxText's custom policy (``custom:<name>=<device|offload|remat>,...`` or ``offload:<names>``) checked and
+    passed on."""
     if remat in REMATS:
         return REMATS[remat]
-    if not remat.startswith(OFFLOAD_PREFIX):
+    if not remat.startswith((OFFLOAD_PREFIX, CUSTOM_PREFIX)):
         raise LabError(
-            f"--remat {remat!r}: use one of {', '.join(REMATS)} or {OFFLOAD_PREFIX}<names> "
-            f"(names: {', '.join(OFFLOADABLE)})"
+            f"--remat {remat!r}: use one of {', '.join(REMATS)}, {OFFLOAD_PREFIX}<names> or "
+            f"{CUSTOM_PREFIX}<name>=<device|offload|remat>,... (names: {', '.join(NAMED_ACTIVATIONS)})"
         )
     try:
         remat_policy(remat)
     except LabError as err:
         raise LabError(f"--remat {err}") from None
     return remat
+
+
+def offloads(remat: str) -> bool:
+    """Whether a remat sends activations to host memory (XLA then unrolls or peels the layer loops)."""
+    return remat.startswith((OFFLOAD_PREFIX, CUSTOM_PREFIX)) and bool(custom_places(remat)[1])
 
 
 def compile_step(

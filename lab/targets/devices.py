@@ -47,9 +47,12 @@ MAX_CPU_DEVICES = 512  # XLA:CPU compiles for every emulated device in one proce
 # (cross_slice_rewrites_utils.cc, libtpu 0.0.x of jax 0.10), a SIGABRT no Python code can catch
 MAX_SLICES = 511
 
-_TOPOLOGY = re.compile(r"^tpu:(?P<gen>v\d+[a-z]*):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$", re.ASCII)
+_TOPOLOGY = re.compile(
+    r"^tpu:(?P<gen>v\d+[a-z]*|tpu7x):(?P<dims>\d+(?:x\d+){1,2})(?:\s+slices=(?P<slices>\S+))?$", re.ASCII
+)
 _TARGET_FORMS = (
-    "cpu:N (e.g. cpu:8), gpu, tpu, tpu:<gen>:<topology>[ slices=K] (e.g. tpu:v5e:4x4, tpu:v5p:8x8x16), "
+    "cpu:N (e.g. cpu:8), gpu, tpu, tpu:<gen>:<topology>[ slices=K] (e.g. tpu:v5e:4x4, tpu:v5p:8x8x16, "
+    "tpu:tpu7x:4x4x4), "
     f"or {gpu.GPU_TARGET_FORM}"
 )
 

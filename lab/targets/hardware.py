@@ -66,6 +66,8 @@ class ChipProfile:
     peak_fp8_flops: float | None = None  # dense fp8 FLOP/s per chip where its maker publishes one
     peak_int8_ops: float | None = None  # dense int8 OP/s per chip where its maker publishes one
     host_bandwidth: float | None = None  # bytes/s per chip each way between HBM and host memory (PCIe)
+    devices_per_chip: int = 1  # JAX devices per chip: 2 on TPU7x (two chiplets); compute and HBM figures are
+    # then per device, network figures per chip (see TPU_7X)
 
     @property
     def matmul_peaks(self) -> dict[str, float]:
@@ -178,6 +180,27 @@ TPU_V6E = ChipProfile(
     sources=(SCALING_BOOK_TPUS, SCALING_BOOK_SHARDING, "https://cloud.google.com/tpu/docs/v6e", CLOUD_TPU7X),
 )
 
+TPU_7X = ChipProfile(
+    # Ironwood: JAX sees each chip's two TensorCore chiplets as two devices (Cloud: "access two TPU devices
+    # instead of the single logical core"), each with half the chip's compute and HBM: those figures are per
+    # device. The ICI links are the chip's, shared by its two devices (a collective over both is priced on the
+    # chips it spans); two devices of one chip meet die to die, priced as no link.
+    name="tpu7x",
+    peak_bf16_flops=2.307e15 / 2,  # Cloud TPU7x: 2307 TFLOPs bf16 per chip
+    hbm_bytes=192 * 2**30 / 2,  # Cloud TPU7x: 192 GiB per chip
+    hbm_bandwidth=7.38e12 / 2,  # Cloud TPU7x: 7380 GBps per chip
+    link_bandwidth=1e11,  # Cloud TPU7x: 1200 GBps bidirectional per chip over a 3D torus's 6 ports: 1e11 one-way
+    torus_dims=3,
+    dcn_bandwidth=1.25e10,  # Cloud TPU7x: 100 Gbps per chip
+    hop_latency_s=1e-6,  # as v5p (book Part 3, A note on ICI latency); no Ironwood figure published
+    chips_per_host=4,  # Cloud TPU7x: 4-chip VMs
+    wrap_cube=4,  # Cloud: "shares many similarities with TPU v5p": 4x4x4 cubes joined by optical switches
+    sources=(CLOUD_TPU7X,),
+    note="no PCIe figure published: host transfers are not priced",
+    peak_fp8_flops=4.614e15 / 2,  # Cloud TPU7x: 4614 TFLOPs fp8 per chip (no int8 figure)
+    devices_per_chip=2,
+)
+
 _NCCL_LATENCY = "NVIDIA/nccl src/graph/tuning.cc hwLat, NVLink ring LL (2020-era table: 0.47 us)"
 _DGX_H100 = (
     "https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html "
@@ -235,7 +258,9 @@ B200 = ChipProfile(
     peak_int8_ops=4.5e15,  # HGX B200: 72 POPS int8 (sparse) over 8 GPUs, dense is half
 )
 
-PROFILES: dict[str, ChipProfile] = {chip.name: chip for chip in (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, H100, H200, B200)}
+PROFILES: dict[str, ChipProfile] = {
+    chip.name: chip for chip in (TPU_V4, TPU_V5E, TPU_V5P, TPU_V6E, TPU_7X, H100, H200, B200)
+}
 CPU_PROFILE_NAME = "cpu-local"
 
 # jax's device.device_kind -> profile name. Compile-only libtpu reports these too.
@@ -247,6 +272,7 @@ _DEVICE_KINDS = {
     "tpu v5p": "v5p",
     "tpu v6 lite": "v6e",
     "tpu v6e": "v6e",
+    "tpu7x": "tpu7x",
     "cpu": CPU_PROFILE_NAME,
 }
 # GPU kinds carry the memory variant ("NVIDIA H100 80GB HBM3"), so they match by prefix.

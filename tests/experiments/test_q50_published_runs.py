@@ -32,6 +32,8 @@ def _row(run, borrowed_step: float, solved: float | None = 0.9) -> page.Row:
         memory_bound_s=run.step_s * 0.1,
         exposed_comm_s=run.step_s * 0.1,
         model_flops_per_chip=tflop * 1.01,
+        attention_flops_per_chip=tflop * 0.1,
+        causal_flops=False,
         hardware_flops_per_chip=tflop * 1.2,
         memory_bytes=10 * 2**30,
         hbm_bytes=16 * 2**30,
@@ -77,3 +79,11 @@ def test_the_claim_is_refuted_when_no_run_is_within_the_bar():
     runs = page.RUNS
     obs = _observations(*(_row(run, run.step_s * 1.3) for run in runs))
     assert page.judge(obs, page.Config()).claims[0].status == "refuted"
+
+
+def test_a_run_whose_formula_halved_the_attention_is_counted_so():
+    run = page.RUNS[0]
+    whole = _row(run, run.step_s)
+    halved = replace(whole, model_flops_per_chip=whole.model_flops_per_chip + whole.attention_flops_per_chip / 2)
+    assert _verdicts(_observations(halved))[1] == "differs"  # 6% more than MaxText's, counted in full
+    assert _verdicts(_observations(replace(halved, causal_flops=True)))[1] == "agrees"

@@ -103,7 +103,7 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL.replace("layers=2", "layers=8"), "--mesh", "stage=2,fsdp=2", *LAYERS_2], "stage axis"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "half"], "offload:<names>"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--sequence-parallel"], "tensor=2 or more"),
-        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlpwi,out_proj"], "'mlpwi' cannot be"),
+        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlpwi,out_proj"], "'mlpwi' is not a named"),
         (["--model", SMALL.replace("layers=2", "layers=4"), "--remat", "offload:out_proj", *LAYERS_2], "unrolls"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--matmul-precision", "fp8"], "v5e publishes no fp8"),
     ],
