@@ -218,6 +218,26 @@ def test_an_offloading_remat_sends_the_named_activations_to_host_and_recomputes_
         assert sum(c.seconds for c in moved) == pytest.approx(config.layers * named / profile("v5e").host_bandwidth)
 
 
+def test_a_custom_remat_keeps_its_named_activations_in_hbm_and_recomputes_only_the_rest():
+    # MaxText's custom policy with every name =device: nothing goes to host, the projections are not recomputed
+    config, chips, tokens = parse_model(SMALL), 4, 2 * 128
+    args = {"model": SMALL, "target": "tpu:v5e:2x2", "mesh": "fsdp=4", "seq": 128, "batch_per_device": 2}
+    full = price(read_step(Predict(**args)))
+    names = ("decoder_layer_input", "context", "query_proj", "key_proj", "value_proj", "out_proj")
+    kept = price(read_step(Predict(**args, remat="custom:" + ",".join(f"{n}=device" for n in names))))
+    projections = 2 * tokens * config.embed * 2 * (config.heads + config.groups) * config.head_dim * config.layers
+    assert full.hardware_flops_per_step - kept.hardware_flops_per_step == chips * projections
+    assert kept.host_bytes == 0 and kept.memory_bytes > full.memory_bytes
+
+
+def test_tpu7x_shows_two_devices_per_chip_each_with_half_its_compute_and_memory():
+    p = run_prediction(Predict(model=SMALL, target="tpu:tpu7x:2x2x1", mesh="fsdp=4,tensor=2", seq=128))
+    chip = profile("tpu7x")
+    assert p.chips == 8 and p.devices_per_chip == 2 and p.fits  # 4 chips, 8 of JAX's devices
+    assert (chip.peak_bf16_flops, chip.hbm_bytes) == (2.307e15 / 2, 96 * 2**30) and p.hbm_bytes == chip.hbm_bytes
+    assert p.step_s >= p.compute_s > 0 and p.comm_s > 0
+
+
 def test_sequence_parallelism_reduce_scatters_over_tensor_and_keeps_less_on_each_chip():
     # Megatron SP on the TPU compiler: each row-parallel output reduce-scattered along the sequence over tensor (the
     # TP step all-reduces it), the residual stream and what the layers save split tensor ways
