@@ -15,7 +15,9 @@ order it runs, so each can be priced on its own:
   peak for a quantized step (`lab predict --matmul-precision`: priced, not
   compiled; the attention kernel stays bf16). Bytes are the fusion's operands and result,
   except that an operand the fusion only slices (a layer's weights or saved
-  activation taken out of the scanned stack) counts the slice it reads, and a
+  activation taken out of the scanned stack, also through the bitcasts, copies
+  and copy fusions that change its tiling first: inside a fusion nothing is
+  materialized) counts the slice it reads, and a
   buffer updated in place counts its update;
 * a Pallas kernel (``tpu_custom_call``; the flash attention's forward, dq and
   dkv kernels) is opaque to XLA: its FLOPs are counted from its operand shapes
@@ -578,8 +580,8 @@ def _sliced_parameters(body, schedule: ScheduledModule | None = None) -> dict[in
         found = re.search(r"\bparameter\((\d+)\)", i.line)
         number = int(found.group(1)) if found else -1
         total, sliced = 0.0, True
-        for reader, position in _through_bitcasts(i.name, users):
-            if reader.opcode in _SLICING:
+        for reader, position in _through_relayouts(i.name, users, schedule):
+            if reader.opcode in _SLICING and position == 0:  # the array sliced (not an index into it)
                 total += _nbytes(reader.shape)
                 continue
             inner = _nested(reader, schedule)
@@ -599,11 +601,22 @@ def _nested(reader: Instruction, schedule: ScheduledModule | None) -> dict[int, 
     return _sliced_parameters(schedule.computations.get(reader.callees[0], ()), schedule)
 
 
-def _through_bitcasts(name: str, users) -> list[tuple[Instruction, int]]:
+def _through_relayouts(name: str, users, schedule: ScheduledModule | None) -> list[tuple[Instruction, int]]:
+    """The readers of `name`, looking through bitcasts, copies and fusions that only copy (a change of tiling):
+    the TPU compiler writes a saved stack's relayout before the slice it takes, and reads only that slice."""
     found = []
     for user, position in users.get(name, ()):
-        found += _through_bitcasts(user.name, users) if user.opcode == "bitcast" else [(user, position)]
+        passes = user.opcode in ("bitcast", "copy") or _relayout(user, schedule)
+        found += _through_relayouts(user.name, users, schedule) if passes else [(user, position)]
     return found
+
+
+def _relayout(instruction: Instruction, schedule: ScheduledModule | None) -> bool:
+    """A fusion of one operand whose body only copies or bitcasts it (XLA's ``copy_fusion``)."""
+    if schedule is None or instruction.opcode != "fusion" or len(instruction.operands) != 1:
+        return False
+    body = schedule.computations.get(instruction.callees[0] if instruction.callees else "", ())
+    return bool(body) and all(i.opcode in ("parameter", "copy", "bitcast") for i in body)
 
 
 def _nbytes(shape: str) -> float:
