@@ -80,7 +80,6 @@ class Row:
     solved_matmul: float | None  # this generation's, solved from this run here; None: even the peak is too slow
     peak_step_s: float  # the step with every matmul at the chip's peak
     stored_matmul: float | None  # what lab/predict/calibration.py holds for the chip
-    sets_no_constant: str  # why the run's solved constant is not the chip's (empty: it is)
     compute_s: float  # at the solved constant (at the peak when none reaches the published step)
     matmul_bound_s: float  # ops whose FLOPs bound them, at that constant
     memory_bound_s: float
@@ -148,7 +147,6 @@ def _row(run) -> Row:
         solved_matmul=solved,
         peak_step_s=at_peak.step_s,
         stored_matmul=calibration.MATMUL_EFFICIENCY.get(chip),
-        sets_no_constant=run.sets_no_constant,
         compute_s=own.compute_s,
         matmul_bound_s=sum(o.seconds for o in ops if o.bound == "compute"),
         memory_bound_s=sum(o.seconds for o in ops if o.bound == "memory"),
@@ -252,8 +250,6 @@ def _checks(obs: Observations) -> list[Check]:
                 basis=PARITY_BASIS,
             ),
         ]
-        if r.sets_no_constant:
-            continue  # held out only: the constant it solves is shown, not stored
         if r.solved_matmul is not None:
             checks.append(
                 check(
@@ -327,8 +323,7 @@ def _scoreboard(obs: Observations) -> Table:
                 f"{r.published_step_s:.3f} s",
                 f"{r.borrowed_step_s:.3f} s",
                 f"{_rel(r.borrowed_step_s, r.published_step_s):+.1%}",
-                _solved(r)
-                + ("" if r.solved_matmul is None or r.sets_no_constant else " (calibration: agrees by construction)"),
+                _solved(r) + ("" if r.solved_matmul is None else " (calibration: agrees by construction)"),
                 "-" if r.stored_matmul is None else f"{r.stored_matmul}",
                 f"{r.memory_bytes / 2**30:.1f} of {r.hbm_bytes / 2**30:.0f} GiB",
                 f"{r.compile_s:.0f} s",
@@ -342,8 +337,6 @@ def _scoreboard(obs: Observations) -> Table:
 def _solved(r: Row) -> str:
     if r.solved_matmul is None:
         return f"none: at the peak the step is {r.peak_step_s:.3f} s"
-    if r.sets_no_constant:
-        return f"{r.solved_matmul:.4f}, not stored ({r.sets_no_constant})"
     return f"{r.solved_matmul:.4f}"
 
 

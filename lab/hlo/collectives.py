@@ -10,7 +10,8 @@ Its replica groups (`lab.hlo.groups`) name the devices that talk, and so the
 mesh axes it runs over.
 
 The same collective takes several forms: synchronous; an async ``-start`` /
-``-done`` pair (counted once); ``async-start`` wrapping it; inside a fusion
+``-done`` pair (counted once); ``async-start`` wrapping it (or ``call-start``,
+TPU7x's SparseCores running it on their own thread); inside a fusion
 (the TPU compiler writes a reduce-scatter as an ``all-reduce-scatter`` fusion
 of all-reduce + dynamic-slice, and an overlapped collective as an "async
 collective fusion" chain: start, continuations, done); or *combined*: one
@@ -385,7 +386,7 @@ def _context(computation: str, scan: _Scan) -> _Context:
             break
         if caller.opcode == "fusion" and context.fusion is None:
             context = replace(context, fusion=caller, fusion_callee=computation)
-        elif caller.opcode == "async-start" and context.async_wrapper is None:
+        elif caller.opcode in ("async-start", "call-start") and context.async_wrapper is None:
             context = replace(context, async_wrapper=caller)
         elif caller.opcode == "while" and caller.attr(r"\bbody=%?([\w.\-]+)") == computation:
             trips = caller.attr(r'"known_trip_count":\{"n":"(\d+)"\}')

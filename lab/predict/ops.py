@@ -74,6 +74,8 @@ _FREE = {
     "dynamic-slice-done",
     "dynamic-update-slice-start",
     "dynamic-update-slice-done",
+    "call-start",  # an async call on another execution thread (TPU7x's SparseCores: a collective, or a relayout)
+    "call-done",
     "opt-barrier",
     "add-dependency",
 }

@@ -34,7 +34,6 @@ def _row(run, borrowed_step: float, solved: float | None = 0.9) -> page.Row:
         model_flops_per_chip=tflop * 1.01,
         attention_flops_per_chip=tflop * 0.1,
         causal_flops=False,
-        sets_no_constant="",
         hardware_flops_per_chip=tflop * 1.2,
         memory_bytes=10 * 2**30,
         hbm_bytes=16 * 2**30,
@@ -88,10 +87,3 @@ def test_a_run_whose_formula_halved_the_attention_is_counted_so():
     halved = replace(whole, model_flops_per_chip=whole.model_flops_per_chip + whole.attention_flops_per_chip / 2)
     assert _verdicts(_observations(halved))[1] == "differs"  # 6% more than MaxText's, counted in full
     assert _verdicts(_observations(replace(halved, causal_flops=True)))[1] == "agrees"
-
-
-def test_a_run_that_sets_no_constant_is_held_out_only():
-    run = page.RUNS[0]
-    row = replace(_row(run, run.step_s), sets_no_constant="it would absorb what the lab does not price")
-    assert _verdicts(_observations(row)) == ["agrees", "agrees"]  # the prediction and the parity, no constant
-    assert "not stored" in page.judge(_observations(row), page.Config()).claims[0].numbers

@@ -172,3 +172,32 @@ def test_tpu_fixture_async_collective_fusion_counts_once():
     (gather,) = [c for c in collectives if c.kind == "all-gather"]
     assert gather.is_async and gather.fused and gather.axes == ("fsdp",)
     assert "async collective fusion" in gather.form
+
+
+SPARSECORE = """HloModule sparsecore, num_partitions=4, is_scheduled=true
+
+%sc_gather (p: bf16[2,4]) -> bf16[8,4] {
+  %p = bf16[2,4]{1,0} parameter(0)
+  ROOT %ag = bf16[8,4]{1,0} all-gather(%p), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, \
+use_global_device_ids=true
+}
+
+ENTRY %main (b: bf16[2,4]) -> bf16[8,4] {
+  %b = bf16[2,4]{1,0} parameter(0)
+  %ag-start = ((bf16[2,4]{1,0}), bf16[8,4]{1,0}) call-start(%b), async_execution_thread="sparsecore", \
+to_apply=%sc_gather
+  %n = bf16[2,4]{1,0} negate(%b)
+  ROOT %ag-done = bf16[8,4]{1,0} call-done(%ag-start)
+}
+"""
+
+
+def test_a_collective_on_the_sparsecores_is_an_async_call_around_it():
+    # TPU7x with the SparseCore offload flags: the all-gather runs in a computation called on another thread
+    from lab.hlo.schedule import overlap_report
+    from lab.targets.hardware import profile
+
+    (gather,) = parse_collectives(SPARSECORE, (4,), ("x",))[0]
+    assert gather.kind == "all-gather" and gather.axes == ("x",) and gather.form.startswith("async-start %ag-start")
+    (window,) = overlap_report(SPARSECORE, profile("tpu7x")).windows
+    assert (window.start, window.done, window.between) == ("ag-start", "ag-done", ("n",)) and window.is_async
