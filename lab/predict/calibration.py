@@ -38,13 +38,14 @@ host offload, so the 8B is the one compiled whole); the HBM efficiency is not
 fitted at all but assumed; the 70B and Mixtral runs are then predictions, held
 against their published times.
 
-v5e and v4 have their own constants, each solved from the one published run of
-its generation in the development set (`GENERATION_RUNS`, MaxText's 2023
-tables; results/published_runs), after that run was first predicted with
-v6e's constant (held out: how far a constant carries across chips). v5p's run cannot set one: the lab's
-step with every matmul at the chip's peak is already longer than the published
-one, so v5p borrows v6e's constant, as a chip with no run does (the prediction
-says so).
+v5e, v4 and TPU7x (Ironwood) have their own constants, each solved from the
+one published run of its generation in the development set (`GENERATION_RUNS`:
+MaxText's 2023 tables, and the Ironwood table's Llama 3.1 70B compiled with its
+recipe's remat and flags; results/published_runs), after that run was first
+predicted with v6e's constant (held out: how far a constant carries across
+chips). v5p's run cannot set one: the lab's step with every matmul at the
+chip's peak is already longer than the published one, so v5p borrows v6e's
+constant, as a chip with no run does (the prediction says so).
 
 NVIDIA H100 has its own, from MaxText's Llama 2 7B on one node of 8 H100s
 (NVIDIA's JAX-Toolbox table: 0.721 s), solved the same way with XLA's
