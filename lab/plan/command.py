@@ -30,7 +30,7 @@ from lab.model import check_flash_tiling
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
 from lab.plan.space import Problem
-from lab.predict.command import resolve_attention
+from lab.predict.options import check_gpu_slices, resolve_attention
 from lab.predict.spec import MAX_STEP_TOKENS, check_step_tokens, parse_model
 from lab.units import format_bytes
 
@@ -91,11 +91,7 @@ def problem_of(command: Plan) -> Problem:
         check_flash_tiling(command.seq)
     check_slices("--slices", command.slices)
     if on_gpu:
-        if command.slices != 1:
-            raise LabError(
-                f"--slices {command.slices}: a GPU cluster's nodes are in its target ({GPU_TARGET_FORM}); "
-                "--slices joins TPU slices"
-            )
+        check_gpu_slices(command.slices)
         chip, nodes, per_node = parse_cluster(str(target))
         topology, slices = f"{chip}:1x{per_node}", nodes  # one node is the slice, InfiniBand joins the nodes
     else:

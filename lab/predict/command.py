@@ -42,6 +42,14 @@ from lab.errors import LabError
 from lab.model import check_flash_tiling
 from lab.predict import calibration
 from lab.predict.display import show
+from lab.predict.options import (
+    check_experts,
+    check_gpu_flags,
+    check_gpu_slices,
+    check_precision,
+    compiled_layers_for,
+    resolve_attention,
+)
 from lab.predict.spec import check_step_tokens, parse_model
 from lab.targets.gpu import GPU_TARGET_FORM
 
@@ -202,14 +210,15 @@ def read_step(command: Predict) -> Reading:
     check_slices("--slices", command.slices)
     attention = resolve_attention(command.attention, on_gpu)
     if on_gpu:
-        _check_gpu_options(command)
+        check_gpu_slices(command.slices)
+        check_gpu_flags(command.libtpu_flags)
     if command.seq < 1:
         raise LabError(f"--seq {command.seq}: use 1 or more")
     if attention == "flash":
         check_flash_tiling(command.seq)
     check_step_tokens(command.batch_per_device, _chips(target, command.slices), command.seq)
     layout_remat(command.remat)  # a policy name it does not know stops here, before libtpu starts
-    _check_precision(command.matmul_precision, profile(target.topology.partition(":")[0]))  # as is a precision
+    check_precision(command.matmul_precision, profile(target.topology.partition(":")[0]))  # as is a precision
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
     compiled_layers = compiled_layers_for(command.layers_compiled, model.layers)
     if on_gpu:
@@ -318,33 +327,6 @@ def price(reading: Reading, efficiency=None) -> Prediction:
     )
 
 
-def resolve_attention(choice: str, on_gpu: bool) -> str:
-    """The attention to compile: auto is the Pallas flash kernel on TPU, XLA's dot product on GPU."""
-    if choice == "auto":
-        return "xla" if on_gpu else "flash"
-    if on_gpu and choice == "flash":
-        raise LabError(
-            "--attention flash is the Pallas TPU kernel, which XLA:GPU does not compile; use --attention xla "
-            "(or auto) on a GPU target"
-        )
-    return choice
-
-
-def check_experts(model, ways: int) -> None:
-    """The expert axis splits an MoE model's experts: it must divide their count, and a dense model has none."""
-    if ways > 1 and not model.experts:
-        raise LabError(
-            f"--mesh expert={ways}: a dense model has no experts to split; give an MoE model (experts=E, or a preset "
-            "such as mixtral-8x7b) or leave the expert axis out"
-        )
-    if model.experts % ways:
-        fits = [w for w in range(2, ways + 1) if model.experts % w == 0]
-        raise LabError(
-            f"--mesh expert={ways} does not divide the model's {model.experts} experts; use an expert axis of "
-            + (f"{', '.join(map(str, fits))} or 1" if fits else "1")
-        )
-
-
 def _chips(target, slices: int) -> int:
     """The devices of `target` (times `slices` for a TPU slice), counted without starting a backend."""
     # local: see run_prediction
@@ -356,27 +338,6 @@ def _chips(target, slices: int) -> int:
         _, nodes, per_node = parse_cluster(str(target))
         return nodes * per_node
     return math.prod(topology_shape(target.topology)) * slices * profile(target.generation).devices_per_chip
-
-
-def _check_precision(precision: str, chip) -> None:
-    """A matmul precision the chip publishes no peak for (fp8 on v5e) is refused before libtpu starts."""
-    if precision not in chip.matmul_peaks:
-        runs = " or ".join(chip.matmul_peaks)
-        raise LabError(
-            f"--matmul-precision {precision}: {chip.name} publishes no {precision} matmul peak (its matrix units run "
-            f"{runs}); use --matmul-precision {runs}"
-        )
-
-
-def _check_gpu_options(command: Predict) -> None:
-    """What only a TPU target means, refused on a GPU one."""
-    if command.slices != 1:
-        raise LabError(
-            f"--slices {command.slices}: a GPU cluster's nodes are in its target (gpu:<chip>:<nodes>x<gpus per "
-            "node>); --slices joins TPU slices"
-        )
-    if command.libtpu_flags:
-        raise LabError("--libtpu-flags: libtpu compiles for TPU targets only; a GPU target takes no libtpu flags")
 
 
 def _compile(model, layers: int, mesh, chip, command: Predict):
@@ -427,19 +388,6 @@ def _saved_inputs_bytes(model, command: Predict) -> int:
     """
     itemsize = {"bfloat16": 2, "float32": 4}[command.compute_dtype]
     return model.layers * command.batch_per_device * command.seq * model.embed * itemsize
-
-
-def compiled_layers_for(layers_compiled: int, layers: int) -> int:
-    if layers_compiled < 0:
-        raise LabError(f"--layers-compiled {layers_compiled}: use 0 (all layers) or a count of 2 or more")
-    if layers_compiled == 1:  # XLA removes a loop of one trip: that program has no layer loop to read deeper
-        raise LabError(
-            "--layers-compiled 1: XLA compiles a scan over one layer without its loop, so that program is not one "
-            "layer of the deep model's; use 2 or more"
-        )
-    if layers_compiled == 0 or layers_compiled >= layers:
-        return layers
-    return layers_compiled
 
 
 def build_mesh(spec: str, devices, slices: int, dcn_axis: str):

@@ -1,0 +1,75 @@
+"""What ``lab predict`` (and ``lab plan``) may be asked for: each option checked before anything compiles.
+
+A compile of a full-size step takes minutes; a value that cannot work is refused before libtpu or the CUDA
+plugin starts, in one line that says what to give instead (`lab.errors.LabError`: exit 2, no traceback).
+"""
+
+from __future__ import annotations
+
+from lab.errors import LabError
+from lab.targets.gpu import GPU_TARGET_FORM
+
+
+def resolve_attention(choice: str, on_gpu: bool) -> str:
+    """The attention to compile: auto is the Pallas flash kernel on TPU, XLA's dot product on GPU."""
+    if choice == "auto":
+        return "xla" if on_gpu else "flash"
+    if on_gpu and choice == "flash":
+        raise LabError(
+            "--attention flash is the Pallas TPU kernel, which XLA:GPU does not compile; use --attention xla "
+            "(or auto) on a GPU target"
+        )
+    return choice
+
+
+def check_experts(model, ways: int) -> None:
+    """The expert axis splits an MoE model's experts: it must divide their count, and a dense model has none."""
+    if ways > 1 and not model.experts:
+        raise LabError(
+            f"--mesh expert={ways}: a dense model has no experts to split; give an MoE model (experts=E, or a preset "
+            "such as mixtral-8x7b) or leave the expert axis out"
+        )
+    if model.experts % ways:
+        fits = [w for w in range(2, ways + 1) if model.experts % w == 0]
+        raise LabError(
+            f"--mesh expert={ways} does not divide the model's {model.experts} experts; use an expert axis of "
+            + (f"{', '.join(map(str, fits))} or 1" if fits else "1")
+        )
+
+
+def check_precision(precision: str, chip) -> None:
+    """A matmul precision the chip (a `lab.targets.hardware.ChipProfile`) publishes no peak for is refused."""
+    if precision not in chip.matmul_peaks:
+        runs = " or ".join(chip.matmul_peaks)
+        raise LabError(
+            f"--matmul-precision {precision}: {chip.name} publishes no {precision} matmul peak (its matrix units run "
+            f"{runs}); use --matmul-precision {runs}"
+        )
+
+
+def check_gpu_slices(slices: int) -> None:
+    """A GPU cluster's nodes are in its target; ``--slices`` joins TPU slices only."""
+    if slices != 1:
+        raise LabError(
+            f"--slices {slices}: a GPU cluster's nodes are in its target ({GPU_TARGET_FORM}); --slices joins TPU slices"
+        )
+
+
+def check_gpu_flags(libtpu_flags: str) -> None:
+    """libtpu's flags mean nothing to XLA:GPU."""
+    if libtpu_flags:
+        raise LabError("--libtpu-flags: libtpu compiles for TPU targets only; a GPU target takes no libtpu flags")
+
+
+def compiled_layers_for(layers_compiled: int, layers: int) -> int:
+    """The layers to compile: all of them (0, or at least the model's depth), or K >= 2 read at depth."""
+    if layers_compiled < 0:
+        raise LabError(f"--layers-compiled {layers_compiled}: use 0 (all layers) or a count of 2 or more")
+    if layers_compiled == 1:  # XLA removes a loop of one trip: that program has no layer loop to read deeper
+        raise LabError(
+            "--layers-compiled 1: XLA compiles a scan over one layer without its loop, so that program is not one "
+            "layer of the deep model's; use 2 or more"
+        )
+    if layers_compiled == 0 or layers_compiled >= layers:
+        return layers
+    return layers_compiled
