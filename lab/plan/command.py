@@ -96,6 +96,11 @@ def problem_of(command: Plan) -> Problem:
         topology, slices = f"{chip}:1x{per_node}", nodes  # one node is the slice, InfiniBand joins the nodes
     else:
         chip, topology, slices = target.generation, target.topology, command.slices
+    if profile(chip).devices_per_chip > 1:
+        raise LabError(
+            f"--target {command.target}: lab plan lays one device per chip on the torus, and {chip} has "
+            f"{profile(chip).devices_per_chip}; rank its layouts one by one with lab predict"
+        )
     torus = topology_shape(topology)
     chips = math.prod(torus) * slices
     check_step_tokens(command.batch_per_device, chips, command.seq)

@@ -118,6 +118,7 @@ def test_a_plot_name_matplotlib_cannot_write_is_one_line_before_the_plan(capsys,
     "argv, words",
     [
         (["--target", "gpu:h100:2x8", "--slices", "2"], "--slices 2: a GPU cluster's nodes are in its target"),
+        (["--target", "tpu:tpu7x:4x4x4"], "lays one device per chip"),
         (["--target", "gpu:a100:1x8"], "unknown GPU 'a100'"),
         (["--target", "gpu:h100:1x16"], "at most 8 GPUs"),
         (["--target", "gpu:h100:1x8", "--attention", "flash"], "--attention flash is the Pallas TPU kernel"),
