@@ -119,7 +119,7 @@ def _command(run):
 
 def _row(run) -> Row:
     """Compile `run` and price it twice; in a process of its own, since libtpu takes its flags once a process."""
-    from lab.predict.command import price, read_step
+    from lab.predict.command import attention_flops, price, read_step
 
     reading = read_step(_command(run))
     chip = reading.chip.name
@@ -152,7 +152,7 @@ def _row(run) -> Row:
         memory_bound_s=sum(o.seconds for o in ops if o.bound == "memory"),
         exposed_comm_s=own.exposed_comm_s,
         model_flops_per_chip=own.model_flops_per_step / own.chips,
-        attention_flops_per_chip=_attention_flops(reading.model, run.batch_per_device),
+        attention_flops_per_chip=attention_flops(reading.model, run.batch_per_device * run.seq),
         causal_flops=run.causal_flops,
         hardware_flops_per_chip=own.hardware_flops_per_step / own.chips,
         memory_bytes=own.memory_bytes,
@@ -160,11 +160,6 @@ def _row(run) -> Row:
         compile_s=own.compile_s,
         differs=run.differs,
     )
-
-
-def _attention_flops(model, batch_per_device: int) -> float:
-    """The attention term of the model FLOPs per chip a step: 12 L H K S for each of its batch x S tokens."""
-    return 12.0 * model.layers * model.heads * model.head_dim * model.seq * batch_per_device * model.seq
 
 
 def _lab_count(r: Row) -> float:

@@ -96,10 +96,11 @@ def problem_of(command: Plan) -> Problem:
         topology, slices = f"{chip}:1x{per_node}", nodes  # one node is the slice, InfiniBand joins the nodes
     else:
         chip, topology, slices = target.generation, target.topology, command.slices
-    if profile(chip).devices_per_chip > 1:
+    chip_profile = profile(chip)
+    if chip_profile.devices_per_chip > 1:
         raise LabError(
             f"--target {command.target}: lab plan lays one device per chip on the torus, and {chip} has "
-            f"{profile(chip).devices_per_chip}; rank its layouts one by one with lab predict"
+            f"{chip_profile.devices_per_chip}; rank its layouts one by one with lab predict"
         )
     torus = topology_shape(topology)
     chips = math.prod(torus) * slices
@@ -118,7 +119,7 @@ def problem_of(command: Plan) -> Problem:
     else:
         sequences = command.batch_per_device * chips
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
-    return Problem(model, sequences, profile(chip), torus, topology, slices)
+    return Problem(model, sequences, chip_profile, torus, topology, slices)
 
 
 def make_plan(command: Plan) -> Ranking:

@@ -162,8 +162,12 @@ class Prediction:
 def model_flops(config, tokens: int) -> float:
     """6 · N' · tokens + 12 · L · H · K · S · tokens (see the module docstring)."""
     dense = config.active_parameters - (0 if config.tied else config.vocab * config.embed)
-    attention = 12 * config.layers * config.heads * config.head_dim * config.seq
-    return float(6 * dense * tokens + attention * tokens)
+    return float(6 * dense * tokens) + attention_flops(config, tokens)
+
+
+def attention_flops(config, tokens: int) -> float:
+    """The attention's part of `model_flops`: 12 · L · H · K · S · tokens, the full S x S scores (not halved)."""
+    return float(12 * config.layers * config.heads * config.head_dim * config.seq * tokens)
 
 
 @dataclass(frozen=True)
@@ -196,7 +200,6 @@ def read_step(command: Predict) -> Reading:
     from lab.predict.step import DoesNotFit, layout_remat, offloads
     from lab.targets import libtpu
     from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
-    from lab.targets.hardware import profile
 
     target = parse_target(command.target)
     on_gpu = target.platform == "gpu"
@@ -218,7 +221,7 @@ def read_step(command: Predict) -> Reading:
         check_flash_tiling(command.seq)
     check_step_tokens(command.batch_per_device, _chips(target, command.slices), command.seq)
     layout_remat(command.remat)  # a policy name it does not know stops here, before libtpu starts
-    check_precision(command.matmul_precision, profile(target.topology.partition(":")[0]))  # as is a precision
+    check_precision(command.matmul_precision, _profile(target))  # as is a precision
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
     compiled_layers = compiled_layers_for(command.layers_compiled, model.layers)
     if on_gpu:
@@ -332,12 +335,18 @@ def _chips(target, slices: int) -> int:
     # local: see run_prediction
     from lab.targets.devices import topology_shape
     from lab.targets.gpu import parse_cluster
-    from lab.targets.hardware import profile
 
     if target.platform == "gpu":
         _, nodes, per_node = parse_cluster(str(target))
         return nodes * per_node
-    return math.prod(topology_shape(target.topology)) * slices * profile(target.generation).devices_per_chip
+    return math.prod(topology_shape(target.topology)) * slices * _profile(target).devices_per_chip
+
+
+def _profile(target):
+    """The chip profile a compile-only target names (tpu:<gen>:..., gpu:<chip>:...), without starting a backend."""
+    from lab.targets.hardware import profile
+
+    return profile(target.topology.partition(":")[0])
 
 
 def _compile(model, layers: int, mesh, chip, command: Predict):
