@@ -39,14 +39,19 @@ def _run(model: ModelConfig, mesh, start=None, **config):
     return trainer, first, history, state
 
 
+def _control(model: ModelConfig):
+    """The same training on one device: what every split run is held to."""
+    return _run(model, MeshSpec().build(jax.devices()[:1]), strategy="ddp")
+
+
 @pytest.fixture(scope="module")
 def dense_control():
-    return _run(preset("tiny"), MeshSpec().build(jax.devices()[:1]), strategy="ddp")
+    return _control(preset("tiny"))
 
 
 @pytest.fixture(scope="module")
 def moe_control():
-    return _run(MOE, MeshSpec().build(jax.devices()[:1]), strategy="ddp")
+    return _control(MOE)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +118,7 @@ QK_NORM = replace(preset("tiny"), qk_norm=True)  # a q/k norm's scale meets head
 
 @pytest.fixture(scope="module")
 def qk_norm_control():
-    return _run(QK_NORM, MeshSpec().build(jax.devices()[:1]), strategy="ddp")
+    return _control(QK_NORM)
 
 
 @pytest.fixture(scope="module")
