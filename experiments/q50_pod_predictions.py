@@ -293,7 +293,8 @@ def _chip(devices):
 
 
 def _whole_point(compiled, step, model, mesh, chip, config: Config) -> Point:
-    from lab.predict.command import _memory_bytes, _mesh_text, model_flops
+    from lab.predict.command import _memory_bytes, _mesh_text
+    from lab.predict.spec import model_flops
 
     chips = mesh.devices.size
     tokens = CALIBRATION.batch_per_device * chips * CALIBRATION.seq

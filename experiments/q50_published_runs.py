@@ -119,7 +119,8 @@ def _command(run):
 
 def _row(run) -> Row:
     """Compile `run` and price it twice; in a process of its own, since libtpu takes its flags once a process."""
-    from lab.predict.command import attention_flops, price, read_step
+    from lab.predict.command import price, read_step
+    from lab.predict.spec import attention_flops
 
     reading = read_step(_command(run))
     chip = reading.chip.name

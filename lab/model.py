@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
 import jax
@@ -96,6 +96,13 @@ class ModelConfig:
     tied: bool = False  # the unembedding is the embedding table, transposed
     attention: str = "xla"  # xla (dot product, scores materialized) or flash (the Pallas TPU kernel; TPU only)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotation (Qwen3, OLMo 2, Gemma 3)
+    shared_experts: int = 0  # experts every token goes through besides its top k, each `mlp` wide (DeepSeek, Llama 4)
+    dense_layers: int = 0  # an MoE model's first layers, with a dense MLP instead (DeepSeek-V3: 3)
+    moe_every: int = 1  # an MoE layer every n layers, the n - 1 before it dense (Llama 4 Maverick: 2)
+    dense_mlp: int = 0  # the width of an MoE model's dense layers (0: `mlp`)
+    kv_rank: int = 0  # multi-head latent attention: K and V from one compressed width (DeepSeek-V2/V3); 0: off
+    q_rank: int = 0  # MLA's compressed query width (0: the queries from the full width)
+    rope_dim: int = 0  # MLA's rotary channels of each query and key head, beside head_dim (the key's shared by heads)
 
     def __post_init__(self) -> None:
         if self.experts < 0:
@@ -112,6 +119,36 @@ class ModelConfig:
             raise LabError(
                 f"kv_heads={self.kv_heads} must divide heads={self.heads} (each K/V head serves heads/kv_heads queries)"
             )
+        self._check_moe_layers()
+        self._check_latent_attention()
+
+    def _check_moe_layers(self) -> None:
+        mixed = {
+            "shared_experts": self.shared_experts,
+            "dense_layers": self.dense_layers,
+            "moe_every": self.moe_every - 1,
+        }
+        if any(v < 0 for v in mixed.values()) or self.moe_every < 1:
+            raise LabError("shared_experts and dense_layers must be 0 or more, moe_every 1 or more")
+        given = [name for name, value in mixed.items() if value]
+        if given and not self.experts:
+            raise LabError(f"{', '.join(given)}: a dense model has no MoE layers to shape; give experts=E too")
+        moe_part = self.layers - self.dense_layers
+        if self.experts and (moe_part < self.moe_every or moe_part % self.moe_every):
+            raise LabError(
+                f"layers={self.layers} after dense_layers={self.dense_layers} must be a positive multiple of "
+                f"moe_every={self.moe_every} (each period: moe_every - 1 dense layers, then an MoE one)"
+            )
+
+    def _check_latent_attention(self) -> None:
+        if not self.kv_rank:
+            if self.q_rank or self.rope_dim:
+                raise LabError("q_rank and rope_dim shape latent attention: give kv_rank too (DeepSeek-V3: 512)")
+            return
+        if self.kv_heads not in (None, self.heads):
+            raise LabError(f"kv_rank={self.kv_rank}: latent attention has a key and value per head; drop kv_heads")
+        if self.rope_dim < 2 or self.rope_dim % 2 or self.head_dim % 2:
+            raise LabError(f"kv_rank={self.kv_rank}: give an even rope_dim of 2 or more (DeepSeek-V3: 64)")
 
     @property
     def groups(self) -> int:
@@ -128,35 +165,66 @@ class ModelConfig:
         return RouterConfig(experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor)
 
     @property
+    def dense_width(self) -> int:
+        """The MLP width of a dense layer (an MoE model's dense layers may differ from its experts)."""
+        return self.dense_mlp or self.mlp
+
+    @property
+    def moe_layers(self) -> int:
+        """The layers whose MLP is a mixture of experts."""
+        return (self.layers - self.dense_layers) // self.moe_every if self.experts else 0
+
+    @property
+    def scan_length(self) -> int:
+        """How many times the layers' scan runs its body: once per layer, or per period of `moe_every` layers,
+        after the `dense_layers` (their own scan)."""
+        return (self.layers - self.dense_layers) // self.moe_every
+
+    def with_scan_length(self, n: int) -> ModelConfig:
+        """This model with its scan `n` long (its dense prefix as it is): the shallower program depth reading
+        compiles."""
+        return replace(self, layers=self.dense_layers + n * self.moe_every)
+
+    @property
     def parameters(self) -> int:
-        """Ψ = 2VD + L(4DHK + 2DF + 2D) + D, or, in an MoE model, DE + 2EDF for the MLP (see the module docstring)."""
+        """Ψ: the embeddings, the blocks, the final norm (see the module docstring)."""
         return (1 if self.tied else 2) * self.vocab * self.embed + self.block_parameters + self.embed
 
     @property
     def block_parameters(self) -> int:
-        """The weights inside the layer scan (attention, MLP or experts and router, the norms)."""
+        """The weights inside the layers' scans (attention, MLP or experts and router, the norms)."""
         norms = (1 if self.block == "parallel" else 2) * self.embed + (2 * self.head_dim if self.qk_norm else 0)
-        attention = 2 * self.embed * self.head_dim * (self.heads + self.groups)
-        return self.layers * (attention + self._feed_forward_parameters + norms)
+        dense = (self.layers - self.moe_layers) * self._mlp_parameters(self.dense_width)
+        return self.layers * (self._attention_parameters + norms) + dense + self.moe_layers * self._moe_parameters
 
     @property
     def active_parameters(self) -> int:
         """The parameters one token goes through: Ψ with k experts in place of E (Ψ itself for a dense model)."""
-        if not self.experts:
-            return self.parameters
-        return self.parameters - self.layers * (self.experts - self.top_k) * self._one_mlp
+        return self.parameters - self.moe_layers * (self.experts - self.top_k) * self._mlp_parameters(self.mlp)
 
     @property
-    def _one_mlp(self) -> int:
-        """2DF for a plain MLP or expert, 3DF for a gated one."""
-        return (3 if self.gated else 2) * self.embed * self.mlp
+    def _attention_parameters(self) -> int:
+        """Q, K, V and the output projection: 2DK(H + G); latent attention's down- and up-projections instead."""
+        d, h, k = self.embed, self.heads, self.head_dim
+        if not self.kv_rank:
+            return 2 * d * k * (h + self.groups)
+        r, c = self.rope_dim, self.kv_rank
+        query = self.q_rank * (d + 1 + h * (k + r)) if self.q_rank else d * h * (k + r)
+        return query + d * (c + r) + c + c * h * 2 * k + h * k * d
+
+    def _mlp_parameters(self, width: int) -> int:
+        """2DF for a plain MLP or expert of width F, 3DF for a gated one."""
+        return (3 if self.gated else 2) * self.embed * width
 
     @property
-    def _feed_forward_parameters(self) -> int:
-        """The MLP; or DE + E MLPs for the router and the experts."""
-        if self.experts:
-            return self.experts * (self.embed + self._one_mlp)
-        return self._one_mlp
+    def _moe_parameters(self) -> int:
+        """One MoE layer: the router DE, E experts and the shared ones."""
+        return self.experts * (self.embed + self._mlp_parameters(self.mlp)) + self._mlp_parameters(self.shared_width)
+
+    @property
+    def shared_width(self) -> int:
+        """The shared experts as one MLP (DeepSeek-V2's): `shared_experts` x `mlp` wide."""
+        return self.shared_experts * self.mlp
 
 
 FEED_FORWARDS = ("gelu", "relu", "silu", "swiglu", "geglu")
@@ -269,11 +337,12 @@ def _fan_in(in_axis, out_axis):
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * scale over the last axis, computed in fp32 (Zhang & Sennrich 2019): the model width, or each
-    attention head's (``axis="head_dim"``, the query and key norms)."""
+    """x / rms(x) * scale over the last axis, computed in fp32 (Zhang & Sennrich 2019): the model width, each
+    attention head's (``axis="head_dim"``, the query and key norms), or a latent attention's compressed width
+    (``axis="latent"``, ``width=`` it)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, axis: str = "embed"):
-        width = config.embed if axis == "embed" else config.head_dim
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, axis: str = "embed", width: int = 0):
+        width = width or (config.embed if axis == "embed" else config.head_dim)
         self.scale = _param(rngs, nnx.initializers.ones, (width,), (axis,))
 
     def __call__(self, x: jax.Array, layout: Parallelism) -> jax.Array:
@@ -319,14 +388,64 @@ class Attention(nnx.Module):
             q_BSHK, k_BSGK = self.query_norm(q_BSHK, layout), self.key_norm(k_BSGK, layout)
         q_BSHK, k_BSGK = rotary(q_BSHK), rotary(k_BSGK)
         v_BSGK = checkpoint_name(jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.value)), "value_proj")
-        if self.kernel == "flash":
-            mixed_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK)
-        elif k_BSGK.shape[2] == q_BSHK.shape[2]:
-            mixed_BSHK = _dot_attention(q_BSHK, k_BSGK, v_BSGK)
+        return _attend_and_project(q_BSHK, k_BSGK, v_BSGK, self.out, self.kernel, layout)
+
+
+def _attend_and_project(q_BSHK, k_BSGK, v_BSGK, out: nnx.Param, kernel: str, layout: Parallelism) -> jax.Array:
+    """Causal attention by `kernel` (see `ATTENTIONS`), then the row-parallel output projection."""
+    if kernel == "flash":
+        mixed_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK)
+    elif k_BSGK.shape[2] == q_BSHK.shape[2]:
+        mixed_BSHK = _dot_attention(q_BSHK, k_BSGK, v_BSGK)
+    else:
+        mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout)
+    mixed_BSHK = checkpoint_name(mixed_BSHK, "context")  # the attention's output, before its projection
+    return checkpoint_name(row_parallel("bshk,hkd->bsd", mixed_BSHK, layout.use(out), layout), "out_proj")
+
+
+class LatentAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2, arXiv:2405.04434, Section 2.1), as trained (not absorbed).
+
+    Keys and values come from one compressed width C (`kv_rank`) per token, normed, then expanded per head; the
+    queries likewise from `q_rank` (or from the model width). Rotary positions live in R (`rope_dim`) channels
+    apart: each query head has its own, the key one set shared by every head, taken from the model width beside
+    the latent. Each head then attends with K + R channels and reads K-wide values.
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        d, h, k, r, c = config.embed, config.heads, config.head_dim, config.rope_dim, config.kv_rank
+        if config.q_rank:
+            self.query_down = _param(rngs, _fan_in(0, 1), (d, config.q_rank), ("embed", None))
+            self.query_norm = RMSNorm(config, rngs, "latent", config.q_rank)
+        widths = config.q_rank or d
+        self.query = _param(
+            rngs, _fan_in(0, (1, 2)), (widths, h, k + r), ("latent" if config.q_rank else "embed", "heads", "head_dim")
+        )
+        self.kv_down = _param(rngs, _fan_in(0, 1), (d, c + r), ("embed", None))
+        self.kv_norm = RMSNorm(config, rngs, "latent", c)
+        self.key = _param(rngs, _fan_in(0, (1, 2)), (c, h, k), ("latent", "heads", "head_dim"))
+        self.value = _param(rngs, _fan_in(0, (1, 2)), (c, h, k), ("latent", "heads", "head_dim"))
+        self.out = _param(rngs, _fan_in((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"))
+        self.compressed_queries, self.rank, self.kernel = bool(config.q_rank), c, config.attention
+
+    def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
+        if self.compressed_queries:
+            x_BSQ = self.query_norm(jnp.einsum("bsd,dq->bsq", x_BSD, layout.use(self.query_down)), layout)
+            q_BSHJ = jnp.einsum("bsq,qhj->bshj", x_BSQ, layout.use(self.query))
         else:
-            mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout)
-        mixed_BSHK = checkpoint_name(mixed_BSHK, "context")  # the attention's output, before its projection
-        return checkpoint_name(row_parallel("bshk,hkd->bsd", mixed_BSHK, layout.use(self.out), layout), "out_proj")
+            q_BSHJ = jnp.einsum("bsd,dhj->bshj", x_BSD, layout.use(self.query))
+        q_BSHJ = checkpoint_name(q_BSHJ, "query_proj")
+        latent_BSC = jnp.einsum("bsd,dc->bsc", x_BSD, layout.use(self.kv_down))
+        c_BSC = self.kv_norm(latent_BSC[..., : self.rank], layout)
+        k_BSHK = checkpoint_name(jnp.einsum("bsc,chk->bshk", c_BSC, layout.use(self.key)), "key_proj")
+        v_BSHK = checkpoint_name(jnp.einsum("bsc,chk->bshk", c_BSC, layout.use(self.value)), "value_proj")
+        k = k_BSHK.shape[-1]
+        q_BSHJ = jnp.concatenate([q_BSHJ[..., :k], rotary(q_BSHJ[..., k:])], axis=-1)
+        rope_BSHR = jnp.broadcast_to(
+            rotary(latent_BSC[:, :, None, self.rank :]), (*k_BSHK.shape[:3], q_BSHJ.shape[-1] - k)
+        )
+        k_BSHJ = jnp.concatenate([k_BSHK, _move(rope_BSHR, layout, _BSHK)], axis=-1)
+        return _attend_and_project(q_BSHJ, k_BSHJ, v_BSHK, self.out, self.kernel, layout)
 
 
 def _causal_softmax(scores: jax.Array, dtype) -> jax.Array:
@@ -383,6 +502,11 @@ def check_flash_tiling(seq: int) -> int:
     return seq
 
 
+def _kernel_width(width: int) -> int:
+    """The head width the flash kernel takes for `width` channels: itself up to 128, else the next multiple of 128."""
+    return width if width <= 128 else -(-width // 128) * 128
+
+
 def flash_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> jax.Array:
     """Causal attention by the Pallas TPU flash kernel (Dao et al. 2022), one device's heads at a time.
 
@@ -401,11 +525,14 @@ def flash_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> 
         q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_bshk, k_bsgk, v_bsgk))  # the kernel's [b, h, s, k]
         if repeats > 1:
             k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
+        # the kernel wants one head width for q, k and v, a multiple of 128 beyond 128: latent attention's (192 for
+        # q and k, 128 for v) is zero-padded to it, which changes no score and no output (sm_scale is the unpadded)
+        width, padded = v.shape[-1], _kernel_width(q.shape[-1])
+        q, k, v = (jnp.pad(a, ((0, 0),) * 3 + ((0, padded - a.shape[-1]),)) for a in (q, k, v))
         block = min(FLASH_BLOCK, q.shape[2])
         blocks = pallas_flash.BlockSizes(block_b=1, **dict.fromkeys(_FLASH_BLOCK_NAMES, block))
-        return jnp.swapaxes(
-            pallas_flash.flash_attention(q, k, v, causal=True, sm_scale=scale, block_sizes=blocks), 1, 2
-        )
+        mixed = pallas_flash.flash_attention(q, k, v, causal=True, sm_scale=scale, block_sizes=blocks)
+        return jnp.swapaxes(mixed[..., :width], 1, 2)
 
     if jax.typeof(q_BSHK).sharding.mesh.empty:  # one device, no mesh: the kernel sees the whole arrays
         return local(q_BSHK, k_BSGK, v_BSGK)
@@ -416,11 +543,12 @@ def flash_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> 
 class MLP(nnx.Module):
     """Feed-forward D -> F -> D: act(x W_in) W_out, or gated, (act(x W_gate) * x W_in) W_out (SwiGLU, GeGLU)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.w_in = _param(rngs, _fan_in(0, 1), (config.embed, config.mlp), ("embed", "mlp"))
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, width: int = 0):
+        d, f = config.embed, width or config.mlp
+        self.w_in = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
         if config.gated:
-            self.w_gate = _param(rngs, _fan_in(0, 1), (config.embed, config.mlp), ("embed", "mlp"))
-        self.w_out = _param(rngs, _fan_in(0, 1), (config.mlp, config.embed), ("mlp", "embed"))
+            self.w_gate = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
+        self.w_out = _param(rngs, _fan_in(0, 1), (f, d), ("mlp", "embed"))
         self.gated = config.gated
         self.activation = _activation(config)
 
@@ -461,6 +589,8 @@ class MoE(nnx.Module):
         if config.gated:
             self.w_gate = _param(rngs, _fan_in(1, 2), (e, d, f), ("experts", "embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(1, 2), (e, f, d), ("experts", "mlp", "embed"))
+        if config.shared_experts:  # one dense MLP as wide as the shared experts together
+            self.shared = MLP(config, rngs, config.shared_width)
         self.activation = _activation(config)
         self.config = config
 
@@ -485,6 +615,8 @@ class MoE(nnx.Module):
         )
         y_BECD = _move(y_BECD, layout, _BECD_AT_HOME)  # combine: the all-to-all back
         y_BSD = jax.vmap(combine)(y_BECD, routing)
+        if self.config.shared_experts:
+            y_BSD = sequence_split(y_BSD, layout) + self.shared(x_BSD, layout)
         balance = jax.vmap(balance_loss, in_axes=(0, None))(routing, Balance(aux_loss=self.config.aux_loss))
         return y_BSD, MoEStats(balance.mean(), jax.tree.map(lambda c: c.sum(0), jax.vmap(load_counts)(routing)))
 
@@ -493,17 +625,17 @@ class Block(nnx.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)) (or x + moe(norm(x)));
     parallel: x + attention(norm(x)) + mlp(norm(x)) with one norm."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, moe: bool | None = None):
         self.attention_norm = RMSNorm(config, rngs)
-        self.attention = Attention(config, rngs)
+        self.attention = (LatentAttention if config.kv_rank else Attention)(config, rngs)
         self.parallel = config.block == "parallel"
         if not self.parallel:
             self.mlp_norm = RMSNorm(config, rngs)
-        if config.experts:
+        self.experts = config.experts if moe is None or moe else 0
+        if self.experts:
             self.moe = MoE(config, rngs)
         else:
-            self.mlp = MLP(config, rngs)
-        self.experts = config.experts
+            self.mlp = MLP(config, rngs, config.dense_width)
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         return self.forward(x_BSD, layout)[0]
@@ -547,19 +679,45 @@ _BECD_AT_EXPERTS = (
 )  # each device: its experts' slots from a share of the sequences
 
 
+class Period(nnx.Module):
+    """`moe_every` consecutive layers of an interleaved MoE model: dense ones, then an MoE one (Llama 4 Maverick:
+    dense, MoE, dense, MoE, ...); the layers' scan runs over periods."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(config, rngs, moe=False) for _ in range(config.moe_every - 1)])
+        self.moe = Block(config, rngs, moe=True)
+
+    def forward(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats]:
+        for block in self.dense:
+            x_BSD = block(x_BSD, layout)
+        return self.moe.forward(x_BSD, layout)
+
+
+def _stacked(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
+    """`n` modules made by `make`, their weights stacked on a leading ``layers`` axis."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_LAYERS)
+    def stacked(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return stacked(rngs)
+
+
 class Transformer(nnx.Module):
-    """tokens [B, S] -> next-token logits [B, S, V] (fp32)."""
+    """tokens [B, S] -> next-token logits [B, S, V] (fp32).
+
+    The layers are one scan over `blocks` (a `Block` per layer, or a `Period` of layers), after a scan over
+    `dense_blocks` where an MoE model begins with dense layers (DeepSeek-V3's first three).
+    """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
         self.embedding = _param(rngs, nnx.initializers.normal(1.0), (config.vocab, config.embed), ("vocab", "embed"))
-
-        @nnx.split_rngs(splits=config.layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=_LAYERS)
-        def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(config, rngs)
-
-        self.blocks = stacked_blocks(rngs)
+        if config.dense_layers:
+            self.dense_blocks = _stacked(config.dense_layers, lambda r: Block(config, r, moe=False), rngs)
+        unit = Period if config.moe_every > 1 else Block
+        self.blocks = _stacked(config.scan_length, lambda r: unit(config, r), rngs)
         self.final_norm = RMSNorm(config, rngs)
         if not config.tied:
             self.unembed = _param(rngs, _fan_in(0, 1), (config.embed, config.vocab), ("embed", "vocab"))
@@ -568,9 +726,16 @@ class Transformer(nnx.Module):
         return self.forward(tokens_BS, layout)[0]
 
     def forward(self, tokens_BS: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
-        """Logits and, for an MoE model, each layer's `MoEStats` stacked on a leading layers axis."""
-        x_BSD, stats = run_blocks(self.blocks, self.embed(tokens_BS, layout), layout)
+        """Logits and, for an MoE model, each MoE layer's `MoEStats` stacked on a leading layers axis."""
+        x_BSD, stats = run_blocks(self.blocks, self.dense_prefix(self.embed(tokens_BS, layout), layout), layout)
         return self.head(x_BSD, layout), stats
+
+    def dense_prefix(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
+        """The first `dense_layers` layers (x itself when there are none), under the named scope ``dense_layers``."""
+        if not self.config.dense_layers:
+            return x_BSD
+        with jax.named_scope("dense_layers"):
+            return run_blocks(self.dense_blocks, x_BSD, layout)[0]
 
     def embed(self, tokens_BS: jax.Array, layout: Parallelism) -> jax.Array:
         """tokens [B, S] -> embeddings [B, S, D]."""
@@ -587,10 +752,11 @@ class Transformer(nnx.Module):
         return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)
 
 
-def run_blocks(blocks: Block, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
-    """Apply stacked blocks (weights [n, ...]: all L layers, or one pipeline stage's L/P) in order, as one scan."""
+def run_blocks(blocks: Block | Period, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
+    """Apply stacked blocks or periods (weights [n, ...]: all of them, or one pipeline stage's share) in order, as
+    one scan."""
 
-    def block(x_BSD: jax.Array, one_block: Block) -> tuple[jax.Array, MoEStats | None]:
+    def block(x_BSD: jax.Array, one_block: Block | Period) -> tuple[jax.Array, MoEStats | None]:
         return one_block.forward(x_BSD, layout)
 
     if layout.remat_policy is not None:

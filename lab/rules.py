@@ -53,6 +53,7 @@ LOGICAL_AXES = (
     "batch",
     "sequence",
     "embed",
+    "latent",
     "heads",
     "head_dim",
     "mlp",
@@ -205,7 +206,9 @@ class Strategy:
         return frozenset(axis for rules in tables for _, axes in rules.table for axis in axes)
 
 
-_SHARDED = Rules.of({"embed": "fsdp"})  # ZeRO shards every weight along its model dimension, like MaxText's fsdp rule
+# ZeRO shards every weight along its model dimension, like MaxText's fsdp rule, or along a latent attention's compressed
+# width where the weight has no model dimension (its up-projections; MaxText's q_lora and kv_lora)
+_SHARDED = Rules.of({"embed": "fsdp", "latent": "fsdp"})
 _REPLICATED = Rules()
 
 STRATEGIES: dict[str, Strategy] = {

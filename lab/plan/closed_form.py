@@ -70,6 +70,7 @@ from dataclasses import dataclass, replace
 from lab import theory
 from lab.mesh import AXES, MeshSpec
 from lab.plan.space import Layout, Problem
+from lab.predict.spec import model_flops
 from lab.targets.topology import Placement, placement
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and gradients; fp32 master + Adam moments
@@ -148,24 +149,22 @@ class Estimate:
 # --------------------------------------------------------------------------- the model's shapes
 
 
-@dataclass(frozen=True)
-class _Shapes:
-    """Per-layer weights, split by which axes divide them."""
-
-    tensor_split: float  # attention and (dense) MLP weights: split over tensor
-    expert_split: float  # expert weights: split over expert and tensor
-    whole: float  # norms and router: split over fsdp only (and stage)
-    vocab: float  # embedding (+ unembedding) parameters
-
-
-@functools.cache
-def _shapes(model) -> _Shapes:
-    d, k = model.embed, model.head_dim
-    attention = 2 * d * k * (model.heads + model.groups)
-    norms = (1 if model.block == "parallel" else 2) * d
-    if model.experts:
-        return _Shapes(attention, model.experts * 2 * d * model.mlp, norms + d * model.experts, _vocab(model))
-    return _Shapes(attention + (3 if model.gated else 2) * d * model.mlp, 0.0, norms, _vocab(model))
+def layer_kinds(model) -> tuple[tuple[int, object], ...]:
+    """The model's layers by kind, (how many, the model with every layer of that kind): one kind, or an MoE
+    model's dense layers (DeepSeek-V3's first three, Llama 4's interleaved) and its MoE ones."""
+    moe = model.moe_layers
+    if moe in (0, model.layers):
+        return ((model.layers, model),)
+    dense = replace(
+        model,
+        experts=0,
+        shared_experts=0,
+        dense_layers=0,
+        moe_every=1,
+        mlp=model.dense_width,
+        layers=model.layers - moe,
+    )
+    return ((model.layers - moe, dense), (moe, replace(model, dense_layers=0, moe_every=1, layers=moe)))
 
 
 def _vocab(model) -> float:
@@ -174,9 +173,9 @@ def _vocab(model) -> float:
 
 def params_per_chip(model, mesh: MeshSpec) -> float:
     """Parameters each chip stores (the ZeRO-3 table with the model-parallel splits)."""
-    s, shapes = mesh.sizes, _shapes(model)
-    per_layer = shapes.tensor_split / s["tensor"] + shapes.expert_split / (s["tensor"] * s["expert"]) + shapes.whole
-    return (model.layers / s["stage"] * per_layer + shapes.vocab) / s["fsdp"]
+    s = mesh.sizes
+    layers = sum(n * _layer_gathered(kind, mesh) for n, kind in layer_kinds(model))
+    return (layers / s["stage"] + _vocab(model)) / s["fsdp"]
 
 
 def _layer_gathered(model, mesh: MeshSpec) -> float:
@@ -187,17 +186,50 @@ def _layer_gathered(model, mesh: MeshSpec) -> float:
 def _layer_weights(model, mesh: MeshSpec) -> tuple[float, ...]:
     """Each weight of one layer (elements) as the matmuls use it; XLA gathers and reduce-scatters them one by one.
 
-    q, k, v and the out-projection; the MLP's two or three matrices (an MoE layer's expert stacks and its router);
-    the norms' scales."""
+    The attention's projections; the MLP's two or three matrices (an MoE layer's expert stacks, its router and its
+    shared experts); the norms' scales."""
     s = mesh.sizes
-    d, f, k, h, g, t = model.embed, model.mlp, model.head_dim, model.heads, model.groups, s["tensor"]
-    attention = (d * h * k / t, d * g * k / t, d * g * k / t, h * k * d / t)
+    d, f, t, matrices = model.embed, model.mlp, s["tensor"], 3 if model.gated else 2
     if model.experts:
-        mlp = (model.experts * d * f / (t * s["expert"]),) * 2 + (d * model.experts,)
+        shared = (d * model.shared_width / t,) * (matrices if model.shared_experts else 0)
+        mlp = (model.experts * d * f / (t * s["expert"]),) * matrices + (d * model.experts,) + shared
     else:
-        mlp = (d * f / t,) * (3 if model.gated else 2)
+        mlp = (d * f / t,) * matrices
     norms = (float(d),) * (1 if model.block == "parallel" else 2)
-    return attention + mlp + norms
+    return _attention_weights(model, t) + mlp + norms
+
+
+def _attention_weights(model, t: int) -> tuple[float, ...]:
+    """Q, K, V and the output projection; latent attention's down-projections (whole over tensor), their norms and
+    its up-projections."""
+    d, k, h, g = model.embed, model.head_dim, model.heads, model.groups
+    if not model.kv_rank:
+        return (d * h * k / t, d * g * k / t, d * g * k / t, h * k * d / t)
+    c, r, q = model.kv_rank, model.rope_dim, model.q_rank
+    query = (d * q, float(q), q * h * (k + r) / t) if q else (d * h * (k + r) / t,)
+    return (*query, d * (c + r), float(c), c * h * k / t, c * h * k / t, h * k * d / t)
+
+
+def _attention_matmuls(model, t: int) -> tuple[tuple[float, float, float], ...]:
+    """The attention's forward projections as (tokens through it per token, in, out features)."""
+    d, k, h, g = model.embed, model.head_dim, model.heads, model.groups
+    if not model.kv_rank:
+        return ((1.0, d, (h + 2 * g) * k / t), (1.0, h * k / t, d))  # q, k, v; the out-projection
+    c, r, q = model.kv_rank, model.rope_dim, model.q_rank
+    query = ((1.0, d, q), (1.0, q, h * (k + r) / t)) if q else ((1.0, d, h * (k + r) / t),)
+    return (*query, (1.0, d, c + r), (1.0, c, 2 * h * k / t), (1.0, h * k / t, d))
+
+
+def _attention_outputs(model, t: int) -> float:
+    """Elements per token the attention's projections write (what ``minimal`` remat saves of them)."""
+    return sum(n for _, _, n in _attention_matmuls(model, t)[:-1])
+
+
+def _qk_width(model, t: int) -> float:
+    """Channels per token of the queries and keys (rotary rotates them; a latent key's rotary part is shared)."""
+    if not model.kv_rank:
+        return (model.heads + model.groups) * model.head_dim / t
+    return 2 * model.heads * (model.head_dim + model.rope_dim) / t
 
 
 # --------------------------------------------------------------------------- activations
@@ -208,19 +240,24 @@ def _mlp_width(model) -> float:
     return model.top_k * (model.capacity_factor or 1.0) if model.experts else 1.0
 
 
+def _hidden(model, tensor: int) -> float:
+    """The MLP's hidden elements per token on a tensor shard: its width, or the experts' and the shared experts'."""
+    return (model.mlp * _mlp_width(model) + (model.shared_width if model.experts else 0)) / tensor
+
+
 def saved_per_layer(model, tokens: float, tensor: int, remat: str, attention: str) -> float:
     """Bytes one layer keeps for the backward pass for `tokens` tokens on a chip (see the module docstring)."""
-    d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
+    d, k, h = model.embed, model.head_dim, model.heads
     if remat == "full":
         return ACTIVATION_BYTES * tokens * d  # the block's input: the scan's carry
-    hidden = (2 if model.gated else 1) * f / tensor * _mlp_width(model)
-    dots = k * (h + 2 * g) / tensor + d + hidden + d  # q, k, v; attention out-projection; MLP hidden; MLP out
+    hidden = (2 if model.gated else 1) * _hidden(model, tensor)
+    dots = _attention_outputs(model, tensor) + d + hidden + d  # the projections; out-projection; MLP hidden and out
     scores = model.seq * h / tensor if attention == "xla" else 0.0  # [b, H, S, S]: a dot only without flash
     mixed = h * k / tensor if attention == "xla" else 0.0  # scores @ V is a dot too
     saved = dots + scores + mixed
     if remat == "none":
         # everything else: two norm outputs, rotated q and k, the attention output, the activation, the residual
-        saved += 2 * d + k * (h + g) / tensor + h * k / tensor + hidden + d
+        saved += 2 * d + _qk_width(model, tensor) + h * k / tensor + hidden + d
         saved += 2 * model.seq * h / tensor if attention == "xla" else 2 * h / tensor  # fp32 softmax (or logsumexp)
     return ACTIVATION_BYTES * tokens * saved
 
@@ -236,42 +273,42 @@ def memory(problem: Problem, layout: Layout) -> Memory:
     shard_tokens = problem.tokens / layout.batch_ways  # tokens on a chip per step
     micro_tokens = shard_tokens / layout.micro_batches
     in_flight = theory.peak_micro_batches_in_flight("gpipe", s["stage"], layout.micro_batches) if s["stage"] > 1 else 1
-    layers = model.layers / s["stage"]
-    saved = saved_per_layer(model, micro_tokens, s["tensor"], layout.remat, model.attention) * layers * in_flight
+    kinds = layer_kinds(model)
+    saved = in_flight * sum(
+        saved_per_layer(kind, micro_tokens, s["tensor"], layout.remat, model.attention) * n / s["stage"]
+        for n, kind in kinds
+    )
     # backward of one layer: its full working set recomputed (the `none` tally) with its weights gathered twice
-    working = saved_per_layer(model, micro_tokens, s["tensor"], "none", model.attention)
-    gathered = PARAM_BYTES * _layer_gathered(model, mesh) * (2 if s["fsdp"] > 1 else 0)
-    layer_grads = GRAD_BYTES * _layer_gathered(model, mesh)
+    backward = max(
+        saved_per_layer(kind, micro_tokens, s["tensor"], "none", model.attention)
+        + (PARAM_BYTES * (2 if s["fsdp"] > 1 else 0) + GRAD_BYTES) * _layer_gathered(kind, mesh)
+        for _, kind in kinds
+    )
     sequences = micro_tokens / model.seq
     logits = 2 * 4 * sequences * min(LOSS_CHUNK, model.seq) * model.vocab  # fp32 logits and their gradient
     unembed = PARAM_BYTES * model.vocab * model.embed if s["fsdp"] > 1 else 0.0
-    transient = max(working + gathered + layer_grads, logits + unembed)
+    transient = max(backward, logits + unembed)
     return Memory(states.params, states.grads, states.optimizer, saved, transient)
 
 
 # --------------------------------------------------------------------------- compute
 
 
-def model_flops(model, tokens: float) -> float:
-    """6 · N' · tokens + 12 · L · H · K · S · tokens: `lab predict`'s convention (MaxText's)."""
-    dense = model.active_parameters - (0 if model.tied else model.vocab * model.embed)
-    return 6 * dense * tokens + 12 * model.layers * model.heads * model.head_dim * model.seq * tokens
-
-
 def _block_matmuls(model, tensor: int) -> tuple[tuple[float, float, float], ...]:
     """The forward matmuls of one layer on one tensor shard: (tokens through it per token, in, out features)."""
-    d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
-    attention = ((1.0, d, (h + 2 * g) * k / tensor), (1.0, h * k / tensor, d))  # q, k, v; the out-projection
-    width_in = (2 if model.gated else 1) * f / tensor  # W_in, and W_gate beside it in a gated MLP or expert
-    if model.experts:  # each token through top_k experts (and the capacity's padding), and the router
-        width = _mlp_width(model)
-        return (*attention, (width, d, width_in), (width, f / tensor, d), (1.0, d, model.experts))
-    return (*attention, (1.0, d, width_in), (1.0, f / tensor, d))
+    d, f, gates = model.embed, model.mlp, 2 if model.gated else 1  # W_in, and W_gate beside it in a gated MLP
+    attention = _attention_matmuls(model, tensor)
+    if model.experts:  # each token through top_k experts (and the capacity's padding), the router, the shared ones
+        width, sw = _mlp_width(model), model.shared_width / tensor
+        shared = ((1.0, d, gates * sw), (1.0, sw, d)) if sw else ()
+        return (*attention, (width, d, gates * f / tensor), (width, f / tensor, d), (1.0, d, model.experts), *shared)
+    return (*attention, (1.0, d, gates * f / tensor), (1.0, f / tensor, d))
 
 
 def _core_flops(model, tensor: int) -> float:
-    """Attention's QK^T and AV per token of one layer: 4 · S · H · K (the causal kernels skip half the blocks)."""
-    core = 4 * model.seq * model.heads * model.head_dim / tensor
+    """Attention's QK^T and AV per token of one layer: 4 · S · H · K, or 2 · S · H · (2K + R) for latent attention
+    (the causal kernels skip half the blocks)."""
+    core = 2 * model.seq * model.heads * (2 * model.head_dim + model.rope_dim) / tensor
     return core / 2 if model.attention == "flash" else core
 
 
@@ -284,10 +321,10 @@ def _elementwise_bytes(model, tensor: int) -> float:
     """HBM bytes per token of one layer's forward outside the matmuls, each op reading its inputs and writing its
     output once (bf16; the softmax in fp32): two norms, the two residual adds, rotary on q and k, the MLP's
     activation, and XLA attention's softmax over the [H, S, S] scores (the flash kernel keeps them on chip)."""
-    d, f, k, h, g = model.embed, model.mlp, model.head_dim, model.heads, model.groups
+    d, h = model.embed, model.heads
     norms, residuals = 2 * 2 * d, 2 * 3 * d
-    rotary = 2 * (h + g) * k / tensor
-    hidden = f / tensor * _mlp_width(model)
+    rotary = 2 * _qk_width(model, tensor)
+    hidden = _hidden(model, tensor)
     activation = (3 if model.gated or model.experts else 2) * hidden
     values = ACTIVATION_BYTES * (norms + residuals + rotary + activation)
     softmax = 2 * 4 * model.seq * h / tensor if model.attention == "xla" else 0.0
@@ -324,7 +361,7 @@ def _recompute(model, remat: str, tensor: int) -> float:
     if remat == "full":
         return _block_forward_flops(model, tensor)
     if remat == "minimal" and model.attention == "flash":
-        return 2 * model.seq * model.heads * model.head_dim / tensor  # a kernel's output is no dot: recomputed
+        return _core_flops(model, tensor)  # a kernel's output is no dot: recomputed
     return 0.0
 
 
@@ -344,11 +381,11 @@ class _Layer:
         return sum(self.backward)
 
 
-def _layer(problem: Problem, layout: Layout, tokens: float) -> _Layer:
-    """The backward runs each forward matmul twice (the input's and the weight's gradient) and each HBM-bound op
-    about twice; remat adds what it recomputes, and what the forward saved is written once and read back once
-    (the scan stacks it per layer)."""
-    model, t, roof = problem.model, layout.sizes["tensor"], _roofline(problem)
+def _layer(problem: Problem, layout: Layout, tokens: float, model) -> _Layer:
+    """One layer of `model` (a kind of `layer_kinds`). The backward runs each forward matmul twice (the input's and
+    the weight's gradient) and each HBM-bound op about twice; remat adds what it recomputes, and what the forward
+    saved is written once and read back once (the scan stacks it per layer)."""
+    t, roof = layout.sizes["tensor"], _roofline(problem)
     dots, moved = roof.layer_forward(model, t, tokens)
     saved_s = saved_per_layer(model, tokens, t, layout.remat, model.attention) / roof.bytes_per_s
     if layout.remat == "full":
@@ -383,22 +420,23 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     shard_tokens = problem.tokens / layout.batch_ways
     micro_tokens = shard_tokens / m
     layers = model.layers / p
-    layer = _layer(problem, layout, micro_tokens)
-    block_s = m * layers * (layer.forward_s + layer.backward_s)
+    kinds = [(n / p, kind, _layer(problem, layout, micro_tokens, kind)) for n, kind in layer_kinds(model)]
+    forward_s = sum(n * layer.forward_s for n, _, layer in kinds)  # one stage's layers, one micro-batch
+    backward_s = sum(n * layer.backward_s for n, _, layer in kinds)
     vocab_dots, vocab_moved = _vocab_s(problem, layout, shard_tokens)
     optimizer_s = _optimizer_s(problem, layout)
-    matmul_s = m * layers * (layer.forward[0] + layer.backward[0]) + vocab_dots
-    hbm_s = m * layers * (layer.forward[1] + layer.backward[1]) + vocab_moved + optimizer_s
-    flops = shard_tokens * (layers * (3 * _block_forward_flops(model, t) + _recompute(model, layout.remat, t)))
+    matmul_s = m * sum(n * (layer.forward[0] + layer.backward[0]) for n, _, layer in kinds) + vocab_dots
+    hbm_s = m * sum(n * (layer.forward[1] + layer.backward[1]) for n, _, layer in kinds) + vocab_moved + optimizer_s
+    flops = shard_tokens * sum(
+        n * (3 * _block_forward_flops(kind, t) + _recompute(kind, layout.remat, t)) for n, kind, _ in kinds
+    )
     flops += shard_tokens * (4 + 8) * model.vocab * model.embed
     ticks = m + p - 1 if p > 1 else 1
-    bubble_s = (
-        theory.pipeline_step_time(p, m, layers * layer.forward_s, layers * layer.backward_s) - block_s if p > 1 else 0.0
-    )
+    bubble_s = theory.pipeline_step_time(p, m, forward_s, backward_s) - m * (forward_s + backward_s) if p > 1 else 0.0
     costs = []
     links = _links(problem, layout)
     if s["fsdp"] > 1:
-        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, layers, layer.forward_s, layer.backward_s))
+        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, kinds))
     if s["data"] > 1:
         grads = GRAD_BYTES * params_per_chip(model, mesh)
         costs.append(_priced("data", links["data"], _gradient_all_reduce(grads, links["data"])))
@@ -417,7 +455,7 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
             int(micro_tokens), model.embed, model.experts, model.top_k, s["expert"], model.capacity_factor
         )
         buffer = ACTIVATION_BYTES * traffic.capacity * model.experts * model.embed
-        costs.append(_priced("expert", links["expert"], [("all-to-all", buffer, 4 * ticks * layers)]))
+        costs.append(_priced("expert", links["expert"], [("all-to-all", buffer, 4 * ticks * model.moe_layers / p)]))
     return Estimate(
         layout,
         memory(problem, layout),
@@ -432,15 +470,20 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     )
 
 
-def _fsdp(problem, layout, link, ticks, layers, layer_fwd_s, layer_bwd_s) -> AxisCost:
-    """ZeRO-3 over fsdp: per layer and tick, gather forward, gather and reduce-scatter backward, overlapped."""
-    model, mesh = problem.model, layout.mesh
-    each = [PARAM_BYTES * w for w in _layer_weights(model, mesh)]
-    weights = sum(each)
-    gather = sum(_seconds("all-gather", w, link) for w in each)
-    scatter = sum(_seconds("reduce-scatter", w, link) for w in each)
-    per_layer = ticks * layers
-    exposed = per_layer * (max(0.0, gather - layer_fwd_s) + max(0.0, gather + scatter - layer_bwd_s))
+def _fsdp(problem, layout, link, ticks, kinds) -> AxisCost:
+    """ZeRO-3 over fsdp: per layer and tick, gather forward, gather and reduce-scatter backward, overlapped with
+    that layer's compute; `kinds`: (layers of a stage, the kind's model, its `_Layer`)."""
+    model = problem.model
+    collectives = moved = seconds = exposed = 0.0
+    for n, kind, layer in kinds:
+        each = [PARAM_BYTES * w for w in _layer_weights(kind, layout.mesh)]
+        gather = sum(_seconds("all-gather", w, link) for w in each)
+        scatter = sum(_seconds("reduce-scatter", w, link) for w in each)
+        per_layer = ticks * n
+        collectives += 3 * per_layer * len(each)
+        moved += 3 * per_layer * sum(each)
+        seconds += per_layer * (2 * gather + scatter)
+        exposed += per_layer * (max(0.0, gather - layer.forward_s) + max(0.0, gather + scatter - layer.backward_s))
     # the vocabulary tables: gathered before use (the unembedding again for the loss's recompute), reduce-scattered
     tables = PARAM_BYTES * model.vocab * model.embed
     table_kinds = [("all-gather", tables, 1 if model.tied else 3), ("reduce-scatter", tables, 1 if model.tied else 2)]
@@ -448,9 +491,9 @@ def _fsdp(problem, layout, link, ticks, layers, layer_fwd_s, layer_bwd_s) -> Axi
     return AxisCost(
         "fsdp",
         link.text,
-        3 * per_layer * len(each) + sum(n for _, _, n in table_kinds),
-        3 * per_layer * weights + sum(n * size for _, size, n in table_kinds),
-        per_layer * (2 * gather + scatter) + tables_s,
+        round(collectives) + sum(n for _, _, n in table_kinds),
+        moved + sum(n * size for _, size, n in table_kinds),
+        seconds + tables_s,
         exposed + tables_s,
     )
 

@@ -97,10 +97,10 @@ def axis_limits(model: ModelConfig) -> dict[str, tuple[int, ...]]:
     """For each axis, the model dimensions its size must divide (`expert` of a dense model: only 1)."""
     return {
         "data": (),
-        "stage": (model.layers,),
+        "stage": (1,) if model.dense_layers else (model.scan_length,),  # a dense prefix is not pipelined
         "fsdp": (model.embed,),
         "expert": (model.experts,) if model.experts else (1,),
-        "tensor": (model.heads, model.groups, model.mlp),
+        "tensor": (model.heads, model.groups, model.mlp, model.dense_width, model.shared_width or model.mlp),
     }
 
 

@@ -50,7 +50,7 @@ from lab.predict.options import (
     compiled_layers_for,
     resolve_attention,
 )
-from lab.predict.spec import check_step_tokens, parse_model
+from lab.predict.spec import check_step_tokens, model_flops, parse_model
 from lab.targets.gpu import GPU_TARGET_FORM
 
 GiB = 2**30
@@ -100,9 +100,9 @@ class Predict:
     layers_compiled: int = 0
     """0: compile every layer (or 2, read at the model's depth, when the layers' saved inputs alone exceed HBM or
     libtpu refuses the whole step); K (2 or more): compile K layers under scan and read that program at the
-    model's depth, its layer loops run L/K times as often and its stacked buffers L/K times as large
-    (lab.predict.depth; barely faster than the whole: the layers are one scanned body, which is what the compile
-    spends its time on)"""
+    model's depth, its layer loops run L/K times as often and its stacked buffers L/K times as large (K periods
+    of an interleaved MoE's layers; a dense prefix compiled whole) (lab.predict.depth; barely faster than the
+    whole: the layers are one scanned body, which is what the compile spends its time on)"""
     json: bool = False
     """print one JSON object instead of tables"""
 
@@ -159,17 +159,6 @@ class Prediction:
         return self.step_s - self.attention_xla_s + self.attention_flash_s
 
 
-def model_flops(config, tokens: int) -> float:
-    """6 · N' · tokens + 12 · L · H · K · S · tokens (see the module docstring)."""
-    dense = config.active_parameters - (0 if config.tied else config.vocab * config.embed)
-    return float(6 * dense * tokens) + attention_flops(config, tokens)
-
-
-def attention_flops(config, tokens: int) -> float:
-    """The attention's part of `model_flops`: 12 · L · H · K · S · tokens, the full S x S scores (not halved)."""
-    return float(12 * config.layers * config.heads * config.head_dim * config.seq * tokens)
-
-
 @dataclass(frozen=True)
 class Reading:
     """One compiled step read at the model's depth, not yet priced: what a prediction, or a calibration, starts from."""
@@ -223,7 +212,8 @@ def read_step(command: Predict) -> Reading:
     layout_remat(command.remat)  # a policy name it does not know stops here, before libtpu starts
     check_precision(command.matmul_precision, _profile(target))  # as is a precision
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
-    compiled_layers = compiled_layers_for(command.layers_compiled, model.layers)
+    scan = model.scan_length  # what depth reading counts: the layers' scan, not a dense prefix before it
+    compiled_layers = compiled_layers_for(command.layers_compiled, scan)
     if on_gpu:
         devices = gpu_cluster_devices(target.topology)
     else:
@@ -233,18 +223,18 @@ def read_step(command: Predict) -> Reading:
     check_experts(model, mesh.shape["expert"])
     chip = _chip(devices)
     pipelined = dict(mesh.shape).get("stage", 1) > 1
-    if compiled_layers < model.layers and pipelined:
+    if compiled_layers < scan and pipelined:
         raise LabError(_PIPELINED)
     offloaded = offloads(command.remat)
-    if compiled_layers < model.layers and offloaded:
+    if compiled_layers < scan and offloaded:
         raise LabError(_OFFLOADED)
-    whole = compiled_layers == model.layers > FALLBACK_LAYERS and not (pipelined or offloaded)
+    whole = compiled_layers == scan > FALLBACK_LAYERS and not (pipelined or offloaded)
     if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
         compiled_layers = FALLBACK_LAYERS
     try:
         compiled, read, memory, read_s = _compile(model, compiled_layers, mesh, chip, command)
     except DoesNotFit as err:
-        if compiled_layers < model.layers or model.layers <= FALLBACK_LAYERS or pipelined or offloaded:
+        if compiled_layers < scan or scan <= FALLBACK_LAYERS or pipelined or offloaded:
             raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
         # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
         compiled, read, memory, read_s = _compile(model, FALLBACK_LAYERS, mesh, chip, command)
@@ -349,9 +339,9 @@ def _profile(target):
     return profile(target.topology.partition(":")[0])
 
 
-def _compile(model, layers: int, mesh, chip, command: Predict):
-    """Compile the step with `layers` layers and read it at the model's depth: (Compiled, ReadSchedule, memory bytes
-    per chip, seconds the reading took)."""
+def _compile(model, scan: int, mesh, chip, command: Predict):
+    """Compile the step with its layers' scan `scan` long and read it at the model's depth: (Compiled,
+    ReadSchedule, memory bytes per chip, seconds the reading took)."""
     # local: see read_step
     import time
 
@@ -360,7 +350,7 @@ def _compile(model, layers: int, mesh, chip, command: Predict):
     from lab.predict.step import compile_step
 
     compiled = compile_step(
-        replace(model, layers=layers),
+        model.with_scan_length(scan),
         mesh,
         command.batch_per_device,
         remat=command.remat,
@@ -371,8 +361,8 @@ def _compile(model, layers: int, mesh, chip, command: Predict):
     started = time.perf_counter()
     read = read_schedule(compiled.hlo, mesh, chip)
     memory = _memory_bytes(compiled.memory)
-    if layers < model.layers:
-        depth = deeper(read.schedule, layers, model.layers)
+    if scan < model.scan_length:
+        depth = deeper(read.schedule, scan, model.scan_length)
         read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
     return compiled, read, memory, time.perf_counter() - started
 

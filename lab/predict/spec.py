@@ -11,7 +11,14 @@ and pairs that change it (``mixtral-8x7b,capacity=2``)::
 An MoE spec adds ``experts``, ``top_k``, ``capacity`` (slots per expert as a
 multiple of the mean load, MaxText's ``capacity_factor``; ``none`` drops nothing,
 compiled as a buffer the size of each routing group per expert, not a ragged
-kernel) and ``d_ff`` is then each expert's width.
+kernel) and ``d_ff`` is then each expert's width; ``shared_experts`` (each
+``d_ff`` wide, every token goes through them), ``dense_layers`` (the first
+layers dense, DeepSeek's ``first_k_dense_replace``), ``moe_every`` (an MoE
+layer every n, Llama 4's ``interleave_moe_layer_step``) and ``d_ff_dense`` (the
+dense layers' width) shape the stack. ``kv_rank``, ``q_rank`` and ``rope_dim``
+make the attention DeepSeek's latent attention (its ``kv_lora_rank``,
+``q_lora_rank``, ``qk_rope_head_dim``; ``head_dim`` is then its
+``qk_nope_head_dim`` and ``v_head_dim``).
 
 The presets are the configurations their authors published (each one's
 ``config.json`` on the Hugging Face hub, or its paper); their parameter counts
@@ -19,10 +26,17 @@ are checked against the published totals in the tests: to the parameter where
 the count was published exactly, to the digits published otherwise (an MoE's
 total and active counts, as its model card gives them). Rotary positions,
 RMSNorm and no biases are the family's; GPT-J/PaLM-style parallel blocks and
-plain activations are there for specs typed in, not for these presets. Not
-here, because the lab's decoder does not have their blocks: DeepSeek-V3 (latent
-attention, a shared expert), Llama 4 (a shared expert, dense and MoE layers
-interleaved), GPT-OSS (biases, attention sinks, sliding-window layers).
+plain activations are there for specs typed in, not for these presets.
+
+What the presets leave out, each priced as the lab's blocks price it: DeepSeek-V3's
+router scores by sigmoid with a bias and picks within 4 of 8 expert groups (the
+lab's by softmax over all: the same matmuls), and its multi-token-prediction
+module; Llama 4's layers without rotary positions, its chunked attention (the
+whole sequence up to its 8192-token chunks) and the vision encoder. Llama 4
+Scout is ``llama4-maverick,experts=16,moe_every=1`` (its card's 109B counts the
+vision encoder; the text model is 107.8B). Not here, because the lab's decoder
+does not have its blocks: GPT-OSS (biases, attention sinks, sliding-window
+layers).
 """
 
 from __future__ import annotations
@@ -114,6 +128,27 @@ PRESETS: dict[str, tuple[ModelConfig, int | str, str]] = {
         "30.5B / 3.3B",
         "Qwen/Qwen3-30B-A3B config.json and model card: 30.5B in total, 3.3B activated",
     ),
+    "deepseek-v3": (
+        replace(
+            _moe(61, 7168, 128, None, 2048, 129280, experts=256, top_k=8),
+            shared_experts=1,
+            dense_layers=3,
+            dense_mlp=18432,
+            kv_rank=512,
+            q_rank=1536,
+            rope_dim=64,
+        ),
+        "671B / 37B",
+        "deepseek-ai/DeepSeek-V3 config.json; DeepSeek-V3 Technical Report (arXiv:2412.19437), Section 4.2: 671B "
+        "total, 37B activated per token (the 14B multi-token-prediction module not counted)",
+    ),
+    "llama4-maverick": (
+        replace(
+            _moe(48, 5120, 40, 8, 8192, 202048, experts=128, top_k=1), shared_experts=1, moe_every=2, dense_mlp=16384
+        ),
+        "400B / 17B",
+        "meta-llama/Llama-4-Maverick-17B-128E config.json (text_config); model card: 17B active, 400B total",
+    ),
     "qwen3-235b-a22b": (
         _moe(94, 4096, 64, 4, 1536, 151936, experts=128, top_k=8, qk_norm=True),
         "235B / 22B",
@@ -142,8 +177,32 @@ KEYS = {
     "experts": "experts",
     "top_k": "top_k",
     "capacity": "capacity_factor",
+    "shared_experts": "shared_experts",
+    "dense_layers": "dense_layers",
+    "moe_every": "moe_every",
+    "d_ff_dense": "dense_mlp",
+    "kv_rank": "kv_rank",
+    "q_rank": "q_rank",
+    "rope_dim": "rope_dim",
 }
-_INTEGER_KEYS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "d_ff", "vocab", "experts", "top_k")
+_INTEGER_KEYS = (
+    "layers",
+    "d_model",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "d_ff",
+    "vocab",
+    "experts",
+    "top_k",
+    "shared_experts",
+    "dense_layers",
+    "moe_every",
+    "d_ff_dense",
+    "kv_rank",
+    "q_rank",
+    "rope_dim",
+)
 _REQUIRED = ("layers", "d_model", "heads", "d_ff", "vocab")
 EXAMPLE = "layers=32,d_model=4096,heads=32,kv_heads=8,head_dim=128,d_ff=14336,vocab=128256,mlp=swiglu"
 
@@ -234,3 +293,17 @@ def published_parameters(name: str) -> tuple[int | str, str]:
     them), and where."""
     _, count, source = PRESETS[name]
     return count, source
+
+
+def model_flops(config, tokens: int) -> float:
+    """6 · N' · tokens + 12 · L · H · K · S · tokens MaxText's convention: N' the parameters a token uses, without the
+    input embedding; the attention not halved for causality)."""
+    dense = config.active_parameters - (0 if config.tied else config.vocab * config.embed)
+    return float(6 * dense * tokens) + attention_flops(config, tokens)
+
+
+def attention_flops(config, tokens: int) -> float:
+    """The attention's part of `model_flops`: 12 · L · H · K · S · tokens, the full S x S scores (not halved);
+    latent attention's heads score with K + R channels and read K: 6 · L · H · (2K + R) · S · tokens."""
+    widths = 2 * config.head_dim + config.rope_dim
+    return float(6 * config.layers * config.heads * widths * config.seq * tokens)

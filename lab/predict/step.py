@@ -28,7 +28,7 @@ layers under scan and reads that program at the full depth (`lab.predict.depth`)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,7 @@ class _ChunkedLossTrainer(Trainer):
 
     def _loss(self, params, tokens_BT):
         model = nnx.merge(self.graphdef, params)
-        x_BSD = model.embed(tokens_BT[:, :-1], self.layout)
+        x_BSD = model.dense_prefix(model.embed(tokens_BT[:, :-1], self.layout), self.layout)
         with jax.named_scope(LAYERS_SCOPE):  # names the layer loops, to read the program deeper (lab.predict.depth)
             x_BSD, stats = run_blocks(model.blocks, x_BSD, self.layout)
         loss = chunked_next_token_loss(model, x_BSD, tokens_BT[:, 1:], self.layout)
@@ -168,7 +168,3 @@ def compile_step(
 def _on_gpu(mesh) -> bool:
     """XLA:GPU then writes its own cost estimates into the program (`lab.predict.xla_estimate`)."""
     return mesh.devices.flat[0].platform == "gpu"
-
-
-def with_layers(model: ModelConfig, layers: int) -> ModelConfig:
-    return replace(model, layers=layers)

@@ -93,10 +93,17 @@ class Trainer:
             config.remat,
             config.sequence_parallel,
         )
-        if model.layers % self.layout.stages:
+        stages = self.layout.stages
+        if stages > 1 and model.dense_layers:
             raise LabError(
-                f"{model.layers} layers cannot be cut into stage={self.layout.stages} "
-                f"pipeline stages; use a stage axis that divides {model.layers}"
+                f"stage={stages}: the pipeline cuts the layers' one scan into stages, and this model's "
+                f"dense_layers={model.dense_layers} are a scan of their own; drop the stage axis"
+            )
+        if model.scan_length % stages:
+            what = f"{model.scan_length} periods of {model.moe_every}" if model.moe_every > 1 else str(model.layers)
+            raise LabError(
+                f"{what} layers cannot be cut into stage={stages} "
+                f"pipeline stages; use a stage axis that divides {model.scan_length}"
             )
         self.graphdef, self.abstract_params = abstract_model(model)
         self.param_shardings = self.layout.shardings(self.abstract_params, "params")

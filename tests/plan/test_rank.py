@@ -6,7 +6,7 @@ import pytest
 
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig
-from lab.plan.closed_form import _layer_weights, params_per_chip
+from lab.plan.closed_form import _layer_weights, layer_kinds, params_per_chip
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman
 from tests.plan.test_space import SMALL, problem
 
@@ -17,6 +17,29 @@ def test_parameters_per_chip_add_up_to_the_model_and_split_over_fsdp():
     assert params_per_chip(model, MeshSpec(fsdp=8)) == pytest.approx(model.parameters / 8)
     moe = ModelConfig(vocab=64, embed=32, heads=2, head_dim=16, mlp=16, layers=2, experts=4)
     assert params_per_chip(moe, MeshSpec(data=8)) == moe.parameters
+
+
+def test_mixed_stacks_add_up_to_the_model_kind_by_kind():
+    deepseek_like = ModelConfig(
+        embed=32,
+        heads=2,
+        head_dim=16,
+        mlp=16,
+        layers=4,
+        experts=4,
+        shared_experts=1,
+        dense_layers=1,
+        dense_mlp=64,
+        kv_rank=16,
+        q_rank=8,
+        rope_dim=4,
+        feed_forward="swiglu",
+    )
+    maverick_like = replace(deepseek_like, dense_layers=0, moe_every=2, kv_rank=0, q_rank=0, rope_dim=0, kv_heads=1)
+    for model in (deepseek_like, maverick_like):
+        assert [n for n, _ in layer_kinds(model)] == [model.layers - model.moe_layers, model.moe_layers]
+        assert params_per_chip(model, MeshSpec(data=8)) == model.parameters
+        assert params_per_chip(model, MeshSpec(fsdp=2, expert=4)) < model.parameters / 2
 
 
 def test_the_weights_fsdp_gathers_one_by_one_add_up_to_the_layer():

@@ -13,9 +13,9 @@ from lab.hlo.schedule import parse_schedule
 from lab.predict import calibration
 from lab.predict.attention import flash_seconds
 from lab.predict.calibration import solve_matmul_efficiency
-from lab.predict.command import Predict, model_flops, price, read_step, run_prediction
+from lab.predict.command import Predict, price, read_step, run_prediction
 from lab.predict.ops import _taps, convolution_flops
-from lab.predict.spec import parse_model
+from lab.predict.spec import model_flops, parse_model
 from lab.targets.hardware import H100, profile
 
 pytestmark = pytest.mark.long  # libtpu compiles for a minute and more: scheduled first, after the doctor's tests
@@ -312,6 +312,29 @@ def test_two_layers_read_at_six_predict_what_six_compiled_do(monkeypatch):
     assert read.memory_bytes == pytest.approx(whole.memory_bytes, rel=0.15)
     # the runs of a layer's ops are read at 6 layers: the hardware FLOPs of the step match
     assert read.hardware_flops_per_step == pytest.approx(whole.hardware_flops_per_step, rel=0.01)
+
+
+def test_a_mixed_moe_stack_is_read_deeper_by_its_periods_with_its_dense_prefix_compiled_whole(monkeypatch):
+    # DeepSeek-V3's and Llama 4's stacks in small: latent attention, one dense layer first (its own scan, outside the
+    # layers' loop), then periods of a dense and an MoE layer with a shared expert; 2 periods read as 4 against 4
+    from lab.predict import step
+
+    monkeypatch.setattr(step, "chunked_next_token_loss", partial(step.chunked_next_token_loss, chunk=256))
+    mixed = (
+        "layers=9,d_model=256,heads=4,head_dim=64,d_ff=128,vocab=1024,mlp=swiglu,experts=4,top_k=2,shared_experts=1,"
+        "dense_layers=1,moe_every=2,d_ff_dense=512,kv_rank=128,q_rank=96,rope_dim=32"
+    )
+    args = {"model": mixed, "target": "tpu:v5e:2x2", "mesh": "fsdp=2,expert=2", "seq": 512, "attention": "xla"}
+    whole = run_prediction(Predict(**args))
+    read = run_prediction(Predict(**args, layers_compiled=2))
+    assert (whole.layers_compiled, read.layers_compiled, read.layers) == (9, 5, 9)  # 1 + 2 x 2 layers compiled
+    assert read.step_s == pytest.approx(whole.step_s, rel=0.03)
+    assert read.hardware_flops_per_step == pytest.approx(whole.hardware_flops_per_step, rel=0.01)
+    assert (
+        read.model_flops_per_step
+        == whole.model_flops_per_step
+        == model_flops(replace(parse_model(mixed), seq=512), 4 * 512)
+    )
 
 
 def test_a_step_whose_saved_layer_inputs_exceed_hbm_is_read_from_two_layers_without_trying_the_whole():

@@ -36,6 +36,10 @@ def test_presets_have_their_published_parameter_counts(name):
         ModelConfig(heads=4, kv_heads=1, head_dim=32, feed_forward="geglu", tied=True),
         ModelConfig(kv_heads=2, qk_norm=True, experts=4, top_k=2, feed_forward="swiglu"),
         ModelConfig(block="parallel", qk_norm=True, experts=4, top_k=1),
+        ModelConfig(experts=4, layers=3, dense_layers=1, dense_mlp=96, shared_experts=2, feed_forward="swiglu"),
+        ModelConfig(experts=4, layers=4, moe_every=2, dense_mlp=96, shared_experts=1, top_k=1),
+        ModelConfig(kv_rank=24, q_rank=20, rope_dim=8),
+        ModelConfig(kv_rank=24, rope_dim=4, experts=4, layers=3, dense_layers=2),
     ],
 )
 def test_the_formula_counts_what_the_model_declares(config):
@@ -61,6 +65,21 @@ def test_the_typed_in_spec_reads_every_key():
     assert config.parameters == PRESETS["llama3-8b"][0].parameters
     parallel = parse_model("layers=2,d_model=256,heads=4,d_ff=512,vocab=1000,block=parallel,tied=true,mlp=gelu")
     assert (parallel.head_dim, parallel.block, parallel.tied, parallel.gated) == (64, "parallel", True, False)
+
+
+def test_the_mixed_moe_presets_declare_their_stacks():
+    deepseek = replace(PRESETS["deepseek-v3"][0], layers=5)  # 3 dense layers, then 2 MoE ones
+    _, state = abstract_model(deepseek)
+    assert state["dense_blocks"]["mlp"]["w_in"].shape == (3, 7168, 18432)
+    assert state["blocks"]["moe"]["w_in"].shape == (2, 256, 7168, 2048)
+    assert state["blocks"]["moe"]["shared"]["w_in"].shape == (2, 7168, 2048)
+    assert state["blocks"]["attention"]["key"].shape == (2, 512, 128, 128)  # [layers, kv_rank, heads, head_dim]
+    assert state["blocks"]["attention"]["kv_down"].shape == (2, 7168, 512 + 64)
+    maverick = replace(PRESETS["llama4-maverick"][0], layers=4)  # periods of a dense layer, then an MoE one
+    _, state = abstract_model(maverick)
+    assert state["blocks"]["dense"][0]["mlp"]["w_in"].shape == (2, 5120, 16384)
+    assert state["blocks"]["moe"]["moe"]["w_in"].shape == (2, 128, 5120, 8192)
+    assert (maverick.moe_layers, maverick.scan_length, maverick.with_scan_length(3).layers) == (2, 2, 6)
 
 
 def test_an_moe_is_typed_in_or_a_preset_changed():
@@ -90,6 +109,12 @@ def test_an_moe_is_typed_in_or_a_preset_changed():
         ("mixtral-8x7b,capacity=lots", "capacity factor 'lots'"),
         ("mixtral-8x7b,colour=red", "unknown key 'colour'"),
         ("mixtral-8x7b,experts", "write key=value pairs"),
+        ("llama3-8b,shared_experts=1", "a dense model has no MoE layers"),
+        ("deepseek-v3,dense_layers=61", "must be a positive multiple of moe_every=1"),
+        ("llama4-maverick,moe_every=5", "layers=48 after dense_layers=0 must be a positive multiple of moe_every=5"),
+        ("llama3-8b,rope_dim=64", "give kv_rank too"),
+        ("llama3-8b,kv_rank=512,rope_dim=64", "latent attention has a key and value per head"),
+        ("deepseek-v3,rope_dim=63", "even rope_dim"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(text, words):

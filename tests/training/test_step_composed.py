@@ -334,3 +334,23 @@ def test_a_pipelined_checkpoint_restores_onto_a_mesh_without_stages(pipeline_run
         np.testing.assert_array_equal(
             np.asarray(got), np.asarray(want)
         )  # stored [L, ...]: the same shapes on any stage count
+
+
+# DeepSeek-V3's blocks in small: latent attention, dense layers first, a shared expert beside the routed ones; and
+# Llama 4 Maverick's: dense and MoE layers interleaved, a shared expert
+DEEPSEEK_LIKE = replace(
+    MOE, layers=3, dense_layers=1, dense_mlp=128, shared_experts=1, kv_rank=32, q_rank=24, rope_dim=8
+)
+MAVERICK_LIKE = replace(MOE, layers=4, moe_every=2, dense_mlp=128, shared_experts=1, top_k=1, feed_forward="swiglu")
+
+
+@pytest.mark.parametrize("model", [DEEPSEEK_LIKE, MAVERICK_LIKE], ids=["deepseek-like", "maverick-like"])
+def test_mixed_moe_stacks_match_one_device(devices, model):
+    control = _control(model)
+    _, _, history, state = _run(
+        model, MeshSpec.parse("expert=2,fsdp=2,tensor=2").build(devices), control[1], strategy="zero3"
+    )
+    np.testing.assert_allclose(_losses(history), _losses(control[2]), rtol=1e-5)
+    np.testing.assert_allclose([h["balance_loss"] for h in history], [h["balance_loss"] for h in control[2]], rtol=1e-5)
+    moe = state.params["blocks"]["moe"] if model.moe_every == 1 else state.params["blocks"]["moe"]["moe"]
+    assert moe["shared"]["w_in"][...].sharding.spec.partitions[1:] == ("fsdp", "tensor")  # [embed, mlp], Megatron-split
