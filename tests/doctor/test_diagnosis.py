@@ -2,6 +2,8 @@
 memory problem, and `lab doctor` on the command line."""
 
 import math
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -149,9 +151,14 @@ def test_ranking_puts_problems_first_in_layer_order():
     assert Diagnosis(findings[:2], "cpu:8").start_here is None
 
 
-def test_a_1b_model_with_ddp_does_not_fit_a_v5e(devices):
-    """Compile-only: the TPU compiler refuses the step, and the doctor says memory first, without running anything."""
-    diagnosis = diagnose(RunConfig(target="tpu:v5e:2x2", mesh="data=4", model="1b", strategy="ddp", global_batch=8))
+def test_a_1b_model_with_ddp_does_not_fit_a_v5e():
+    """Compile-only: the TPU compiler refuses the step, and the doctor says memory first, without running anything.
+
+    In a process of its own, as the CLI runs it: libtpu takes its flags once a process, and one that `lab predict`
+    started (no-crash-on-OOM) refuses this step as an "Invalid TPU program", without the bytes it needed."""
+    config = RunConfig(target="tpu:v5e:2x2", mesh="data=4", model="1b", strategy="ddp", global_batch=8)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+        diagnosis = fresh.submit(diagnose, config).result()
     memory = diagnosis.start_here
     assert memory.layer == "memory" and any(words in memory.evidence[0] for words in REFUSED)
     assert (
