@@ -325,6 +325,11 @@ def _notes(obs: Observations) -> list[str]:
         "embedding and loss around it; it grows with the tokens per chip and the widths, not with the depth.",
         "The closed-form step beside the predicted one is lab plan's for the same layout; where they differ the "
         "layout page (results/layout_plans) says which term: these are not checked here.",
+        "Where the compiled matmul FLOPs exceed the closed form's, look first at the attention: the Pallas flash "
+        "kernel's backward runs seven matmuls of the scores' size (its dK/dV and dQ kernels each recompute QK^T and "
+        "dP) where the closed form counts four, and latent attention's heads (192 channels for q and k, 128 for v) "
+        "run in it padded to 256 (lab.model.flash_attention). Both grow with the sequence and the heads, most in "
+        "DeepSeek-V3's 128 heads of 192 channels.",
         "What the presets leave out (DeepSeek-V3's sigmoid router with group-limited top-k and its multi-token "
         "prediction module; Llama 4's layers without rotary positions and its chunked attention) is listed in "
         "lab/predict/spec.py; each is a few per cent of a layer's FLOPs or none.",
