@@ -311,8 +311,10 @@ pipeline's micro-batches M and a remat policy. Per chip (`lab.plan.closed_form`)
   largest transient (one layer's gathered weights twice and its backward working set, or the loss's logits chunk);
 * **step** = compute + the bubble (P - 1)/M of the pipelined part + exposed communication. Compute is every op at
   its roofline, max(FLOPs / (peak x e_matmul), bytes / (HBM bandwidth x e_hbm)) with the chip's constants (lab
-  predict's): the matmuls (forward once, backward twice, plus what remat recomputes; the one-hot embedding and the head
-  run whole on every tensor and stage device) and the HBM-bound ops (norms, residual adds, rotary, the activation,
+  predict's): the matmuls (forward once, backward twice, plus what remat recomputes, which under `full` is all but
+  the out-projection and W_out; the flash kernel's tiles on and below the causal diagonal, its backward seven
+  products of the scores' size against a dot's four; the one-hot embedding and the head run whole on every tensor
+  and stage device) and the HBM-bound ops (norms, residual adds, rotary, the activation,
   XLA attention's softmax, the saved activations written and read back, the loss's fp32 logits, and AdamW reading
   and writing 16 bytes of state per stored parameter). Exposed communication: fsdp's per-layer gathers and
   reduce-scatters beyond the layer's compute, data's gradient all-reduce, tensor's four (six with `full`) activation

@@ -49,6 +49,17 @@ and load counts of `lab.moe`, the buffers of
 which a token uses the k experts it is routed to. ``qk_norm`` adds an RMSNorm
 of each query and key head (Qwen3): 2K more per layer.
 
+The MoE stacks of DeepSeek-V3 and Llama 4 add four fields: ``shared_experts``
+(S experts every token goes through, one MLP S x F wide beside the routed
+ones: + (2 + gated) DSF per MoE layer), ``dense_layers`` (the first layers
+dense, a scan of their own before the others), ``moe_every`` (an MoE layer
+every n, the n - 1 before it dense: the scan then runs over periods of n
+layers, `Period`) and ``dense_mlp`` (the dense layers' width). ``kv_rank``
+makes the attention DeepSeek's multi-head latent attention (`LatentAttention`:
+K and V from a C-wide latent, the queries from a ``q_rank``-wide one, R =
+``rope_dim`` rotary channels apart): D·Q + Q + Q·H(K + R) + D(C + R) + C +
+2CHK + HKD in place of 2DK(H + G).
+
 Over 500 lines, and one concept: the decoder family, each variant a few lines of
 the same blocks (attention, MLP, MoE, norm) that share one parameter formula.
 """
@@ -502,7 +513,7 @@ def check_flash_tiling(seq: int) -> int:
     return seq
 
 
-def _kernel_width(width: int) -> int:
+def flash_head_width(width: int) -> int:
     """The head width the flash kernel takes for `width` channels: itself up to 128, else the next multiple of 128."""
     return width if width <= 128 else -(-width // 128) * 128
 
@@ -527,7 +538,7 @@ def flash_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> 
             k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
         # the kernel wants one head width for q, k and v, a multiple of 128 beyond 128: latent attention's (192 for
         # q and k, 128 for v) is zero-padded to it, which changes no score and no output (sm_scale is the unpadded)
-        width, padded = v.shape[-1], _kernel_width(q.shape[-1])
+        width, padded = v.shape[-1], flash_head_width(q.shape[-1])
         q, k, v = (jnp.pad(a, ((0, 0),) * 3 + ((0, padded - a.shape[-1]),)) for a in (q, k, v))
         block = min(FLASH_BLOCK, q.shape[2])
         blocks = pallas_flash.BlockSizes(block_b=1, **dict.fromkeys(_FLASH_BLOCK_NAMES, block))

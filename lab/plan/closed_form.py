@@ -20,11 +20,15 @@ its bytes at HBM's bandwidth, whichever is longer, each rate times the
 chip's efficiency constant (`Problem.efficiency`, `lab predict`'s, so the
 closed form and the compiled prediction price alike):
 
-* the matmuls: per layer the q/k/v and out projections and the MLP's two (or
-  an MoE layer's experts and router), forward once, backward twice (the
-  input's and the weight's gradient), plus what remat recomputes; attention's
-  QK^T and AV (halved by the causal flash kernel); the embedding (a one-hot
-  matmul) and the head, run whole on every ``tensor`` and ``stage`` device;
+* the matmuls: per layer the attention's projections and the MLP's two or
+  three (or an MoE layer's experts, router and shared experts; a model whose
+  dense and MoE layers differ is priced kind by kind), forward once, backward
+  twice (the input's and the weight's gradient), plus what remat recomputes
+  (under ``full`` all but the out-projection and W_out, whose outputs the
+  backward never reads); attention's QK^T and AV (the causal flash kernel: the
+  tiles on and below the diagonal, its backward seven products against a
+  dot's four); the embedding (a one-hot matmul) and the head, run whole on
+  every ``tensor`` and ``stage`` device;
 * the HBM-bound ops: the norms, residual adds, rotary, the MLP's activation
   and XLA attention's fp32 softmax, each reading its inputs and writing its
   output once (twice over in the backward); what the forward saves, written
@@ -69,6 +73,7 @@ from dataclasses import dataclass, replace
 
 from lab import theory
 from lab.mesh import AXES, MeshSpec
+from lab.model import FLASH_BLOCK, flash_head_width
 from lab.plan.space import Layout, Problem
 from lab.predict.spec import model_flops
 from lab.targets.topology import Placement, placement
@@ -76,6 +81,7 @@ from lab.targets.topology import Placement, placement
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and gradients; fp32 master + Adam moments
 ACTIVATION_BYTES = 2  # bf16 compute
 LOSS_CHUNK = 1024  # tokens of a sequence whose logits exist at once (lab.predict.step.LOSS_CHUNK)
+FLASH_BACKWARD = 7 / 2  # the flash kernel's backward products of the scores' size per forward one (a dot's: 2)
 
 
 @dataclass(frozen=True)
@@ -306,15 +312,37 @@ def _block_matmuls(model, tensor: int) -> tuple[tuple[float, float, float], ...]
 
 
 def _core_flops(model, tensor: int) -> float:
-    """Attention's QK^T and AV per token of one layer: 4 · S · H · K, or 2 · S · H · (2K + R) for latent attention
-    (the causal kernels skip half the blocks)."""
-    core = 2 * model.seq * model.heads * (2 * model.head_dim + model.rope_dim) / tensor
-    return core / 2 if model.attention == "flash" else core
+    """Attention's QK^T and AV per token of one layer, forward: 2 · S · H · (K + R) and 2 · S · H · K, the scores
+    whole (XLA's dot product). The flash kernel computes only the tiles on and below the causal diagonal, (n + 1)/2n
+    of n x n tiles of `FLASH_BLOCK`, both products at its head width (K + R, padded past 128 to a multiple of 128:
+    `lab.model.flash_head_width`)."""
+    s, h = model.seq, model.heads
+    if model.attention != "flash":
+        return 2 * s * h * (2 * model.head_dim + model.rope_dim) / tensor
+    tiles = s // min(FLASH_BLOCK, s)
+    return 4 * s * h * flash_head_width(model.head_dim + model.rope_dim) / tensor * (tiles + 1) / (2 * tiles)
 
 
 def _block_forward_flops(model, tensor: int) -> float:
     """Forward matmul FLOPs per token of one layer on one tensor shard."""
     return sum(2 * width * k * n for width, k, n in _block_matmuls(model, tensor)) + _core_flops(model, tensor)
+
+
+def _kernel_backward_flops(model, tensor: int) -> float:
+    """What the flash kernel's backward runs beyond a dot's two matmuls per forward one: its dK/dV and dQ kernels
+    each recompute QK^T and dO V^T, seven products of the scores' size against a dot's four."""
+    return (FLASH_BACKWARD - 2) * _core_flops(model, tensor) if model.attention == "flash" else 0.0
+
+
+def _unread_outputs(model, tensor: int) -> tuple[tuple[float, float, float], ...]:
+    """The forward matmuls whose outputs the backward pass does not read, so that remat ``full`` does not recompute
+    them: the attention's out-projection and the MLP's W_out (a shared expert's too) only add to the residual
+    stream. An expert's W_out output is read: the combine's gradient to the gates weighs it."""
+    d, sw = model.embed, model.shared_width / tensor
+    out = (1.0, model.heads * model.head_dim / tensor, d)
+    if model.experts:
+        return (out, (1.0, sw, d)) if sw else (out,)
+    return (out, (1.0, model.mlp / tensor, d))
 
 
 def _elementwise_bytes(model, tensor: int) -> float:
@@ -359,7 +387,8 @@ def _roofline(problem: Problem) -> _Roofline:
 def _recompute(model, remat: str, tensor: int) -> float:
     """Forward FLOPs per token and layer that the backward pass runs again."""
     if remat == "full":
-        return _block_forward_flops(model, tensor)
+        unread = sum(2 * width * k * n for width, k, n in _unread_outputs(model, tensor))
+        return _block_forward_flops(model, tensor) - unread
     if remat == "minimal" and model.attention == "flash":
         return _core_flops(model, tensor)  # a kernel's output is no dot: recomputed
     return 0.0
@@ -389,10 +418,11 @@ def _layer(problem: Problem, layout: Layout, tokens: float, model) -> _Layer:
     dots, moved = roof.layer_forward(model, t, tokens)
     saved_s = saved_per_layer(model, tokens, t, layout.remat, model.attention) / roof.bytes_per_s
     if layout.remat == "full":
-        redo = (dots, moved)
+        redo = (dots - sum(roof.matmul(tokens * w, k, n) for w, k, n in _unread_outputs(model, t)), moved)
     else:
         redo = (tokens * _recompute(model, layout.remat, t) / roof.flops_per_s, 0.0)
-    return _Layer((dots, moved + saved_s), (2 * dots + redo[0], 2 * moved + redo[1] + saved_s))
+    kernel = tokens * _kernel_backward_flops(model, t) / roof.flops_per_s
+    return _Layer((dots, moved + saved_s), (2 * dots + kernel + redo[0], 2 * moved + redo[1] + saved_s))
 
 
 def _vocab_s(problem: Problem, layout: Layout, tokens: float) -> tuple[float, float]:
@@ -428,7 +458,8 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     matmul_s = m * sum(n * (layer.forward[0] + layer.backward[0]) for n, _, layer in kinds) + vocab_dots
     hbm_s = m * sum(n * (layer.forward[1] + layer.backward[1]) for n, _, layer in kinds) + vocab_moved + optimizer_s
     flops = shard_tokens * sum(
-        n * (3 * _block_forward_flops(kind, t) + _recompute(kind, layout.remat, t)) for n, kind, _ in kinds
+        n * (3 * _block_forward_flops(kind, t) + _kernel_backward_flops(kind, t) + _recompute(kind, layout.remat, t))
+        for n, kind, _ in kinds
     )
     flops += shard_tokens * (4 + 8) * model.vocab * model.embed
     ticks = m + p - 1 if p > 1 else 1
