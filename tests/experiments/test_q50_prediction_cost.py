@@ -15,7 +15,7 @@ def _row(model: str, wall_s: float = 90.0, rss_gib: float = 5.0, closed_form_rat
         seq=4096,
         parameters=int(671e9),
         wall_s=wall_s,
-        peak_rss_bytes=int(rss_gib * 2**30),
+        peak_rss_gib=rss_gib,
         compile_s=wall_s * 0.9,
         layers_compiled=61,
         layers=61,
