@@ -79,7 +79,10 @@ class Experiment:
 
     @property
     def untimed(self) -> bool:
-        """Whether its measurement reads no clock, so it may run beside another page (`lab.side_by_side`)."""
+        """Whether its measurement reads no clock, so it may run beside another page (`lab.side_by_side`): a
+        compile-only page unless it says ``TIMED = True`` (it times the compiles themselves), or ``UNTIMED = True``."""
+        if getattr(self.module, "TIMED", False):
+            return False
         return self.compile_only or getattr(self.module, "UNTIMED", False)
 
     @property

@@ -29,3 +29,10 @@ def test_every_experiment_measures_then_judges(name):
 def test_unknown_experiment_lists_the_known_ones():
     with pytest.raises(LabError, match=r"known: .*collectives"):
         get("no_such_thing")
+
+
+def test_a_page_that_reads_a_clock_runs_alone_even_when_it_only_compiles():
+    # lab report runs untimed pages two at a time (lab.side_by_side): on two cores a neighbour decides a timing
+    assert registry()["layout_plans"].untimed  # compile-only, no clock
+    assert not registry()["prediction_cost"].untimed  # compile-only, but it times `lab predict` itself
+    assert not registry()["collectives"].untimed
