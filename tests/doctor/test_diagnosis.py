@@ -3,6 +3,7 @@ memory problem, and `lab doctor` on the command line."""
 
 import math
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -13,6 +14,13 @@ from lab.doctor.checks import Finding
 from lab.doctor.diagnosis import Diagnosis, diagnose
 from lab.rules import ShardingReport, get_strategy
 from lab.training.run import RunConfig
+
+
+def _without_libtpu_flags() -> None:
+    """A child's environment as a fresh shell has it: without the no-crash-on-OOM that lab predict puts where
+    libtpu reads its flags."""
+    os.environ.pop("LIBTPU_INIT_ARGS", None)
+
 
 pytestmark = pytest.mark.long  # kept ahead of tests/predict/test_command.py, also long (see REFUSED below)
 
@@ -157,7 +165,8 @@ def test_a_1b_model_with_ddp_does_not_fit_a_v5e():
     In a process of its own, as the CLI runs it: libtpu takes its flags once a process, and one that `lab predict`
     started (no-crash-on-OOM) refuses this step as an "Invalid TPU program", without the bytes it needed."""
     config = RunConfig(target="tpu:v5e:2x2", mesh="data=4", model="1b", strategy="ddp", global_batch=8)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+    spawn = multiprocessing.get_context("spawn")  # with libtpu's flags as a fresh shell has them
+    with ProcessPoolExecutor(1, mp_context=spawn, initializer=_without_libtpu_flags) as fresh:
         diagnosis = fresh.submit(diagnose, config).result()
     memory = diagnosis.start_here
     assert memory.layer == "memory" and any(words in memory.evidence[0] for words in REFUSED)
