@@ -155,6 +155,7 @@ class Estimate:
 # --------------------------------------------------------------------------- the model's shapes
 
 
+@functools.cache  # every layout of a plan asks it several times (memory, compute, gradients, optimizer)
 def layer_kinds(model) -> tuple[tuple[int, object], ...]:
     """The model's layers by kind, (how many, the model with every layer of that kind): one kind, or an MoE
     model's dense layers (DeepSeek-V3's first three, Llama 4's interleaved) and its MoE ones."""
