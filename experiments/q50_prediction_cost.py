@@ -3,8 +3,9 @@
 Question #50 asks for a step time on a pod nobody has rented, compile-only, on
 the user's own machine. That is only useful if the largest models predict in
 the time and memory a laptop gives: here a 405B dense model, the 671B
-DeepSeek-V3 (latent attention, a dense prefix, 256 experts and a shared one)
-and Llama 4 Maverick (dense and MoE layers interleaved), each run as
+DeepSeek-V3 (latent attention, a dense prefix, 256 experts and a shared one),
+Llama 4 Maverick (dense and MoE layers interleaved) and GPT-OSS 120B (biases,
+sinks, a sliding window on every other layer: the splash kernel), each run as
 ``lab predict --model <preset> ... --json`` in a process of its own, with its
 wall time and its peak resident memory (the kernel's ``ru_maxrss`` of that
 process: libtpu's compile and the lab's reading together).
@@ -15,7 +16,7 @@ kind by kind): the matmul FLOPs per chip counted both ways. The two come from
 different code (the compiled program's dots and kernels against a formula of
 the model's layers), so their agreement says the program has the stack the
 closed form believes: the dense prefix, the interleaved layers, the shared
-experts, the latent attention's projections.
+experts, the latent attention's projections, the windowed layers' kernel tiles.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ CASES = (
     Case("llama3-405b", "tpu:v5p:8x16x16", "fsdp=2048", 8192),
     Case("deepseek-v3", "tpu:v5p:8x16x16", "fsdp=256,expert=8", 4096),
     Case("llama4-maverick", "tpu:v5p:8x8x8", "fsdp=64,expert=8", 8192),
+    Case("gpt-oss-120b", "tpu:v5p:4x4x4", "fsdp=8,expert=8", 8192),
 )
 
 
 @dataclass(frozen=True)
 class Config:
     models: tuple[str, ...] = tuple(case.model for case in CASES)
-    """the presets to predict (llama3-405b, deepseek-v3, llama4-maverick), each as CASES lays it out"""
+    """the presets to predict (llama3-405b, deepseek-v3, llama4-maverick, gpt-oss-120b), each as CASES lays it out"""
 
 
 @dataclass(frozen=True)

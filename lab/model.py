@@ -60,6 +60,15 @@ K and V from a C-wide latent, the queries from a ``q_rank``-wide one, R =
 ``rope_dim`` rotary channels apart): D·Q + Q + Q·H(K + R) + D(C + R) + C +
 2CHK + HKD in place of 2DK(H + G).
 
+GPT-OSS adds three: ``biases`` (each projection adds one: + (H + 2G)K + D per
+attention, + (1 + gated)F + D per MLP or expert, + E per router), ``sinks`` (a
+learned logit per head that joins each softmax's denominator, a key with no
+value: + H per layer; `Mixing`) and ``window`` (a query sees itself and the
+window - 1 tokens before it), with ``global_every`` (every n-th layer attends
+to all earlier tokens: the scan's `Period` then holds a windowed and a global
+layer). The TPU kernel of such a layer is Pallas's splash attention, whose
+mask skips the tiles outside the window; XLA's dot product masks the scores.
+
 Over 500 lines, and one concept: the decoder family, each variant a few lines of
 the same blocks (attention, MLP, MoE, norm) that share one parameter formula.
 """
@@ -114,6 +123,10 @@ class ModelConfig:
     kv_rank: int = 0  # multi-head latent attention: K and V from one compressed width (DeepSeek-V2/V3); 0: off
     q_rank: int = 0  # MLA's compressed query width (0: the queries from the full width)
     rope_dim: int = 0  # MLA's rotary channels of each query and key head, beside head_dim (the key's shared by heads)
+    biases: bool = False  # each projection adds a bias: the attention's q, k, v and out, the MLPs', the router's
+    sinks: bool = False  # a learned logit per attention head in each softmax's denominator (GPT-OSS's sinks)
+    window: int = 0  # sliding-window attention: a query sees itself and the window - 1 tokens before it; 0: off
+    global_every: int = 0  # with a window: every n-th layer attends to every earlier token (GPT-OSS: 2); 0: none
 
     def __post_init__(self) -> None:
         if self.experts < 0:
@@ -132,6 +145,7 @@ class ModelConfig:
             )
         self._check_moe_layers()
         self._check_latent_attention()
+        self._check_window()
 
     def _check_moe_layers(self) -> None:
         mixed = {
@@ -151,13 +165,32 @@ class ModelConfig:
                 f"moe_every={self.moe_every} (each period: moe_every - 1 dense layers, then an MoE one)"
             )
 
+    def _check_window(self) -> None:
+        if self.window < 0 or self.global_every < 0:
+            raise LabError(
+                f"window={self.window}, global_every={self.global_every}: give a window of 0 or more tokens and "
+                "global_every of 0 or more layers"
+            )
+        if self.global_every and not self.window:
+            raise LabError(f"global_every={self.global_every} alternates windowed and global layers: give window too")
+        if self.window and self.dense_layers:
+            raise LabError("window with dense_layers: a windowed stack after a dense prefix is not modelled")
+        if (self.layers - self.dense_layers) % self.period:
+            raise LabError(
+                f"layers={self.layers} must be a multiple of global_every={self.global_every} "
+                f"(and of moe_every={self.moe_every}): the scan runs over periods of {self.period} layers"
+            )
+
     def _check_latent_attention(self) -> None:
         if not self.kv_rank:
             if self.q_rank or self.rope_dim:
                 raise LabError("q_rank and rope_dim shape latent attention: give kv_rank too (DeepSeek-V3: 512)")
             return
-        if self.kv_heads not in (None, self.heads):
-            raise LabError(f"kv_rank={self.kv_rank}: latent attention has a key and value per head; drop kv_heads")
+        if self.kv_heads not in (None, self.heads) or self.biases:
+            raise LabError(
+                f"kv_rank={self.kv_rank}: latent attention has a key and value per head and no biases; drop kv_heads "
+                "and biases"
+            )
         if self.rope_dim < 2 or self.rope_dim % 2 or self.head_dim % 2:
             raise LabError(f"kv_rank={self.kv_rank}: give an even rope_dim of 2 or more (DeepSeek-V3: 64)")
 
@@ -186,15 +219,33 @@ class ModelConfig:
         return (self.layers - self.dense_layers) // self.moe_every if self.experts else 0
 
     @property
+    def period(self) -> int:
+        """The layers the scan's body runs: 1, or a `Period` as long as the least common multiple of `moe_every`
+        (an MoE layer every n) and `global_every` (a global-attention layer every n)."""
+        return math.lcm(self.moe_every, self.global_every or 1)
+
+    @property
+    def layer_pattern(self) -> tuple[tuple[bool, int], ...]:
+        """Each layer of a period as (MoE, window): layer i (from 1) is an MoE one when `moe_every` divides i, and
+        attends globally (window 0) when `global_every` divides i (GPT-OSS: windowed, global, windowed, ...)."""
+        return tuple(
+            (
+                bool(self.experts) and i % self.moe_every == 0,
+                0 if self.global_every and i % self.global_every == 0 else self.window,
+            )
+            for i in range(1, self.period + 1)
+        )
+
+    @property
     def scan_length(self) -> int:
-        """How many times the layers' scan runs its body: once per layer, or per period of `moe_every` layers,
-        after the `dense_layers` (their own scan)."""
-        return (self.layers - self.dense_layers) // self.moe_every
+        """How many times the layers' scan runs its body: once per layer, or per `period` of layers, after the
+        `dense_layers` (their own scan)."""
+        return (self.layers - self.dense_layers) // self.period
 
     def with_scan_length(self, n: int) -> ModelConfig:
         """This model with its scan `n` long (its dense prefix as it is): the shallower program depth reading
         compiles."""
-        return replace(self, layers=self.dense_layers + n * self.moe_every)
+        return replace(self, layers=self.dense_layers + n * self.period)
 
     @property
     def parameters(self) -> int:
@@ -217,20 +268,27 @@ class ModelConfig:
     def _attention_parameters(self) -> int:
         """Q, K, V and the output projection: 2DK(H + G); latent attention's down- and up-projections instead."""
         d, h, k = self.embed, self.heads, self.head_dim
+        sinks = h if self.sinks else 0
         if not self.kv_rank:
-            return 2 * d * k * (h + self.groups)
+            biases = (h + 2 * self.groups) * k + d if self.biases else 0
+            return 2 * d * k * (h + self.groups) + biases + sinks
         r, c = self.rope_dim, self.kv_rank
         query = self.q_rank * (d + 1 + h * (k + r)) if self.q_rank else d * h * (k + r)
-        return query + d * (c + r) + c + c * h * 2 * k + h * k * d
+        return query + d * (c + r) + c + c * h * 2 * k + h * k * d + sinks
 
     def _mlp_parameters(self, width: int) -> int:
-        """2DF for a plain MLP or expert of width F, 3DF for a gated one."""
-        return (3 if self.gated else 2) * self.embed * width
+        """2DF for a plain MLP or expert of width F, 3DF for a gated one; with biases, each matrix's output's."""
+        matrices = 3 if self.gated else 2
+        biases = (matrices - 1) * width + self.embed if self.biases else 0
+        return matrices * self.embed * width + biases
 
     @property
     def _moe_parameters(self) -> int:
-        """One MoE layer: the router DE, E experts and the shared ones."""
-        return self.experts * (self.embed + self._mlp_parameters(self.mlp)) + self._mlp_parameters(self.shared_width)
+        """One MoE layer: the router DE (+ E biases), E experts and the shared ones."""
+        router = self.embed + (1 if self.biases else 0)
+        return self.experts * (router + self._mlp_parameters(self.mlp)) + (
+            self._mlp_parameters(self.shared_width) if self.shared_experts else 0
+        )
 
     @property
     def shared_width(self) -> int:
@@ -359,10 +417,29 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array, layout: Parallelism) -> jax.Array:
         wide = x.astype(jnp.float32)
         normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + 1e-6)
-        # einsum, not a broadcast multiply: JAX allows a reduced (replicated, gradient-unreduced) weight only in a dot
-        places = getattr(layout, "activation_sharding", None) is not None  # then `use` takes `beside` (Parallelism)
-        scale = (layout.use(self.scale, beside=x) if places else layout.use(self.scale)).astype(jnp.float32)
-        return jnp.einsum("...d,d->...d", normed, scale).astype(x.dtype)
+        return _elementwise(normed, self.scale, layout, x).astype(x.dtype)
+
+
+def _elementwise(
+    x: jax.Array, weight: nnx.Param, layout: Parallelism, beside: jax.Array, equation: str = ""
+) -> jax.Array:
+    """x * weight over x's trailing axes (or as `equation` says), in x's dtype. An einsum, not a broadcast multiply:
+    JAX lets only a dot consume a reduced (replicated, gradient-unreduced) weight, which is what `use` gives."""
+    places = getattr(layout, "activation_sharding", None) is not None  # then `use` takes `beside` (Parallelism)
+    w = (layout.use(weight, beside=beside) if places else layout.use(weight)).astype(x.dtype)
+    trailing = "wxyz"[-w.ndim :]
+    return jnp.einsum(equation or f"...{trailing},{trailing}->...{trailing}", x, w)
+
+
+def _plus_bias(y: jax.Array, module: nnx.Module, name: str, layout: Parallelism, equation: str = "") -> jax.Array:
+    """y + the module's bias `name` (over y's trailing axes, or as the einsum `equation` of y's ones and the bias
+    places it), or y itself when the model has no biases."""
+    bias = getattr(module, name, None)
+    return y if bias is None else y + _elementwise(jnp.ones_like(y), bias, layout, y, equation)
+
+
+def _bias(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
+    return _param(rngs, nnx.initializers.zeros, shape, axes)
 
 
 def rotary(x_BSHK: jax.Array) -> jax.Array:
@@ -378,40 +455,63 @@ def rotary(x_BSHK: jax.Array) -> jax.Array:
 class Attention(nnx.Module):
     """Causal self-attention: H query heads, G key/value heads (G = H: multi-head; G < H: grouped-query)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, window: int = 0):
         d, h, g, k = config.embed, config.heads, config.groups, config.head_dim
         self.query = _param(rngs, _fan_in(0, (1, 2)), (d, h, k), ("embed", "heads", "head_dim"))
         # G heads carry the logical axis `heads` too: a tensor axis splits the K/V heads as it splits the queries
         self.key = _param(rngs, _fan_in(0, (1, 2)), (d, g, k), ("embed", "heads", "head_dim"))
         self.value = _param(rngs, _fan_in(0, (1, 2)), (d, g, k), ("embed", "heads", "head_dim"))
         self.out = _param(rngs, _fan_in((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"))
+        if config.biases:
+            self.query_bias = _bias(rngs, (h, k), ("heads", "head_dim"))
+            self.key_bias = _bias(rngs, (g, k), ("heads", "head_dim"))
+            self.value_bias = _bias(rngs, (g, k), ("heads", "head_dim"))
+            self.out_bias = _bias(rngs, (d,), ("embed",))
         if config.qk_norm:
             self.query_norm = RMSNorm(config, rngs, "head_dim")
             self.key_norm = RMSNorm(config, rngs, "head_dim")
+        self.mixing = Mixing(config, rngs, window)
         self.qk_norm = config.qk_norm
-        self.kernel = config.attention
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         # the projections' outputs carry MaxText's names, for a remat policy that offloads them (lab.parallel.layout)
-        q_BSHK = checkpoint_name(jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query)), "query_proj")
-        k_BSGK = checkpoint_name(jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.key)), "key_proj")
+        q_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, layout.use(self.query))
+        q_BSHK = checkpoint_name(_plus_bias(q_BSHK, self, "query_bias", layout), "query_proj")
+        k_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.key))
+        k_BSGK = checkpoint_name(_plus_bias(k_BSGK, self, "key_bias", layout), "key_proj")
         if self.qk_norm:
             q_BSHK, k_BSGK = self.query_norm(q_BSHK, layout), self.key_norm(k_BSGK, layout)
         q_BSHK, k_BSGK = rotary(q_BSHK), rotary(k_BSGK)
-        v_BSGK = checkpoint_name(jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.value)), "value_proj")
-        return _attend_and_project(q_BSHK, k_BSGK, v_BSGK, self.out, self.kernel, layout)
+        v_BSGK = jnp.einsum("bsd,dgk->bsgk", x_BSD, layout.use(self.value))
+        v_BSGK = checkpoint_name(_plus_bias(v_BSGK, self, "value_bias", layout), "value_proj")
+        mixed_BSD = self.mixing.project(q_BSHK, k_BSGK, v_BSGK, self.out, layout)
+        return _plus_bias(mixed_BSD, self, "out_bias", layout)
 
 
-def _attend_and_project(q_BSHK, k_BSGK, v_BSGK, out: nnx.Param, kernel: str, layout: Parallelism) -> jax.Array:
-    """Causal attention by `kernel` (see `ATTENTIONS`), then the row-parallel output projection."""
-    if kernel == "flash":
-        mixed_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK)
-    elif k_BSGK.shape[2] == q_BSHK.shape[2]:
-        mixed_BSHK = _dot_attention(q_BSHK, k_BSGK, v_BSGK)
-    else:
-        mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout)
-    mixed_BSHK = checkpoint_name(mixed_BSHK, "context")  # the attention's output, before its projection
-    return checkpoint_name(row_parallel("bshk,hkd->bsd", mixed_BSHK, layout.use(out), layout), "out_proj")
+class Mixing(nnx.Module):
+    """What the scores of a layer's attention see and how its kernel computes them: causal, or within a sliding
+    `window` (Longformer's local attention, Beltagy et al. 2020; GPT-OSS's every other layer), and with a learned
+    sink logit per head in each softmax's denominator (GPT-OSS; Xiao et al. 2023, attention sinks), by the kernel
+    the config names."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, window: int = 0):
+        if config.sinks:
+            self.sinks = _bias(rngs, (config.heads,), ("heads",))
+        self.window, self.kernel = window, config.attention
+
+    def project(self, q_BSHK, k_BSGK, v_BSGK, out: nnx.Param, layout: Parallelism) -> jax.Array:
+        """The attention of q over k and v, then the row-parallel output projection."""
+        sinks_BH = None
+        if hasattr(self, "sinks"):  # [B, H]: each sequence's copy, split as the queries' heads are
+            sinks_BH = _plus_bias(jnp.zeros_like(q_BSHK[:, 0, :, 0], dtype=jnp.float32), self, "sinks", layout)
+        if self.kernel == "flash":
+            mixed_BSHK = flash_attention(q_BSHK, k_BSGK, v_BSGK, self.window, sinks_BH)
+        elif k_BSGK.shape[2] == q_BSHK.shape[2]:
+            mixed_BSHK = _dot_attention(q_BSHK, k_BSGK, v_BSGK, self.window, sinks_BH)
+        else:
+            mixed_BSHK = _grouped_dot_attention(q_BSHK, k_BSGK, v_BSGK, layout, self.window, sinks_BH)
+        mixed_BSHK = checkpoint_name(mixed_BSHK, "context")  # the attention's output, before its projection
+        return checkpoint_name(row_parallel("bshk,hkd->bsd", mixed_BSHK, layout.use(out), layout), "out_proj")
 
 
 class LatentAttention(nnx.Module):
@@ -423,7 +523,7 @@ class LatentAttention(nnx.Module):
     the latent. Each head then attends with K + R channels and reads K-wide values.
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, window: int = 0):
         d, h, k, r, c = config.embed, config.heads, config.head_dim, config.rope_dim, config.kv_rank
         if config.q_rank:
             self.query_down = _param(rngs, _fan_in(0, 1), (d, config.q_rank), ("embed", None))
@@ -437,7 +537,8 @@ class LatentAttention(nnx.Module):
         self.key = _param(rngs, _fan_in(0, (1, 2)), (c, h, k), ("latent", "heads", "head_dim"))
         self.value = _param(rngs, _fan_in(0, (1, 2)), (c, h, k), ("latent", "heads", "head_dim"))
         self.out = _param(rngs, _fan_in((0, 1), 2), (h, k, d), ("heads", "head_dim", "embed"))
-        self.compressed_queries, self.rank, self.kernel = bool(config.q_rank), c, config.attention
+        self.mixing = Mixing(config, rngs, window)
+        self.compressed_queries, self.rank = bool(config.q_rank), c
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         if self.compressed_queries:
@@ -456,31 +557,43 @@ class LatentAttention(nnx.Module):
             rotary(latent_BSC[:, :, None, self.rank :]), (*k_BSHK.shape[:3], q_BSHJ.shape[-1] - k)
         )
         k_BSHJ = jnp.concatenate([k_BSHK, _move(rope_BSHR, layout, _BSHK)], axis=-1)
-        return _attend_and_project(q_BSHJ, k_BSHJ, v_BSHK, self.out, self.kernel, layout)
+        return self.mixing.project(q_BSHJ, k_BSHJ, v_BSHK, self.out, layout)
 
 
-def _causal_softmax(scores: jax.Array, dtype) -> jax.Array:
-    """Softmax over the last axis (keys) of scores [..., S, T] with future keys masked, in fp32."""
+def _causal_softmax(scores: jax.Array, dtype, window: int = 0, sinks: jax.Array | None = None) -> jax.Array:
+    """Softmax over the last axis (keys) of scores [..., S, T] with future keys masked (and those `window` or more
+    tokens back), in fp32; a sink [...] adds exp(sink) to each row's denominator, a key no value stands behind."""
     seq = scores.shape[-1]
-    causal_ST = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    return jax.nn.softmax(jnp.where(causal_ST, scores, -1e30), axis=-1).astype(dtype)
+    query_S1, key_1T = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
+    seen_ST = (key_1T <= query_S1) & ((query_S1 - key_1T < window) if window else True)
+    logits = jnp.where(seen_ST, scores, -1e30)
+    if sinks is None:
+        return jax.nn.softmax(logits, axis=-1).astype(dtype)
+    sinks = sinks[..., None, None]
+    top = jax.lax.stop_gradient(jnp.maximum(logits.max(axis=-1, keepdims=True), sinks))
+    exp = jnp.exp(logits - top)
+    return (exp / (exp.sum(axis=-1, keepdims=True) + jnp.exp(sinks - top))).astype(dtype)
 
 
-def _dot_attention(q_BSHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array) -> jax.Array:
+def _dot_attention(q_BSHK, k_BSHK, v_BSHK, window: int = 0, sinks_BH: jax.Array | None = None) -> jax.Array:
     """XLA's dot-product attention: the [B, H, S, S] scores are materialized."""
     scores_BHST = jnp.einsum("bshk,bthk->bhst", q_BSHK, k_BSHK).astype(jnp.float32) / jnp.sqrt(q_BSHK.shape[-1])
-    weights_BHST = _causal_softmax(scores_BHST, q_BSHK.dtype)
+    weights_BHST = _causal_softmax(scores_BHST, q_BSHK.dtype, window, sinks_BH)
     return jnp.einsum("bhst,bthk->bshk", weights_BHST, v_BSHK)
 
 
-def _grouped_dot_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, layout: Parallelism) -> jax.Array:
+def _grouped_dot_attention(
+    q_BSHK, k_BSGK, v_BSGK, layout: Parallelism, window: int = 0, sinks_BH: jax.Array | None = None
+) -> jax.Array:
     """Grouped-query attention: query head g·R + r reads key/value head g (R = H/G queries per K/V head)."""
     b, s, h, k = q_BSHK.shape
     g = k_BSGK.shape[2]
     grouped = activation_sharding(layout, ("batch", None, "heads", None, "head_dim"))
     q_BSGRK = jnp.reshape(q_BSHK, (b, s, g, h // g, k), out_sharding=grouped)  # a split over tensor stays on G
     scores_BGRST = jnp.einsum("bsgrk,btgk->bgrst", q_BSGRK, k_BSGK).astype(jnp.float32) / jnp.sqrt(k)
-    weights_BGRST = _causal_softmax(scores_BGRST, q_BSHK.dtype)
+    if sinks_BH is not None:
+        sinks_BH = jnp.reshape(sinks_BH, (b, g, h // g), out_sharding=activation_sharding(layout, _BH_GROUPED))
+    weights_BGRST = _causal_softmax(scores_BGRST, q_BSHK.dtype, window, sinks_BH)
     mixed_BSGRK = jnp.einsum("bgrst,btgk->bsgrk", weights_BGRST, v_BSGK)
     return jnp.reshape(mixed_BSGRK, (b, s, h, k), out_sharding=activation_sharding(layout, _BSHK))
 
@@ -498,6 +611,9 @@ _FLASH_BLOCK_NAMES = (
     "block_k_dq",
     "block_q_dq",
 )
+
+
+_SPLASH_BLOCK_NAMES = ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq")
 
 
 def check_flash_tiling(seq: int) -> int:
@@ -518,37 +634,68 @@ def flash_head_width(width: int) -> int:
     return width if width <= 128 else -(-width // 128) * 128
 
 
-def flash_attention(q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array) -> jax.Array:
-    """Causal attention by the Pallas TPU flash kernel (Dao et al. 2022), one device's heads at a time.
+def flash_attention(
+    q_BSHK: jax.Array, k_BSGK: jax.Array, v_BSGK: jax.Array, window: int = 0, sinks_BH: jax.Array | None = None
+) -> jax.Array:
+    """Causal attention by a Pallas TPU flash kernel (Dao et al. 2022), one device's heads at a time: the flash
+    kernel, or, for a sliding `window` or sinks, which it does not take, the splash kernel (the block-sparse one
+    MaxText runs), whose mask skips the tiles outside the window. Both in blocks of `FLASH_BLOCK` tokens.
 
     The kernel sees local arrays, so it runs under ``shard_map`` over whatever the inputs are split on (batch
     over the data axes, heads over ``tensor``); G < H K/V heads are repeated to H on each device first (the
     kernel wants equal head counts; the repeat is local because a split over ``tensor`` keeps whole groups).
     """
+    scale = 1.0 / math.sqrt(q_BSHK.shape[-1])
+
+    def local(q_bshk, k_bsgk, v_bsgk, *sinks_bh):
+        repeats = q_bshk.shape[2] // k_bsgk.shape[2]
+        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_bshk, k_bsgk, v_bsgk))  # the kernels' [b, h, s, k]
+        if repeats > 1:
+            k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
+        # the kernels want one head width for q, k and v, a multiple of 128 beyond 128: latent attention's (192 for
+        # q and k, 128 for v) is zero-padded to it, which changes no score and no output (the scale is the unpadded)
+        width, padded = v.shape[-1], flash_head_width(q.shape[-1])
+        q, k, v = (jnp.pad(a, ((0, 0),) * 3 + ((0, padded - a.shape[-1]),)) for a in (q, k, v))
+        if window or sinks_bh:
+            mixed = _splash(q * jnp.asarray(scale, q.dtype), k, v, window, *sinks_bh)
+        else:
+            mixed = _flash(q, k, v, scale)
+        return jnp.swapaxes(mixed[..., :width], 1, 2)
+
+    operands = (q_BSHK, k_BSGK, v_BSGK) + (() if sinks_BH is None else (sinks_BH,))
+    if jax.typeof(q_BSHK).sharding.mesh.empty:  # one device, no mesh: the kernel sees the whole arrays
+        return local(*operands)
+    specs = tuple(jax.typeof(a).sharding.spec for a in operands)
+    # check_vma off: pallas_call does not track which mesh axes its outputs vary over
+    return jax.shard_map(local, in_specs=specs, out_specs=specs[0], check_vma=False)(*operands)
+
+
+def _flash(q_bhsk: jax.Array, k_bhsk: jax.Array, v_bhsk: jax.Array, scale: float) -> jax.Array:
+    """The Pallas flash kernel, causal, on one device's [b, h, s, k] arrays."""
     # local: Pallas kernels are imported only by models that use them (TPU targets); CPU-only runs never load them
     from jax.experimental.pallas.ops.tpu import flash_attention as pallas_flash
 
-    specs = tuple(jax.typeof(a).sharding.spec for a in (q_BSHK, k_BSGK, v_BSGK))
-    scale = 1.0 / math.sqrt(q_BSHK.shape[-1])
+    block = min(FLASH_BLOCK, q_bhsk.shape[2])
+    blocks = pallas_flash.BlockSizes(block_b=1, **dict.fromkeys(_FLASH_BLOCK_NAMES, block))
+    return pallas_flash.flash_attention(q_bhsk, k_bhsk, v_bhsk, causal=True, sm_scale=scale, block_sizes=blocks)
 
-    def local(q_bshk, k_bsgk, v_bsgk):
-        repeats = q_bshk.shape[2] // k_bsgk.shape[2]
-        q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q_bshk, k_bsgk, v_bsgk))  # the kernel's [b, h, s, k]
-        if repeats > 1:
-            k, v = jnp.repeat(k, repeats, axis=1), jnp.repeat(v, repeats, axis=1)
-        # the kernel wants one head width for q, k and v, a multiple of 128 beyond 128: latent attention's (192 for
-        # q and k, 128 for v) is zero-padded to it, which changes no score and no output (sm_scale is the unpadded)
-        width, padded = v.shape[-1], flash_head_width(q.shape[-1])
-        q, k, v = (jnp.pad(a, ((0, 0),) * 3 + ((0, padded - a.shape[-1]),)) for a in (q, k, v))
-        block = min(FLASH_BLOCK, q.shape[2])
-        blocks = pallas_flash.BlockSizes(block_b=1, **dict.fromkeys(_FLASH_BLOCK_NAMES, block))
-        mixed = pallas_flash.flash_attention(q, k, v, causal=True, sm_scale=scale, block_sizes=blocks)
-        return jnp.swapaxes(mixed[..., :width], 1, 2)
 
-    if jax.typeof(q_BSHK).sharding.mesh.empty:  # one device, no mesh: the kernel sees the whole arrays
-        return local(q_BSHK, k_BSGK, v_BSGK)
-    # check_vma off: pallas_call does not track which mesh axes its outputs vary over
-    return jax.shard_map(local, in_specs=specs, out_specs=specs[0], check_vma=False)(q_BSHK, k_BSGK, v_BSGK)
+def _splash(q_bhsk, k_bhsk, v_bhsk, window: int, sinks_bh: jax.Array | None = None) -> jax.Array:
+    """The Pallas splash kernel on one device's [b, h, s, k] arrays (queries already scaled): causal, or within
+    `window` tokens back, with a sink logit per head; one sequence at a time (the kernel takes [h, s, k])."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    heads, seq = q_bhsk.shape[1], q_bhsk.shape[2]
+    mask = masks.LocalMask((seq, seq), (window - 1, 0), offset=0) if window else masks.CausalMask((seq, seq))
+    block = min(FLASH_BLOCK, seq)
+    sizes = splash.BlockSizes(**dict.fromkeys(_SPLASH_BLOCK_NAMES, block))
+    kernel = splash.make_splash_mha(
+        masks.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1
+    )
+    if sinks_bh is None:
+        return jax.vmap(kernel)(q_bhsk, k_bhsk, v_bhsk)
+    return jax.vmap(lambda q, k, v, sinks: kernel(q, k, v, sinks=sinks))(q_bhsk, k_bhsk, v_bhsk, sinks_bh)
 
 
 class MLP(nnx.Module):
@@ -560,16 +707,26 @@ class MLP(nnx.Module):
         if config.gated:
             self.w_gate = _param(rngs, _fan_in(0, 1), (d, f), ("embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(0, 1), (f, d), ("mlp", "embed"))
+        if config.biases:
+            self.in_bias, self.out_bias = _bias(rngs, (f,), ("mlp",)), _bias(rngs, (d,), ("embed",))
+            if config.gated:
+                self.gate_bias = _bias(rngs, (f,), ("mlp",))
         self.gated = config.gated
         self.activation = _activation(config)
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
         hidden_BSF = jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in))  # column-parallel
+        hidden_BSF = _plus_bias(hidden_BSF, self, "in_bias", layout)
         if self.gated:
-            hidden_BSF = self.activation(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_gate))) * hidden_BSF
+            gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_gate))
+            hidden_BSF = self.activation(_plus_bias(gate_BSF, self, "gate_bias", layout)) * hidden_BSF
         else:
             hidden_BSF = self.activation(hidden_BSF)
-        return row_parallel("bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), layout)
+        y_BSD = row_parallel("bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), layout)
+        return _plus_bias(y_BSD, self, "out_bias", layout)
+
+
+_EXPERT_HIDDEN = "becf,ef->becf"  # an expert's bias, each slot of the buffer taking its expert's
 
 
 class MoEStats(NamedTuple):
@@ -600,6 +757,14 @@ class MoE(nnx.Module):
         if config.gated:
             self.w_gate = _param(rngs, _fan_in(1, 2), (e, d, f), ("experts", "embed", "mlp"))
         self.w_out = _param(rngs, _fan_in(1, 2), (e, f, d), ("experts", "mlp", "embed"))
+        if config.biases:  # the router's, and each expert's
+            self.router_bias = _bias(rngs, (e,), ("routing",))
+            self.in_bias, self.out_bias = (
+                _bias(rngs, (e, f), ("experts", "mlp")),
+                _bias(rngs, (e, d), ("experts", "embed")),
+            )
+            if config.gated:
+                self.gate_bias = _bias(rngs, (e, f), ("experts", "mlp"))
         if config.shared_experts:  # one dense MLP as wide as the shared experts together
             self.shared = MLP(config, rngs, config.shared_width)
         self.activation = _activation(config)
@@ -607,15 +772,19 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats]:
         router, experts = self.config.router, self.config.experts
-        logits_BSE = jnp.einsum("bsd,de->bse", x_BSD, layout.use(self.router))
+        logits_BSE = _plus_bias(jnp.einsum("bsd,de->bse", x_BSD, layout.use(self.router)), self, "router_bias", layout)
         # (XLA's CPU partitioner gathers the logits over the batch axes for top_k; the TPU compiler keeps them split)
         routing = jax.vmap(lambda logits_SE: route(logits_SE, router))(logits_BSE)
         home_BECD = jax.vmap(lambda x_SD, one: dispatch(x_SD, one, experts))(x_BSD, routing)
         x_BECD = _move(home_BECD, layout, _BECD_AT_EXPERTS)  # dispatch: the all-to-all over expert
-        hidden_BECF = jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_in))
+        hidden_BECF = _plus_bias(
+            jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_in)), self, "in_bias", layout, _EXPERT_HIDDEN
+        )
         if self.config.gated:
             gate_BECF = jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_gate))
-            hidden_BECF = self.activation(gate_BECF) * hidden_BECF
+            hidden_BECF = (
+                self.activation(_plus_bias(gate_BECF, self, "gate_bias", layout, _EXPERT_HIDDEN)) * hidden_BECF
+            )
         else:
             hidden_BECF = self.activation(hidden_BECF)
         y_BECD = jnp.einsum(
@@ -624,6 +793,7 @@ class MoE(nnx.Module):
             layout.use(self.w_out),
             out_sharding=activation_sharding(layout, _BECD_AT_EXPERTS),
         )
+        y_BECD = _plus_bias(y_BECD, self, "out_bias", layout, "becd,ed->becd")
         y_BECD = _move(y_BECD, layout, _BECD_AT_HOME)  # combine: the all-to-all back
         y_BSD = jax.vmap(combine)(y_BECD, routing)
         if self.config.shared_experts:
@@ -636,9 +806,9 @@ class Block(nnx.Module):
     """Pre-norm residual block: x + attention(norm(x)), then x + mlp(norm(x)) (or x + moe(norm(x)));
     parallel: x + attention(norm(x)) + mlp(norm(x)) with one norm."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, moe: bool | None = None):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, moe: bool | None = None, window: int = 0):
         self.attention_norm = RMSNorm(config, rngs)
-        self.attention = (LatentAttention if config.kv_rank else Attention)(config, rngs)
+        self.attention = (LatentAttention if config.kv_rank else Attention)(config, rngs, window)
         self.parallel = config.block == "parallel"
         if not self.parallel:
             self.mlp_norm = RMSNorm(config, rngs)
@@ -681,6 +851,7 @@ _LAYERS = {nnx.PARTITION_NAME: "layers"}  # nnx.vmap/scan add and remove this lo
 _BSD = ("batch", "sequence", "embed")  # the residual stream (`sequence`: split over tensor by sequence parallelism)
 _BSD_WHOLE = ("batch", None, "embed")  # a sub-layer's input: attention and the MLP see the whole sequence
 _BSHK = ("batch", None, "heads", "head_dim")
+_BH_GROUPED = ("batch", "heads", None)  # a sequence's per-head values, the heads as [G, H/G]
 _BECD_AT_HOME = ("batch", "routing", "capacity", "embed")  # each device: its sequences' slots for every expert
 _BECD_AT_EXPERTS = (
     "batch",
@@ -691,17 +862,20 @@ _BECD_AT_EXPERTS = (
 
 
 class Period(nnx.Module):
-    """`moe_every` consecutive layers of an interleaved MoE model: dense ones, then an MoE one (Llama 4 Maverick:
-    dense, MoE, dense, MoE, ...); the layers' scan runs over periods."""
+    """`ModelConfig.period` consecutive layers of a stack whose layers differ: an interleaved MoE model's dense
+    ones, then an MoE one (Llama 4 Maverick: dense, MoE, dense, MoE, ...), or windowed attention, then global
+    (GPT-OSS); the layers' scan runs over periods."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.dense = nnx.List([Block(config, rngs, moe=False) for _ in range(config.moe_every - 1)])
-        self.moe = Block(config, rngs, moe=True)
+        self.blocks = nnx.List([Block(config, rngs, moe, window) for moe, window in config.layer_pattern])
 
-    def forward(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats]:
-        for block in self.dense:
-            x_BSD = block(x_BSD, layout)
-        return self.moe.forward(x_BSD, layout)
+    def forward(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
+        """The period's output and its MoE layers' `MoEStats` stacked in order (None without MoE layers)."""
+        stats = []
+        for block in self.blocks:
+            x_BSD, one = block.forward(x_BSD, layout)
+            stats += [] if one is None else [one]
+        return x_BSD, jax.tree.map(lambda *layers: jnp.stack(layers), *stats) if stats else None
 
 
 def _stacked(n: int, make: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
@@ -727,8 +901,10 @@ class Transformer(nnx.Module):
         self.embedding = _param(rngs, nnx.initializers.normal(1.0), (config.vocab, config.embed), ("vocab", "embed"))
         if config.dense_layers:
             self.dense_blocks = _stacked(config.dense_layers, lambda r: Block(config, r, moe=False), rngs)
-        unit = Period if config.moe_every > 1 else Block
-        self.blocks = _stacked(config.scan_length, lambda r: unit(config, r), rngs)
+        if config.period > 1:
+            self.blocks = _stacked(config.scan_length, lambda r: Period(config, r), rngs)
+        else:
+            self.blocks = _stacked(config.scan_length, lambda r: Block(config, r, *config.layer_pattern[0]), rngs)
         self.final_norm = RMSNorm(config, rngs)
         if not config.tied:
             self.unembed = _param(rngs, _fan_in(0, 1), (config.embed, config.vocab), ("embed", "vocab"))
@@ -775,7 +951,10 @@ def run_blocks(blocks: Block | Period, x_BSD: jax.Array, layout: Parallelism) ->
             block, policy=layout.remat_policy, prevent_cse=False
         )  # scan already keeps XLA from CSE-ing the recompute
     scan = nnx.scan(block, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS)
-    return scan(x_BSD, blocks)
+    x_BSD, stats = scan(x_BSD, blocks)
+    if isinstance(blocks, Period):  # [periods, MoE layers of one, ...] -> [MoE layers, ...], in order
+        stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)
+    return x_BSD, stats
 
 
 def abstract_model(config: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

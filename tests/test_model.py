@@ -10,7 +10,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.mesh import MeshSpec
-from lab.model import PRESETS, ModelConfig, abstract_model, create_params, logical_axes, preset
+from lab.model import PRESETS, Mixing, ModelConfig, WholeWeights, abstract_model, create_params, logical_axes, preset
 from lab.parallel import Layout
 from lab.rules import LOGICAL_AXES, get_strategy
 
@@ -70,8 +70,20 @@ def _single_device_forward(config):
         ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None),
         # Qwen3's family: SwiGLU experts, a norm on each query and key head
         ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None, feed_forward="swiglu", qk_norm=True, kv_heads=2),
+        # GPT-OSS's: biases, sinks, a window on every other layer
+        ModelConfig(
+            mlp=32,
+            experts=4,
+            top_k=2,
+            capacity_factor=None,
+            kv_heads=2,
+            biases=True,
+            sinks=True,
+            window=4,
+            global_every=2,
+        ),
     ],
-    ids=["dense", "moe", "gated-moe-qk-norm"],
+    ids=["dense", "moe", "gated-moe-qk-norm", "gpt-oss"],
 )
 def test_logits_have_the_vocabulary_and_only_look_backwards(config):
     params, forward = _single_device_forward(config)
@@ -88,6 +100,34 @@ def test_logits_have_the_vocabulary_and_only_look_backwards(config):
         np.testing.assert_array_equal(stats.counts.dropped, 0)
     else:
         assert stats is None
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("groups", [4, 2])
+def test_windowed_attention_with_sinks_is_the_splash_kernels_reference(window, groups):
+    """XLA's attention of a windowed layer with sinks against JAX's own reference for the splash kernel (its
+    attention_reference, head by head, on the kernel's LocalMask), which the TPU target compiles."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    b, s, h, k = 2, 16, 4, 8
+    rng = np.random.default_rng(window + groups)
+    q, key, value = (jnp.asarray(rng.normal(size=(b, s, n, k)), jnp.float32) for n in (h, groups, groups))
+    sinks_H = jnp.asarray(rng.normal(size=h) * 2, jnp.float32)
+    with nnx.use_eager_sharding(False):
+        mixing = Mixing(ModelConfig(heads=h, head_dim=k, sinks=True), nnx.Rngs(0), window)
+    mixing.sinks[...] = sinks_H
+    identity = nnx.Param(jnp.eye(h * k).reshape(h, k, h * k))  # the output projection: the heads side by side
+    mixed = mixing.project(q, key, value, identity, WholeWeights())
+    mask = masks.LocalMask((s, s), (window - 1, 0), offset=0) if window else masks.CausalMask((s, s))
+    dense_mask = jnp.asarray(mask[:, :])
+    for i in range(b):
+        for head in range(h):
+            group = head // (h // groups)
+            expected = splash.attention_reference(
+                dense_mask, q[i, :, head] / np.sqrt(k), key[i, :, group], value[i, :, group], None, sinks_H[head]
+            )
+            np.testing.assert_allclose(mixed[i, :, head * k : (head + 1) * k], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_params_are_created_already_sharded(devices):

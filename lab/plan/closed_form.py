@@ -68,6 +68,7 @@ memory is the layer its gathers fill), so they stay together.
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, replace
 
@@ -158,20 +159,20 @@ class Estimate:
 @functools.cache  # every layout of a plan asks it several times (memory, compute, gradients, optimizer)
 def layer_kinds(model) -> tuple[tuple[int, object], ...]:
     """The model's layers by kind, (how many, the model with every layer of that kind): one kind, or an MoE
-    model's dense layers (DeepSeek-V3's first three, Llama 4's interleaved) and its MoE ones."""
-    moe = model.moe_layers
-    if moe in (0, model.layers):
+    model's dense layers (DeepSeek-V3's first three, Llama 4's interleaved) and its MoE ones, a windowed model's
+    windowed and global layers (GPT-OSS's)."""
+    counts = collections.Counter(((False, 0),) * model.dense_layers + model.layer_pattern * model.scan_length)
+    if len(counts) == 1:
         return ((model.layers, model),)
-    dense = replace(
-        model,
-        experts=0,
-        shared_experts=0,
-        dense_layers=0,
-        moe_every=1,
-        mlp=model.dense_width,
-        layers=model.layers - moe,
-    )
-    return ((model.layers - moe, dense), (moe, replace(model, dense_layers=0, moe_every=1, layers=moe)))
+    return tuple((n, _every_layer(model, n, moe, window)) for (moe, window), n in sorted(counts.items()))
+
+
+def _every_layer(model, layers: int, moe: bool, window: int):
+    """`model` as `layers` layers all of one kind: MoE or dense (its dense width), windowed or global."""
+    one_kind = replace(model, layers=layers, dense_layers=0, moe_every=1, window=window, global_every=0)
+    if moe:
+        return one_kind
+    return replace(one_kind, experts=0, shared_experts=0, mlp=model.dense_width)
 
 
 def _vocab(model) -> float:
@@ -203,7 +204,24 @@ def _layer_weights(model, mesh: MeshSpec) -> tuple[float, ...]:
     else:
         mlp = (d * f / t,) * matrices
     norms = (float(d),) * (1 if model.block == "parallel" else 2)
-    return _attention_weights(model, t) + mlp + norms
+    return _attention_weights(model, t) + mlp + norms + _biases(model, mesh)
+
+
+def _biases(model, mesh: MeshSpec) -> tuple[float, ...]:
+    """A layer's biases and sinks, each split as the weight it follows: q, k, v, out, the MLP's (an MoE layer's
+    experts' and router's), the heads' sinks."""
+    s = mesh.sizes
+    d, f, t, k, gates = model.embed, model.mlp, s["tensor"], model.head_dim, 2 if model.gated else 1
+    sinks = (model.heads / t,) if model.sinks else ()
+    if not model.biases:
+        return sinks
+    attention = (model.heads * k / t, model.groups * k / t, model.groups * k / t, float(d))
+    if model.experts:
+        e = model.experts / s["expert"]
+        mlp = (e * f / t,) * gates + (e * d, float(model.experts))
+    else:
+        mlp = (f / t,) * gates + (float(d),)
+    return attention + mlp + sinks
 
 
 def _attention_weights(model, t: int) -> tuple[float, ...]:
@@ -316,12 +334,17 @@ def _core_flops(model, tensor: int) -> float:
     """Attention's QK^T and AV per token of one layer, forward: 2 · S · H · (K + R) and 2 · S · H · K, the scores
     whole (XLA's dot product). The flash kernel computes only the tiles on and below the causal diagonal, (n + 1)/2n
     of n x n tiles of `FLASH_BLOCK`, both products at its head width (K + R, padded past 128 to a multiple of 128:
-    `lab.model.flash_head_width`)."""
+    `lab.model.flash_head_width`); with a sliding window, the splash kernel's 1 + ceil((window - 1) / block) blocks
+    a row reaches."""
     s, h = model.seq, model.heads
     if model.attention != "flash":
         return 2 * s * h * (2 * model.head_dim + model.rope_dim) / tensor
-    tiles = s // min(FLASH_BLOCK, s)
-    return 4 * s * h * flash_head_width(model.head_dim + model.rope_dim) / tensor * (tiles + 1) / (2 * tiles)
+    block = min(FLASH_BLOCK, s)
+    tiles = s // block
+    live = (tiles + 1) / (2 * tiles)
+    if model.window:  # the splash kernel's grid shrinks to the blocks a row's window reaches
+        live = min(live, (1 + -(-(model.window - 1) // block)) / tiles)
+    return 4 * s * h * flash_head_width(model.head_dim + model.rope_dim) / tensor * live
 
 
 def _block_forward_flops(model, tensor: int) -> float:

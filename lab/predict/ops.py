@@ -22,7 +22,8 @@ order it runs, so each can be priced on its own:
 * a Pallas kernel (``tpu_custom_call``; the flash attention's forward, dq and
   dkv kernels) is opaque to XLA: its FLOPs are counted from its operand shapes
   (forward 4·b·h·S·T·K, dq 6·, dkv 8·, the causal kernels skipping the blocks
-  above the diagonal: a fraction (n + 1) / 2n of n x n blocks);
+  above the diagonal: a fraction (n + 1) / 2n of n x n blocks; the splash
+  kernel of a sliding window, the blocks its mask's table lists);
 * a loop: its body, priced twice in a row and the second pass taken as the
   steady state (a collective the scheduler starts in one iteration and
   finishes in the next then waits as it would), times its trip count (the
@@ -99,6 +100,7 @@ def _host_transfer(instruction: Instruction) -> tuple[str, int] | None:
 
 
 _FLASH_UNITS = (("bwd_dkv", 8), ("bwd_dq", 6), ("flash", 4))  # matmul FLOPs per b·h·S·T·K of each kernel
+_SPLASH_UNITS = (("dkv", 8), ("dq", 6), ("fwd", 4))  # the splash kernel's, named its way
 
 
 @dataclass(frozen=True)
@@ -538,6 +540,8 @@ def _taps(n: int, w: int, n_out: int, lo: int, stride: int, dilation: int, holes
 def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
     if "tpu_custom_call" not in (instruction.attr(r'custom_call_target="([^"]+)"') or ""):
         return 0.0
+    if instruction.name.startswith("splash"):
+        return _splash_flops(schedule.shapes(computation), instruction)
     units = next((u for key, u in _FLASH_UNITS if key in instruction.name), 0)
     q = arrays(schedule.shapes(computation).get(instruction.operands[0], "")) if instruction.operands else []
     if not units or not q or len(q[0][1]) != 4:
@@ -547,6 +551,23 @@ def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Inst
     blocks = max(1, math.ceil(s / block))
     causal = (blocks + 1) / (2 * blocks) if "causal" in instruction.name or units else 1.0
     return units * b * h * s * s * k * causal
+
+
+def _splash_flops(shapes: dict[str, str], instruction: Instruction) -> float:
+    """A splash kernel's matmul FLOPs: its units (as the flash kernel's) times b·h·S·T·K of its queries (the first
+    [b, h, S, K] operand) times the blocks it computes. Its first operand, the mask's block table [1, n, m], says
+    how many: a causal mask keeps the n x n grid and skips the (n - 1)/2n above the diagonal; a sliding window
+    shrinks the grid to the m blocks a row reaches."""
+    units = next((u for key, u in _SPLASH_UNITS if key in instruction.name), 0)
+    operands = [arrays(shapes.get(o, "")) for o in instruction.operands]
+    queries = [a[0][1] for a in operands if a and len(a[0][1]) in (3, 4) and a[0][0] == "bf16"]
+    grid = operands[0][0][1][-2:] if operands and operands[0] and len(operands[0][0][1]) == 3 else ()
+    if not units or not queries or len(grid) != 2:
+        return 0.0
+    *batch, h, s, k = queries[0]
+    n = max(grid)
+    live = min((n + 1) / (2 * n), grid[0] * grid[1] / n**2)
+    return units * math.prod(batch) * h * s * s * k * live
 
 
 def op_bytes(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:

@@ -18,7 +18,11 @@ layer every n, Llama 4's ``interleave_moe_layer_step``) and ``d_ff_dense`` (the
 dense layers' width) shape the stack. ``kv_rank``, ``q_rank`` and ``rope_dim``
 make the attention DeepSeek's latent attention (its ``kv_lora_rank``,
 ``q_lora_rank``, ``qk_rope_head_dim``; ``head_dim`` is then its
-``qk_nope_head_dim`` and ``v_head_dim``).
+``qk_nope_head_dim`` and ``v_head_dim``). GPT-OSS's blocks: ``biases=true``
+(every projection's, the router's), ``sinks=true`` (a learned logit per head in
+each softmax), ``window`` (its ``sliding_window``: a query sees the window's
+tokens, itself included) and ``global_every`` (every n-th layer attends to every
+earlier token, the others within the window; its ``layer_types``).
 
 The presets are the configurations their authors published (each one's
 ``config.json`` on the Hugging Face hub, or its paper); their parameter counts
@@ -34,9 +38,10 @@ lab's by softmax over all: the same matmuls), and its multi-token-prediction
 module; Llama 4's layers without rotary positions, its chunked attention (the
 whole sequence up to its 8192-token chunks) and the vision encoder. Llama 4
 Scout is ``llama4-maverick,experts=16,moe_every=1`` (its card's 109B counts the
-vision encoder; the text model is 107.8B). Not here, because the lab's decoder
-does not have its blocks: GPT-OSS (biases, attention sinks, sliding-window
-layers).
+vision encoder; the text model is 107.8B). GPT-OSS's SwiGLU clamps its inputs and
+adds one to the linear half, its router takes the softmax after the top k and its
+rotary positions are YaRN-scaled: elementwise differences, priced as the lab's
+SwiGLU, softmax and rotary.
 """
 
 from __future__ import annotations
@@ -66,6 +71,19 @@ def _llama(layers, d_model, heads, kv_heads, d_ff, vocab, head_dim=128) -> Model
 def _moe(layers, d_model, heads, kv_heads, d_ff, vocab, experts, top_k, *, qk_norm=False) -> ModelConfig:
     """Llama's blocks with every MLP a top-k mixture of SwiGLU experts `d_ff` wide (Mixtral, Qwen3-MoE)."""
     return replace(_llama(layers, d_model, heads, kv_heads, d_ff, vocab), experts=experts, top_k=top_k, qk_norm=qk_norm)
+
+
+def _gpt_oss(layers: int, experts: int) -> ModelConfig:
+    """GPT-OSS: biases on every projection, a sink per head, a 128-token window on every other layer (from the
+    first), top-4 of SwiGLU experts as wide as the model."""
+    return replace(
+        _moe(layers, 2880, 64, 8, 2880, 201088, experts=experts, top_k=4),
+        head_dim=64,
+        biases=True,
+        sinks=True,
+        window=128,
+        global_every=2,
+    )
 
 
 # name -> (config, published parameter count, where it was published); an MoE's count as its card gives it,
@@ -154,7 +172,20 @@ PRESETS: dict[str, tuple[ModelConfig, int | str, str]] = {
         "235B / 22B",
         "Qwen/Qwen3-235B-A22B config.json and model card: 235B in total, 22B activated",
     ),
+    "gpt-oss-20b": (
+        _gpt_oss(24, experts=32),
+        "20.91B / 3.61B",
+        "openai/gpt-oss-20b config.json; gpt-oss-120b & gpt-oss-20b Model Card (arXiv:2508.10925), Table 1: 20.91B "
+        "total, 3.61B active (the input embedding not counted)",
+    ),
+    "gpt-oss-120b": (
+        _gpt_oss(36, experts=128),
+        "116.83B / 5.13B",
+        "openai/gpt-oss-120b config.json; gpt-oss-120b & gpt-oss-20b Model Card (arXiv:2508.10925), Table 1: "
+        "116.83B total, 5.13B active (the input embedding not counted)",
+    ),
 }
+ACTIVE_WITHOUT_EMBEDDING = ("gpt-oss-20b", "gpt-oss-120b")  # cards whose active count leaves the input embedding out
 PRESETS["llama3.1-8b"] = PRESETS["llama3-8b"]
 PRESETS["llama3.1-70b"] = PRESETS["llama3-70b"]
 PRESETS["llama3.1-405b"] = PRESETS["llama3-405b"]
@@ -184,6 +215,10 @@ KEYS = {
     "kv_rank": "kv_rank",
     "q_rank": "q_rank",
     "rope_dim": "rope_dim",
+    "biases": "biases",
+    "sinks": "sinks",
+    "window": "window",
+    "global_every": "global_every",
 }
 _INTEGER_KEYS = (
     "layers",
@@ -202,7 +237,10 @@ _INTEGER_KEYS = (
     "kv_rank",
     "q_rank",
     "rope_dim",
+    "window",
+    "global_every",
 )
+_BOOLEAN_KEYS = ("tied", "qk_norm", "biases", "sinks")
 _REQUIRED = ("layers", "d_model", "heads", "d_ff", "vocab")
 EXAMPLE = "layers=32,d_model=4096,heads=32,kv_heads=8,head_dim=128,d_ff=14336,vocab=128256,mlp=swiglu"
 
@@ -267,7 +305,7 @@ def _value(name: str, value: str) -> object:
         if not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise LabError(f"--model: {name}={value!r} must be a positive integer")
         return int(value)
-    if name in ("tied", "qk_norm"):
+    if name in _BOOLEAN_KEYS:
         if value.lower() not in ("true", "false"):
             raise LabError(f"--model: {name}={value!r}; use true or false")
         return value.lower() == "true"

@@ -100,7 +100,7 @@ class Trainer:
                 f"dense_layers={model.dense_layers} are a scan of their own; drop the stage axis"
             )
         if model.scan_length % stages:
-            what = f"{model.scan_length} periods of {model.moe_every}" if model.moe_every > 1 else str(model.layers)
+            what = f"{model.scan_length} periods of {model.period}" if model.period > 1 else str(model.layers)
             raise LabError(
                 f"{what} layers cannot be cut into stage={stages} "
                 f"pipeline stages; use a stage axis that divides {model.scan_length}"

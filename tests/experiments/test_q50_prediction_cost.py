@@ -55,7 +55,9 @@ def test_each_check_fails_past_its_bar(row, failing):
 
 
 def test_an_unknown_model_is_refused_before_any_compile():
-    with pytest.raises(LabError, match="--models gpt-5: choose among llama3-405b, deepseek-v3, llama4-maverick"):
+    with pytest.raises(
+        LabError, match="--models gpt-5: choose among llama3-405b, deepseek-v3, llama4-maverick, gpt-oss-120b"
+    ):
         page.measure(page.Config(models=("gpt-5",)))
 
 

@@ -40,6 +40,17 @@ def test_mixed_stacks_add_up_to_the_model_kind_by_kind():
         assert [n for n, _ in layer_kinds(model)] == [model.layers - model.moe_layers, model.moe_layers]
         assert params_per_chip(model, MeshSpec(data=8)) == model.parameters
         assert params_per_chip(model, MeshSpec(fsdp=2, expert=4)) < model.parameters / 2
+    # GPT-OSS's: MoE layers alternately windowed and global, biases and sinks; with Maverick's interleaving too
+    gpt_oss_like = replace(
+        maverick_like, moe_every=1, shared_experts=0, biases=True, sinks=True, window=8, global_every=2
+    )
+    interleaved = replace(gpt_oss_like, moe_every=2, global_every=4, layers=8)
+    assert [(n, kind.window, kind.experts) for n, kind in layer_kinds(gpt_oss_like)] == [(2, 0, 4), (2, 8, 4)]
+    # periods of 4: dense windowed, MoE windowed, dense windowed, MoE global
+    assert [(n, kind.window, kind.experts) for n, kind in layer_kinds(interleaved)] == [(4, 8, 0), (2, 0, 4), (2, 8, 4)]
+    for model in (gpt_oss_like, interleaved):
+        assert params_per_chip(model, MeshSpec(data=8)) == model.parameters
+        assert params_per_chip(model, MeshSpec(fsdp=2, expert=4)) < model.parameters / 2
 
 
 def test_the_weights_fsdp_gathers_one_by_one_add_up_to_the_layer():

@@ -9,7 +9,7 @@ from flax import nnx
 
 from lab.errors import LabError
 from lab.model import ModelConfig, abstract_model
-from lab.predict.spec import PRESETS, parse_model, published_parameters
+from lab.predict.spec import ACTIVE_WITHOUT_EMBEDDING, PRESETS, parse_model, published_parameters
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -19,13 +19,15 @@ def test_presets_have_their_published_parameter_counts(name):
     assert source
     if isinstance(count, int):
         assert config.parameters == count
-    else:  # an MoE's card: "total / active" in billions, to the digits it gives, rounded (Mistral) or cut (Qwen3:
-        # 3.35B active written 3.3B)
-        for ours, published in zip((config.parameters, config.active_parameters), count.split(" / "), strict=True):
-            digits = len(published.removesuffix("B").partition(".")[2])
-            unit = 10.0**-digits
-            cut = math.floor(ours / 1e9 / unit) * unit
-            assert published in (f"{ours / 1e9:.{digits}f}B", f"{cut:.{digits}f}B"), (ours, published)
+        return
+    # an MoE's card: "total / active" in billions, to the digits it gives, rounded (Mistral) or cut (Qwen3: 3.35B
+    # active written 3.3B); GPT-OSS's card counts the active parameters without the input embedding
+    active = config.active_parameters - (config.vocab * config.embed if name in ACTIVE_WITHOUT_EMBEDDING else 0)
+    for ours, published in zip((config.parameters, active), count.split(" / "), strict=True):
+        digits = len(published.removesuffix("B").partition(".")[2])
+        unit = 10.0**-digits
+        cut = math.floor(ours / 1e9 / unit) * unit
+        assert published in (f"{ours / 1e9:.{digits}f}B", f"{cut:.{digits}f}B"), (ours, published)
 
 
 @pytest.mark.parametrize(
@@ -40,6 +42,10 @@ def test_presets_have_their_published_parameter_counts(name):
         ModelConfig(experts=4, layers=4, moe_every=2, dense_mlp=96, shared_experts=1, top_k=1),
         ModelConfig(kv_rank=24, q_rank=20, rope_dim=8),
         ModelConfig(kv_rank=24, rope_dim=4, experts=4, layers=3, dense_layers=2),
+        ModelConfig(biases=True, sinks=True, kv_heads=2, window=8, global_every=2, experts=4, feed_forward="swiglu"),
+        ModelConfig(biases=True, layers=4, experts=4, moe_every=2, window=8, global_every=4, shared_experts=1),
+        ModelConfig(biases=True, window=8, block="parallel"),
+        ModelConfig(sinks=True, kv_rank=24, rope_dim=4, window=8),
     ],
 )
 def test_the_formula_counts_what_the_model_declares(config):
@@ -77,9 +83,21 @@ def test_the_mixed_moe_presets_declare_their_stacks():
     assert state["blocks"]["attention"]["kv_down"].shape == (2, 7168, 512 + 64)
     maverick = replace(PRESETS["llama4-maverick"][0], layers=4)  # periods of a dense layer, then an MoE one
     _, state = abstract_model(maverick)
-    assert state["blocks"]["dense"][0]["mlp"]["w_in"].shape == (2, 5120, 16384)
-    assert state["blocks"]["moe"]["moe"]["w_in"].shape == (2, 128, 5120, 8192)
+    assert state["blocks"]["blocks"][0]["mlp"]["w_in"].shape == (2, 5120, 16384)
+    assert state["blocks"]["blocks"][1]["moe"]["w_in"].shape == (2, 128, 5120, 8192)
     assert (maverick.moe_layers, maverick.scan_length, maverick.with_scan_length(3).layers) == (2, 2, 6)
+
+
+def test_gpt_oss_declares_windowed_and_global_layers_with_biases_and_sinks():
+    gpt_oss = replace(PRESETS["gpt-oss-120b"][0], layers=4)  # periods of a windowed layer, then a global one
+    assert gpt_oss.layer_pattern == ((True, 128), (True, 0))
+    assert (gpt_oss.scan_length, gpt_oss.with_scan_length(3).layers, gpt_oss.moe_layers) == (2, 6, 4)
+    _, state = abstract_model(gpt_oss)
+    windowed, global_ = state["blocks"]["blocks"][0], state["blocks"]["blocks"][1]
+    assert windowed["attention"]["query_bias"].shape == (2, 64, 64)
+    assert windowed["attention"]["mixing"]["sinks"].shape == (2, 64)
+    assert global_["moe"]["in_bias"].shape == (2, 128, 2880)
+    assert global_["moe"]["router_bias"].shape == (2, 128)
 
 
 def test_an_moe_is_typed_in_or_a_preset_changed():
@@ -115,6 +133,11 @@ def test_an_moe_is_typed_in_or_a_preset_changed():
         ("llama3-8b,rope_dim=64", "give kv_rank too"),
         ("llama3-8b,kv_rank=512,rope_dim=64", "latent attention has a key and value per head"),
         ("deepseek-v3,rope_dim=63", "even rope_dim"),
+        ("llama3-8b,global_every=2", "give window too"),
+        ("gpt-oss-20b,global_every=5", "layers=24 must be a multiple of global_every=5"),
+        ("deepseek-v3,window=128", "window with dense_layers"),
+        ("gpt-oss-20b,sinks=maybe", "sinks='maybe'; use true or false"),
+        ("deepseek-v3,biases=true", "latent attention has a key and value per head and no biases"),
     ],
 )
 def test_bad_specs_say_what_is_wrong(text, words):

@@ -359,6 +359,22 @@ def test_a_mixed_moe_stack_matches_one_device(devices):
     )
     np.testing.assert_allclose(_losses(history), _losses(control[2]), rtol=1e-5)
     np.testing.assert_allclose([h["balance_loss"] for h in history], [h["balance_loss"] for h in control[2]], rtol=1e-5)
-    shared = state.params["blocks"]["moe"]["moe"]["shared"]["w_in"][...]
+    shared = state.params["blocks"]["blocks"][1]["moe"]["shared"]["w_in"][...]
     assert shared.sharding.spec.partitions[1:] == ("fsdp", "tensor")  # [embed, mlp], Megatron-split
     assert state.params["dense_blocks"]["attention"]["key"][...].sharding.spec.partitions[1:3] == ("fsdp", "tensor")
+
+
+GPT_OSS = replace(MOE, kv_heads=2, feed_forward="swiglu", biases=True, sinks=True, window=8, global_every=2)
+
+
+def test_biases_sinks_and_windows_train_as_on_one_device_under_every_split(devices):
+    """GPT-OSS's blocks with experts, fsdp, tensor and sequence parallelism: each bias and sink is a weight whose
+    gradient is summed over the sequences (and, under sequence parallelism, the sequence's shards) it met."""
+    control = _control(GPT_OSS)
+    mesh = MeshSpec.parse("expert=2,fsdp=2,tensor=2").build(devices)
+    _, _, history, state = _run(GPT_OSS, mesh, control[1], strategy="zero3", sequence_parallel=True)
+    np.testing.assert_allclose(_losses(history), _losses(control[2]), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(control[3].params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+    sinks = state.params["blocks"]["blocks"][0]["attention"]["mixing"]["sinks"][...]
+    assert sinks.sharding.spec.partitions[1:] == ("tensor",)  # [layers, heads]: split as the heads
