@@ -683,15 +683,15 @@ def _flash(q_bhsk: jax.Array, k_bhsk: jax.Array, v_bhsk: jax.Array, scale: float
 def _splash(q_bhsk, k_bhsk, v_bhsk, window: int, sinks_bh: jax.Array | None = None) -> jax.Array:
     """The Pallas splash kernel on one device's [b, h, s, k] arrays (queries already scaled): causal, or within
     `window` tokens back, with a sink logit per head; one sequence at a time (the kernel takes [h, s, k])."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    # local, as the flash kernel's: Pallas kernels are imported only by models that use them (TPU targets)
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     heads, seq = q_bhsk.shape[1], q_bhsk.shape[2]
-    mask = masks.LocalMask((seq, seq), (window - 1, 0), offset=0) if window else masks.CausalMask((seq, seq))
+    mask = splash.LocalMask((seq, seq), (window - 1, 0), offset=0) if window else splash.CausalMask((seq, seq))
     block = min(FLASH_BLOCK, seq)
     sizes = splash.BlockSizes(**dict.fromkeys(_SPLASH_BLOCK_NAMES, block))
     kernel = splash.make_splash_mha(
-        masks.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1
+        splash.MultiHeadMask([mask] * heads), block_sizes=sizes, head_shards=1, q_seq_shards=1
     )
     if sinks_bh is None:
         return jax.vmap(kernel)(q_bhsk, k_bhsk, v_bhsk)

@@ -437,3 +437,20 @@ def test_a_quantized_step_prices_its_dots_at_the_int8_peak_and_the_attention_ker
     assert int8.compute_s < bf16.compute_s and int8.matmul_flops == bf16.matmul_flops
     p = price(replace(reading, command=replace(reading.command, matmul_precision="int8")))
     assert p.matmul_precision == "int8" and p.compute_s == pytest.approx(int8.compute_s)
+
+
+def test_the_splash_kernels_flops_are_read_from_their_block_tables_as_the_closed_form_counts():
+    """A windowed layer and a global one with sinks: the splash kernel computes the blocks its mask's table lists,
+    2 of 4 per row for a 128-token window in blocks of 512, the causal 5 of 8 for the global layer."""
+    from lab.plan.closed_form import _core_flops, layer_kinds
+
+    spec = f"{SMALL},experts=4,top_k=2,biases=true,sinks=true,window=128,global_every=2"
+    reading = read_step(Predict(model=spec, target="tpu:v5e:2x2", mesh="fsdp=4", seq=2048))
+    kernels = [o for o in reading.read.predict(calibration.efficiency("v5e")).ops if o.name.startswith("splash")]
+    scores = 4 * 2048 * 2048 * 64  # h · S · T · K of one sequence (a device's)
+    # remat full: each layer's forward twice (4 units each), dq (6) and dkv (8) once: 22 units
+    expected = 22 * scores * (2 / 4 + 5 / 8)
+    assert sum(o.flops * o.runs for o in kernels) == pytest.approx(expected, rel=1e-9)
+    model = replace(parse_model(spec), seq=2048, attention="flash")
+    closed = sum(_core_flops(kind, 1) * n for n, kind in layer_kinds(model)) * 2048  # forward, per sequence
+    assert closed == pytest.approx(4 * scores * (2 / 4 + 5 / 8), rel=1e-9)
