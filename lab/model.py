@@ -921,8 +921,7 @@ class Transformer(nnx.Module):
         """The first `dense_layers` layers (x itself when there are none), under the named scope ``dense_layers``."""
         if not self.config.dense_layers:
             return x_BSD
-        with jax.named_scope("dense_layers"):
-            return run_blocks(self.dense_blocks, x_BSD, layout)[0]
+        return run_blocks(self.dense_blocks, x_BSD, layout, scope="dense_layers")[0]
 
     def embed(self, tokens_BS: jax.Array, layout: Parallelism) -> jax.Array:
         """tokens [B, S] -> embeddings [B, S, D]."""
@@ -939,9 +938,15 @@ class Transformer(nnx.Module):
         return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)
 
 
-def run_blocks(blocks: Block | Period, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats | None]:
+LAYERS_SCOPE = "layers"  # the named scope of the layers' scan: `lab.predict.depth` reads its loops deeper
+
+
+def run_blocks(
+    blocks: Block | Period, x_BSD: jax.Array, layout: Parallelism, scope: str = LAYERS_SCOPE
+) -> tuple[jax.Array, MoEStats | None]:
     """Apply stacked blocks or periods (weights [n, ...]: all of them, or one pipeline stage's share) in order, as
-    one scan."""
+    one scan under the named `scope` (its loops' names in the compiled program, wherever the scan runs: a
+    pipeline stage's inside the loop over micro-batches too)."""
 
     def block(x_BSD: jax.Array, one_block: Block | Period) -> tuple[jax.Array, MoEStats | None]:
         return one_block.forward(x_BSD, layout)
@@ -951,7 +956,8 @@ def run_blocks(blocks: Block | Period, x_BSD: jax.Array, layout: Parallelism) ->
             block, policy=layout.remat_policy, prevent_cse=False
         )  # scan already keeps XLA from CSE-ing the recompute
     scan = nnx.scan(block, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata=_LAYERS)
-    x_BSD, stats = scan(x_BSD, blocks)
+    with jax.named_scope(scope):
+        x_BSD, stats = scan(x_BSD, blocks)
     if isinstance(blocks, Period):  # [periods, MoE layers of one, ...] -> [MoE layers, ...], in order
         stats = jax.tree.map(lambda s: s.reshape(-1, *s.shape[2:]), stats)
     return x_BSD, stats

@@ -101,8 +101,9 @@ class Predict:
     """0: compile every layer (or 2, read at the model's depth, when the layers' saved inputs alone exceed HBM or
     libtpu refuses the whole step); K (2 or more): compile K layers under scan and read that program at the
     model's depth, its layer loops run L/K times as often and its stacked buffers L/K times as large (K periods
-    of an interleaved MoE's layers; a dense prefix compiled whole) (lab.predict.depth; barely faster than the
-    whole: the layers are one scanned body, which is what the compile spends its time on)"""
+    of an interleaved MoE's layers; a dense prefix compiled whole; with a stage axis of P, a multiple of P, K/P
+    neither 1 nor P) (lab.predict.depth; barely faster than the whole: the layers are one scanned body, which is
+    what the compile spends its time on)"""
     json: bool = False
     """print one JSON object instead of tables"""
 
@@ -222,22 +223,23 @@ def read_step(command: Predict) -> Reading:
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     check_experts(model, mesh.shape["expert"])
     chip = _chip(devices)
-    pipelined = dict(mesh.shape).get("stage", 1) > 1
-    if compiled_layers < scan and pipelined:
-        raise LabError(_PIPELINED)
+    stages = dict(mesh.shape).get("stage", 1)
+    fallback = FALLBACK_LAYERS if stages == 1 else pipelined_layers(stages)
+    if compiled_layers < scan and stages > 1:
+        check_pipelined_layers(compiled_layers, stages)
     offloaded = offloads(command.remat)
     if compiled_layers < scan and offloaded:
         raise LabError(_OFFLOADED)
-    whole = compiled_layers == scan > FALLBACK_LAYERS and not (pipelined or offloaded)
+    whole = compiled_layers == scan > fallback and not offloaded
     if whole and _saved_inputs_bytes(model, command) > chip.hbm_bytes:  # libtpu would refuse the whole program
-        compiled_layers = FALLBACK_LAYERS
+        compiled_layers = fallback
     try:
         compiled, read, memory, read_s = _compile(model, compiled_layers, mesh, chip, command)
     except DoesNotFit as err:
-        if compiled_layers < scan or scan <= FALLBACK_LAYERS or pipelined or offloaded:
+        if compiled_layers < scan or scan <= fallback or offloaded:
             raise LabError(f"even {compiled_layers} layer(s) of this step do not fit one chip: {err}") from None
         # the whole depth does not compile: read a shallower program as the model's depth (lab.predict.depth)
-        compiled, read, memory, read_s = _compile(model, FALLBACK_LAYERS, mesh, chip, command)
+        compiled, read, memory, read_s = _compile(model, fallback, mesh, chip, command)
     return Reading(command, model, target, mesh, chip, compiled, read, memory, read_s)
 
 
@@ -367,10 +369,23 @@ def _compile(model, scan: int, mesh, chip, command: Predict):
     return compiled, read, memory, time.perf_counter() - started
 
 
-_PIPELINED = (
-    "--layers-compiled with a stage axis: the pipeline runs each stage's layers inside its loop over micro-batches, "
-    "which lab.predict.depth does not read deeper; compile every layer (--layers-compiled 0)"
-)
+def pipelined_layers(stages: int) -> int:
+    """The fewest layers a pipeline of `stages` compiles to be read at depth (see `check_pipelined_layers`)."""
+    return stages * (2 if stages != 2 else 3)
+
+
+def check_pipelined_layers(compiled: int, stages: int) -> None:
+    """K layers of a pipeline read at depth: each stage runs K/P of them, its layers' loop inside the loop over the
+    pipeline's M + P - 1 ticks (one micro-batch: P). Depth reading tells a buffer stacked over layers by its
+    leading dimension, so K/P must be 2 or more (XLA drops a loop of one trip) and differ from the ticks."""
+    if compiled % stages or compiled // stages < 2 or compiled // stages == stages:
+        raise LabError(
+            f"--layers-compiled {compiled} with stage={stages}: give a multiple of {stages} whose share per stage is 2 "
+            f"or more and not {stages}, the pipeline's ticks (whose buffers would read as the layers'): e.g. "
+            f"{pipelined_layers(stages)}"
+        )
+
+
 _OFFLOADED = (
     "--layers-compiled with an offloading remat: XLA unrolls or peels the layer loops that move activations to "
     "host memory, so fewer layers cannot be read as the model's depth; compile every layer (--layers-compiled 0)"

@@ -23,6 +23,14 @@ fit HBM, or would take minutes to compile, is read from a program of K layers:
   small depth the peak can lie elsewhere (the loss), and the allocator's
   fragmentation is not modelled.
 
+A pipeline (a ``stage`` axis of P) runs each stage's K/P layers as a loop
+inside its loop over ticks, under the same scope: those inner loops are the
+layer loops, read the same way. Its buffers stacked over ticks are not grown,
+nor the time of the tick loop's ops on them (2-5% of the step and of the peak
+low on the tests' small pipelines), and K/P must differ from the tick count, or a
+buffer stacked over ticks would read as one stacked over layers
+(`lab.predict.command.check_pipelined_layers`).
+
 K >= 2: XLA removes a loop of one trip, so a one-layer scan compiles without the
 loop this module reads (and its program is not one layer of the deep model's).
 """
@@ -35,9 +43,9 @@ from dataclasses import dataclass
 from lab.errors import LabError
 from lab.hlo.schedule import ScheduledModule
 from lab.hlo.text import Instruction, arrays, nbytes
+from lab.model import LAYERS_SCOPE
 from lab.predict.ops import trip_count
 
-LAYERS_SCOPE = "layers"  # the named scope lab.predict.step puts the blocks' scan under
 STACKED_STATE = "['blocks']"  # lab.model.Transformer.blocks: the scanned layers' parameters, in the state's paths
 _IN_SCOPE = re.compile(rf"(^|[/(]){LAYERS_SCOPE}([)/]|$)")
 

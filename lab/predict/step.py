@@ -39,7 +39,6 @@ from lab.errors import LabError
 from lab.model import ModelConfig, run_blocks, sequence_whole
 from lab.parallel.layout import CUSTOM_PREFIX, NAMED_ACTIVATIONS, OFFLOAD_PREFIX, custom_places, remat_policy
 from lab.predict import xla_estimate
-from lab.predict.depth import LAYERS_SCOPE
 from lab.targets.devices import quiet_native_stderr
 from lab.training.step import TrainConfig, Trainer
 
@@ -53,8 +52,7 @@ class _ChunkedLossTrainer(Trainer):
     def _loss(self, params, tokens_BT):
         model = nnx.merge(self.graphdef, params)
         x_BSD = model.dense_prefix(model.embed(tokens_BT[:, :-1], self.layout), self.layout)
-        with jax.named_scope(LAYERS_SCOPE):  # names the layer loops, to read the program deeper (lab.predict.depth)
-            x_BSD, stats = run_blocks(model.blocks, x_BSD, self.layout)
+        x_BSD, stats = run_blocks(model.blocks, x_BSD, self.layout)  # under LAYERS_SCOPE (lab.predict.depth)
         loss = chunked_next_token_loss(model, x_BSD, tokens_BT[:, 1:], self.layout)
         balance = 0.0 if stats is None else stats.balance_loss.sum()
         return loss + balance, (loss, stats)
