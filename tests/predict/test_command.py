@@ -101,7 +101,10 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL, "--target", "tpu:v5e:3x7"], "libtpu does not know"),
         (["--model", SMALL, "--target", "cpu:8"], "compiles for tpu"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--layers-compiled", "1"], "without its loop"),
-        (["--model", SMALL.replace("layers=2", "layers=8"), "--mesh", "stage=2,fsdp=2", *LAYERS_2], "stage axis"),
+        (
+            ["--model", SMALL.replace("layers=2", "layers=8"), "--mesh", "stage=2,fsdp=2", *LAYERS_2],
+            "--layers-compiled 2 with stage=2: give a multiple of 2 whose share per stage is 2 or more",
+        ),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "half"], "offload:<names>"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--sequence-parallel"], "tensor=2 or more"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlpwi,out_proj"], "'mlpwi' is not a named"),
