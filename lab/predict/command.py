@@ -46,8 +46,10 @@ from lab.predict.options import (
     check_experts,
     check_gpu_flags,
     check_gpu_slices,
+    check_pipelined_layers,
     check_precision,
     compiled_layers_for,
+    pipelined_layers,
     resolve_attention,
 )
 from lab.predict.spec import check_step_tokens, model_flops, parse_model
@@ -367,23 +369,6 @@ def _compile(model, scan: int, mesh, chip, command: Predict):
         depth = deeper(read.schedule, scan, model.scan_length)
         read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
     return compiled, read, memory, time.perf_counter() - started
-
-
-def pipelined_layers(stages: int) -> int:
-    """The fewest layers a pipeline of `stages` compiles to be read at depth (see `check_pipelined_layers`)."""
-    return stages * (2 if stages != 2 else 3)
-
-
-def check_pipelined_layers(compiled: int, stages: int) -> None:
-    """K layers of a pipeline read at depth: each stage runs K/P of them, its layers' loop inside the loop over the
-    pipeline's M + P - 1 ticks (one micro-batch: P). Depth reading tells a buffer stacked over layers by its
-    leading dimension, so K/P must be 2 or more (XLA drops a loop of one trip) and differ from the ticks."""
-    if compiled % stages or compiled // stages < 2 or compiled // stages == stages:
-        raise LabError(
-            f"--layers-compiled {compiled} with stage={stages}: give a multiple of {stages} whose share per stage is 2 "
-            f"or more and not {stages}, the pipeline's ticks (whose buffers would read as the layers'): e.g. "
-            f"{pipelined_layers(stages)}"
-        )
 
 
 _OFFLOADED = (

@@ -29,7 +29,7 @@ layer loops, read the same way. Its buffers stacked over ticks are not grown,
 nor the time of the tick loop's ops on them (2-5% of the step and of the peak
 low on the tests' small pipelines), and K/P must differ from the tick count, or a
 buffer stacked over ticks would read as one stacked over layers
-(`lab.predict.command.check_pipelined_layers`).
+(`lab.predict.options.check_pipelined_layers`).
 
 K >= 2: XLA removes a loop of one trip, so a one-layer scan compiles without the
 loop this module reads (and its program is not one layer of the deep model's).

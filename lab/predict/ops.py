@@ -555,12 +555,13 @@ def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Inst
 
 def _splash_flops(shapes: dict[str, str], instruction: Instruction) -> float:
     """A splash kernel's matmul FLOPs: its units (as the flash kernel's) times b·h·S·T·K of its queries (the first
-    [b, h, S, K] operand) times the blocks it computes. Its first operand, the mask's block table [1, n, m], says
-    how many: a causal mask keeps the n x n grid and skips the (n - 1)/2n above the diagonal; a sliding window
-    shrinks the grid to the m blocks a row reaches."""
+    floating [b, h, S, K] operand, after the mask's integer tables: bf16, or f32 at --compute-dtype float32) times
+    the blocks it computes. Its first operand, the mask's block table [1, n, m], says how many: a causal mask keeps
+    the n x n grid and skips the (n - 1)/2n above the diagonal; a sliding window shrinks the grid to the m blocks a
+    row reaches."""
     units = next((u for key, u in _SPLASH_UNITS if key in instruction.name), 0)
     operands = [arrays(shapes.get(o, "")) for o in instruction.operands]
-    queries = [a[0][1] for a in operands if a and len(a[0][1]) in (3, 4) and a[0][0] == "bf16"]
+    queries = [a[0][1] for a in operands if a and len(a[0][1]) in (3, 4) and a[0][0].startswith(("bf", "f"))]
     grid = operands[0][0][1][-2:] if operands and operands[0] and len(operands[0][0][1]) == 3 else ()
     if not units or not queries or len(grid) != 2:
         return 0.0

@@ -73,3 +73,20 @@ def compiled_layers_for(layers_compiled: int, layers: int) -> int:
     if layers_compiled == 0 or layers_compiled >= layers:
         return layers
     return layers_compiled
+
+
+def pipelined_layers(stages: int) -> int:
+    """The fewest layers a pipeline of `stages` compiles to be read at depth (see `check_pipelined_layers`)."""
+    return stages * (2 if stages != 2 else 3)
+
+
+def check_pipelined_layers(compiled: int, stages: int) -> None:
+    """K layers of a pipeline read at depth: each stage runs K/P of them, its layers' loop inside the loop over the
+    pipeline's M + P - 1 ticks (one micro-batch: P). Depth reading tells a buffer stacked over layers by its
+    leading dimension, so K/P must be 2 or more (XLA drops a loop of one trip) and differ from the ticks."""
+    if compiled % stages or compiled // stages < 2 or compiled // stages == stages:
+        raise LabError(
+            f"--layers-compiled {compiled} with stage={stages}: give a multiple of {stages} whose share per stage is 2 "
+            f"or more and not {stages}, the pipeline's ticks (whose buffers would read as the layers'): e.g. "
+            f"{pipelined_layers(stages)}"
+        )
