@@ -21,8 +21,9 @@ def _ci_lines() -> list[str]:
 
 
 def test_ci_runs_in_a_fresh_venv_the_style_checks_then_the_readme_test_command_exactly():
-    place, make, style, tests = _ci_lines()
+    place, cleanup, make, style, tests = _ci_lines()
     assert place == 'venv="$(mktemp -d)/venv"'  # outside the checkout, new on every run
+    assert cleanup.startswith("""trap 'rm -rf "$(dirname "$venv")"' EXIT""")  # and gone after it, pass or fail
     assert make == 'python3 -m venv "$venv" && . "$venv/bin/activate"'
     assert tests == _command_after("test-command")
     assert "ruff format --check ." in style and "ruff check ." in style
@@ -31,7 +32,7 @@ def test_ci_runs_in_a_fresh_venv_the_style_checks_then_the_readme_test_command_e
 def test_ci_pins_the_ruff_the_test_extra_installs():
     """One ruff version for CI and developers: another version may format the same code differently."""
     pyproject = (ROOT / "pyproject.toml").read_text()
-    pin = next(part for part in _ci_lines()[2].split('"') if part.startswith("ruff=="))
+    pin = next(part for part in _ci_lines()[3].split('"') if part.startswith("ruff=="))
     assert f'"{pin}"' in pyproject
 
 
