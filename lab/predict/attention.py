@@ -20,15 +20,31 @@ FLASH_BLOCK_Q = 128  # the query block whose causal tiles above the diagonal a f
 
 
 def flash_seconds(config, batch_per_device: int, remat: str, peak_flops: float, matmul_efficiency: float) -> float:
-    """A flash kernel's time per step on one device: its matmul FLOPs at the matmul efficiency, causal tiles skipped.
+    """A flash kernel's time per step on one device: its matmul FLOPs at the matmul efficiency, masked tiles skipped.
 
     A device holds batch per device x heads (b, h) pairs whatever the layout (tensor splits heads, the batch axes
-    split sequences); each costs FLASH_UNITS · S² · K, times (n + 1) / 2n of the n x n tiles under the diagonal.
+    split sequences); each costs FLASH_UNITS · S² · K times the share of the n x n tiles the mask leaves live:
+    (n + 1) / 2n under a causal diagonal, fewer under a sliding window (`_live_tiles`).
     """
     s, blocks = config.seq, max(1, math.ceil(config.seq / FLASH_BLOCK_Q))
     units = FLASH_UNITS + (0 if remat in ("minimal", "none") else 4)  # full and offload:<names> run it again
-    flops = config.layers * units * batch_per_device * config.heads * s * s * config.head_dim
-    return flops * (blocks + 1) / (2 * blocks) / (peak_flops * matmul_efficiency)
+    tile = units * batch_per_device * config.heads * s * s * config.head_dim / blocks**2
+    return tile * _layer_tiles(config, blocks) / (peak_flops * matmul_efficiency)
+
+
+def _layer_tiles(config, blocks: int) -> int:
+    """Live tiles summed over the layers: a windowed layer's query block reaches its own key block and the
+    ceil((window - 1) / block) before it; a global (or unwindowed) layer's every block up to the diagonal."""
+    if not config.window:
+        return config.layers * _live_tiles(blocks, blocks)
+    reach = 1 + math.ceil((config.window - 1) / FLASH_BLOCK_Q)
+    periods = config.layers // config.period  # a windowed model has no dense prefix (lab.model refuses one)
+    return periods * sum(_live_tiles(blocks, reach if window else blocks) for _, window in config.layer_pattern)
+
+
+def _live_tiles(blocks: int, reach: int) -> int:
+    """Tiles of a blocks x blocks causal grid computed when query block i reaches back `reach` key blocks."""
+    return sum(min(i + 1, reach) for i in range(blocks))
 
 
 def attention_terms(read, step, config, batch_per_device: int, remat: str, chip, efficiency) -> tuple[float, float]:

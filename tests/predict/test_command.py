@@ -426,6 +426,16 @@ def test_flash_seconds_counts_flashattention2_flops_over_the_causal_tiles():
     assert flash_seconds(model, 3, "full", 1e15, 0.5) == pytest.approx(flops * 18 / 14 / 5e14)  # forward again
 
 
+def test_flash_seconds_of_a_windowed_stack_counts_only_the_tiles_its_window_reaches():
+    """GPT-OSS's pattern: windowed, global, windowed, global; a window of 129 reaches its own block and 1 before."""
+    model = replace(parse_model(SMALL), layers=4, seq=1024, window=129, global_every=2)  # 8 query blocks of 128
+    windowed, whole = 1 + 2 * 7, 8 * 9 // 2  # live tiles of one layer: min(i + 1, 2) and i + 1 summed over 8 rows
+    tile = 14 * 4 * 1024 * 1024 * 64 / 64  # batch 1, 4 heads of 64, a 64th of the grid
+    assert flash_seconds(model, 1, "minimal", 1e15, 0.5) == pytest.approx(tile * 2 * (windowed + whole) / 5e14)
+    unwindowed = replace(model, window=0, global_every=0)
+    assert flash_seconds(unwindowed, 1, "minimal", 1e15, 0.5) == pytest.approx(tile * 4 * whole / 5e14)
+
+
 def test_the_efficiency_solved_against_an_adjusted_step_matches_it():
     """The GPU calibration solves for the step with XLA's attention replaced (`step_s`), not the compiled one."""
 
