@@ -90,7 +90,7 @@ class PublishedRun:
     compiled_remat: str = "full"  # the recipe's policy as the lab writes it (lab.predict.step.layout_remat)
     compiled_attention: str = "flash"
     sequence_parallel: bool = False  # the residual stream split over tensor between sub-layers (see MAXTEXT_64B_V5P)
-    flags: str = ""  # the run's libtpu flags, passed to the compile as it got them
+    flags: str = ""  # the run's compiler flags (LIBTPU_INIT_ARGS on TPU, XLA_FLAGS on GPU), passed as it got them
     differs: str = ""  # what the lab's program does not do the run's way, beside the remat and attention
     causal_flops: bool = False  # MaxText's formula of the day halved the attention for causality (from 2023-11-29)
 
@@ -317,6 +317,24 @@ GENERATION_RUNS = (MAXTEXT_32B_V5E, MAXTEXT_64B_V5P, MAXTEXT_52B_V4, LLAMA31_70B
 # NVIDIA H100: MaxText's Llama 2 7B, remat minimal_flash, cuDNN flash attention (attention=cudnn_flash_te), bf16
 JAX_TOOLBOX = "NVIDIA/JAX-Toolbox"
 GPU_RECIPES = "AI-Hypercomputer/gpu-recipes"
+# MaxText's XLA:GPU flags as each run's source gives them, less those today's XLA no longer has (lab.targets.xla_flags
+# refuses them; their work is now XLA's default or gone: async collectives, fp-conversion simplification, CUDA graph
+# levels, Triton softmax fusion); both turn XLA's rematerialization pass off, which the lab's program, over HBM with
+# XLA's attention, would otherwise run
+_GPU_SCHEDULE = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
+    "--xla_gpu_enable_highest_priority_async_stream=true"
+)
+_GPU_PIPELINED = (
+    "--xla_gpu_enable_pipelined_all_gather=true --xla_gpu_enable_pipelined_reduce_scatter=true "
+    "--xla_gpu_enable_pipelined_all_reduce=true --xla_gpu_enable_while_loop_double_buffering=true "
+    "--xla_gpu_enable_all_gather_combine_by_dim=false --xla_gpu_enable_reduce_scatter_combine_by_dim=false "
+    "--xla_disable_hlo_passes=rematerialization"
+)
+GPU_DROPPED = (
+    "--xla_gpu_enable_async_all_gather, --xla_gpu_enable_async_reduce_scatter, --xla_gpu_enable_async_all_reduce, "
+    "--xla_gpu_simplify_all_fp_conversions, --xla_gpu_graph_level=0, --xla_gpu_enable_triton_softmax_fusion=false"
+)
 LLAMA2_7B_8XH100 = PublishedRun(
     name="Llama 2 7B on 8 H100 (one node)",
     preset="llama2-7b",
@@ -327,11 +345,22 @@ LLAMA2_7B_8XH100 = PublishedRun(
     mesh="fsdp=8",
     remat="minimal_flash (the matmul outputs without batch dimensions, and the attention's output)",
     attention="cuDNN flash (Transformer Engine)",
-    libtpu_flags="",
+    libtpu_flags="the README's recommended XLA_FLAGS as first published with this row (rosetta/rosetta/projects/"
+    "maxtext/README.md @5fb41195efe1a35c70a52a57dfd384d3d16d8107)",
     step_s=0.721,
     tflops_per_device=0.0,  # not published: the table gives the step and 22.19 sequences/s
     source=f"{JAX_TOOLBOX} docs/frameworks/maxtext/README.md @bcbbfa578be90bf5c1dfef2c67cf074589391eee (table row "
     "7B, H100 80G SXM, BF16, 4096, 8 GPUs, micro-batch 2, fsdp 8, Flash, minimal_flash: 0.721 s)",
+    flags=" ".join(
+        (
+            _GPU_SCHEDULE,
+            "--xla_gpu_all_reduce_combine_threshold_bytes=1073741824",
+            "--xla_gpu_all_gather_combine_threshold_bytes=1073741824",
+            "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+            _GPU_PIPELINED,
+        )
+    ),
+    differs=f"the README's flags today's XLA does not know, dropped: {GPU_DROPPED}",
 )
 LLAMA2_7B_256XH100 = PublishedRun(
     name="Llama 2 7B on 256 H100 (32 nodes)",
@@ -343,13 +372,26 @@ LLAMA2_7B_256XH100 = PublishedRun(
     mesh="data=32,fsdp=8",
     remat="minimal_flash",
     attention="cuDNN flash (Transformer Engine)",
-    libtpu_flags="",
+    libtpu_flags="the recipe's Helm chart's XLA_FLAGS (src/helm-charts/a3mega/maxtext-training/templates/"
+    "maxtext-configmap.yaml, same commit)",
     step_s=1.5,
     tflops_per_device=503.384,
     source=f"{GPU_RECIPES} training/a3mega/llama-2-7b/maxtext-pretraining-gke/README.md "
     "@eeadb349781fe9b6460c7da121fa49c3648529eb (log: completed step: 12, seconds: 1.500, TFLOP/s/device: 503.384; "
     "config src/frameworks/a3mega/maxtext-configs/llama-2-7b-256gpus-a3mega-bf16.yaml: dcn_data_parallelism 32, "
     "ici_fsdp_parallelism 8, per_device_batch_size 4)",
+    flags=" ".join(
+        (
+            _GPU_SCHEDULE,
+            "--xla_gpu_all_reduce_combine_threshold_bytes=536870912",
+            "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+            "--xla_gpu_reduce_scatter_combine_threshold_bytes=67108864",
+            _GPU_PIPELINED,
+        )
+    ),
+    differs="the chart's flags today's XLA does not know, dropped: --xla_gpu_graph_level=0, "
+    "--xla_gpu_enable_triton_softmax_fusion=false; its last flag ends in a stray quote "
+    '(rematerialization"), read here as the rematerialization pass the README names',
 )
 XLA_FLAGS_SOURCE = f"{MAXTEXT} benchmarks/xla_flags_library.py @05d3525e834959775d417fd65c3d7aadd213a3f7"
 

@@ -48,6 +48,7 @@ from lab.predict.options import (
     check_gpu_slices,
     check_pipelined_layers,
     check_precision,
+    check_tpu_flags,
     compiled_layers_for,
     pipelined_layers,
     resolve_attention,
@@ -87,6 +88,8 @@ class Predict:
     """the mesh axis that spans the slices"""
     libtpu_flags: str = ""
     """TPU compiler flags as in LIBTPU_INIT_ARGS, e.g. "--xla_tpu_enable_async_collective_fusion=true" """
+    xla_flags: str = ""
+    """GPU compiler flags as in XLA_FLAGS, e.g. "--xla_gpu_enable_latency_hiding_scheduler=true" (a recipe's)"""
     attention: Literal["auto", "flash", "xla"] = "auto"
     """flash (the Pallas TPU kernel, TPU only) or xla (dot product, scores materialized); auto: flash on TPU, xla
     on GPU"""
@@ -190,7 +193,7 @@ def read_step(command: Predict) -> Reading:
     """Check the command, compile its step (or fewer layers, see `Predict.layers_compiled`) and read it at depth."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
     from lab.predict.step import DoesNotFit, layout_remat, offloads
-    from lab.targets import libtpu
+    from lab.targets import libtpu, xla_flags
     from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
 
     target = parse_target(command.target)
@@ -207,6 +210,8 @@ def read_step(command: Predict) -> Reading:
     if on_gpu:
         check_gpu_slices(command.slices)
         check_gpu_flags(command.libtpu_flags)
+    else:
+        check_tpu_flags(command.xla_flags)
     if command.seq < 1:
         raise LabError(f"--seq {command.seq}: use 1 or more")
     if attention == "flash":
@@ -218,6 +223,7 @@ def read_step(command: Predict) -> Reading:
     scan = model.scan_length  # what depth reading counts: the layers' scan, not a dense prefix before it
     compiled_layers = compiled_layers_for(command.layers_compiled, scan)
     if on_gpu:
+        xla_flags.prepare(command.xla_flags)
         devices = gpu_cluster_devices(target.topology)
     else:
         libtpu.prepare(command.libtpu_flags)

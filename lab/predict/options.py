@@ -58,7 +58,13 @@ def check_gpu_slices(slices: int) -> None:
 def check_gpu_flags(libtpu_flags: str) -> None:
     """libtpu's flags mean nothing to XLA:GPU."""
     if libtpu_flags:
-        raise LabError("--libtpu-flags: libtpu compiles for TPU targets only; a GPU target takes no libtpu flags")
+        raise LabError("--libtpu-flags: libtpu compiles for TPU targets only; a GPU target takes --xla-flags")
+
+
+def check_tpu_flags(xla_flags: str) -> None:
+    """libtpu takes its compiler's flags from LIBTPU_INIT_ARGS, not XLA_FLAGS."""
+    if xla_flags:
+        raise LabError("--xla-flags: XLA_FLAGS go to XLA:GPU; a TPU target takes its flags as --libtpu-flags")
 
 
 def compiled_layers_for(layers_compiled: int, layers: int) -> int:

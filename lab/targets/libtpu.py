@@ -33,15 +33,15 @@ CHECK_TOPOLOGY = "v5e:2x2"  # any topology: libtpu parses its flags when it star
 CHECK_TIMEOUT_S = 300
 
 
-def split_flags(flags: str) -> tuple[str, ...]:
-    """``LIBTPU_INIT_ARGS`` syntax -> its flags; anything not ``--name`` or ``--name=value`` is a one-line error."""
+def split_flags(
+    flags: str, option: str = "--libtpu-flags", example: str = "--xla_tpu_enable_async_collective_fusion=true"
+) -> tuple[str, ...]:
+    """``LIBTPU_INIT_ARGS`` (or ``XLA_FLAGS``) syntax -> its flags; anything not ``--name`` or ``--name=value`` is a
+    one-line error naming `option`, the command's option that gave them."""
     split = tuple(flags.split())
     bad = [flag for flag in split if not _FLAG.match(flag)]
     if bad:
-        raise LabError(
-            f"--libtpu-flags: {bad[0]!r} is not a flag; write each as --name=value, e.g. "
-            '--libtpu-flags "--xla_tpu_enable_async_collective_fusion=true"'
-        )
+        raise LabError(f'{option}: {bad[0]!r} is not a flag; write each as --name=value, e.g. {option} "{example}"')
     return split
 
 

@@ -410,13 +410,61 @@ def test_other_gpus_borrow_the_h100_constant_and_say_so(capsys):
     [
         (["--attention", "flash"], "--attention flash is the Pallas TPU kernel"),
         (["--slices", "2"], "--slices 2: a GPU cluster's nodes are in its target"),
-        (["--libtpu-flags", "--xla_tpu_enable_async_collective_fusion=true"], "a GPU target takes no libtpu flags"),
+        (["--libtpu-flags", "--xla_tpu_enable_async_collective_fusion=true"], "a GPU target takes --xla-flags"),
     ],
 )
 def test_tpu_only_options_on_a_gpu_target_are_one_line_and_exit_2(extra, words, capsys):
     assert main(["predict", "--model", SMALL, "--target", "gpu:h100:1x8", "--seq", "256", *extra]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        ("--xla_gpu_enable_async_all_gather=true", "unknown to this XLA: --xla_gpu_enable_async_all_gather=true"),
+        ("xla_gpu_enable_latency_hiding_scheduler=true", "is not a flag; write each as --name=value"),
+    ],
+)
+def test_an_xla_flag_xla_rejects_is_one_line_and_exit_2_before_the_plugin_starts(flags, words, capsys, monkeypatch):
+    import os
+
+    from lab.targets import devices
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("the CUDA plugin started before the flags were checked")
+
+    monkeypatch.setattr(devices, "gpu_cluster_devices", no_compile)
+    before = os.environ.get("XLA_FLAGS")
+    assert main(["predict", "--model", SMALL, "--target", "gpu:h100:1x8", "--seq", "256", "--xla-flags", flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert os.environ.get("XLA_FLAGS") == before  # nothing of the bad flags left for XLA to read
+
+
+def test_xla_flags_on_a_tpu_target_are_one_line_and_exit_2(capsys):
+    assert main(["predict", "--model", SMALL, *LAYERS_2, "--xla-flags", "--xla_dump_to=/tmp/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a TPU target takes its flags as --libtpu-flags" in err
+
+
+def test_xla_flags_reach_the_gpu_compiler(tmp_path):
+    """A flag with a visible effect (XLA dumps what it compiles where --xla_dump_to says) set through --xla-flags,
+    in a fresh process as a user runs it: XLA reads its flags once, when the plugin starts."""
+    import subprocess
+    import sys
+
+    dump = tmp_path / "dump"
+    argv = ["predict", "--model", SMALL, "--target", "gpu:h100:1x2", "--mesh", "fsdp=2", "--seq", "256", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lab", *argv, "--xla-flags", f"--xla_dump_to={dump}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["step_s"] > 0
+    assert any(p.name.endswith(".txt") for p in dump.iterdir()), "XLA wrote no dump: the flag did not reach it"
 
 
 def test_flash_seconds_counts_flashattention2_flops_over_the_causal_tiles():
