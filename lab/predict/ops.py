@@ -538,7 +538,10 @@ def _taps(n: int, w: int, n_out: int, lo: int, stride: int, dilation: int, holes
 
 
 def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
-    if "tpu_custom_call" not in (instruction.attr(r'custom_call_target="([^"]+)"') or ""):
+    target = instruction.attr(r'custom_call_target="([^"]+)"') or ""
+    if target.startswith("__cublas"):
+        return _gemm_flops(schedule.shapes(computation), instruction)
+    if "tpu_custom_call" not in target:
         return 0.0
     if instruction.name.startswith("splash"):
         return _splash_flops(schedule.shapes(computation), instruction)
@@ -551,6 +554,19 @@ def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Inst
     blocks = max(1, math.ceil(s / block))
     causal = (blocks + 1) / (2 * blocks) if "causal" in instruction.name or units else 1.0
     return units * b * h * s * s * k * causal
+
+
+def _gemm_flops(shapes: dict[str, str], instruction: Instruction) -> float:
+    """A cuBLAS GEMM's matmul FLOPs (XLA:GPU's ``__cublas$gemm`` / ``__cublas$lt$matmul`` custom calls, where
+    ``--xla_gpu_enable_triton_gemm=false`` puts its dots): 2 · its result's elements (the first array of its
+    output; the second is cuBLAS's workspace) · the lhs's contracted dimensions, as its backend config names them."""
+    out = arrays(instruction.shape)
+    lhs = arrays(shapes.get(instruction.operands[0], "")) if instruction.operands else []
+    contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attrs)
+    if not out or not lhs or contracting is None:
+        return 0.0
+    dims = [int(d) for d in re.findall(r"\d+", contracting.group(1))]
+    return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
 
 
 def _splash_flops(shapes: dict[str, str], instruction: Instruction) -> float:

@@ -15,7 +15,7 @@ from lab.predict import calibration
 from lab.predict.attention import flash_seconds
 from lab.predict.calibration import solve_matmul_efficiency
 from lab.predict.command import Predict, price, read_step, run_prediction
-from lab.predict.ops import _taps, convolution_flops
+from lab.predict.ops import _taps, convolution_flops, op_flops
 from lab.predict.spec import model_flops, parse_model
 from lab.targets.hardware import H100, profile
 
@@ -182,6 +182,30 @@ def test_convolution_windows_count_only_the_taps_on_real_elements():
     # libtpu's form of an MoE layer's expert matmul becd,edf->becf (b 12, e 8, c 160, d 512, f 1024): the experts
     # as a dilated spatial dimension, the batch as a padded one (it once counted 3 of the 8 experts' taps)
     assert convolution_flops(schedule, schedule.entry, experts) == 2 * 12 * 8 * 160 * 512 * 1024
+
+
+GEMMS = """HloModule m, is_scheduled=true
+
+ENTRY %main (a: bf16[256,512], b: bf16[256,512], x: bf16[4,256,64], y: bf16[4,64,128]) -> bf16[256,256] {
+  %a = bf16[256,512]{1,0} parameter(0)
+  %b = bf16[256,512]{1,0} parameter(1)
+  %x = bf16[4,256,64]{2,1,0} parameter(2)
+  %y = bf16[4,64,128]{2,1,0} parameter(3)
+  %batched = (bf16[4,256,128]{2,1,0}, s8[4194304]{0}) custom-call(%x, %y), custom_call_target="__cublas$gemm",
+    backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+  %lt = (bf16[256,256]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul",
+    backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %out = bf16[256,256]{1,0} get-tuple-element(%lt), index=0
+}
+"""
+
+
+def test_cublas_gemms_count_their_dots_flops():
+    """XLA:GPU's GEMMs as cuBLAS custom calls (--xla_gpu_enable_triton_gemm=false): 2 · result · contracted."""
+    schedule = parse_schedule(GEMMS)
+    batched, lt = (i for i in schedule.computations[schedule.entry] if i.opcode == "custom-call")
+    assert op_flops(schedule, schedule.entry, batched) == 2 * 4 * 256 * 128 * 64
+    assert op_flops(schedule, schedule.entry, lt) == 2 * 256 * 256 * 512
 
 
 def test_an_moe_step_prices_each_expert_matmul_at_its_einsums_flops(capsys):
