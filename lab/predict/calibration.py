@@ -419,8 +419,8 @@ MATMUL_SOURCE = {
     "and flags, the collectives on the SparseCores) predicts its published 12.2 s (results/published_runs; no TPU7x "
     "run is held out in the development set)",
     "h100": "solved so that the lab's compiled Llama 2 7B step on gpu:h100:1x8 (remat minimal, fsdp=8, the README's "
-    "XLA_FLAGS, XLA's attention priced as a flash kernel) predicts LLAMA2_7B_8XH100's 0.721 s; LLAMA2_7B_256XH100 is then held out "
-    "(results/gpu_predictions)",
+    "XLA_FLAGS, XLA's attention priced as a flash kernel) predicts LLAMA2_7B_8XH100's 0.721 s; LLAMA2_7B_256XH100 "
+    "is then held out (results/gpu_predictions)",
 }
 
 
