@@ -192,7 +192,7 @@ def judge(obs: Observations, config: Config) -> Result:
             _attention_table(obs),
             _terms_table(obs),
             _xla_table(obs),
-            _xla_ops_table(obs),
+            *([_xla_ops_table(obs)] if _disagreeing(obs.held_out) else []),
             _device_table(),
         ],
         checks=_checks(obs),
@@ -292,6 +292,14 @@ def _closer(lab_s: float, xla_s: float, published_s: float) -> str:
         f"On the held-out run, {nearer} is the nearer to the published {published_s} s (the lab {lab_s:.3f} s, "
         f"XLA {xla_s:.3f} s; both with XLA's attention, which the run did not use)."
     )
+
+
+def _far_gemms(p: Point) -> str:
+    """What XLA's estimate of the compute-bound ops among the lab's costliest says, in a clause."""
+    far = [xla for _, bound, _, xla, _ in _disagreeing(p) if bound == "compute"]
+    if not far:
+        return "none of the lab's ten costliest ops is priced more than 2x apart by the two"
+    return f"{len(far)} of the lab's ten costliest are GEMMs XLA prices more than 2x slower, {sum(far):.2f} s"
 
 
 def _xla_ops_table(obs: Observations) -> Table:
@@ -413,9 +421,8 @@ def _summary(obs: Observations) -> str:
         f"predicts the held-out {HELD_OUT.name} at {h.step_with_flash_s:.3f} s against {HELD_OUT.step_s} s "
         f"published ({_rel(h.step_with_flash_s, HELD_OUT.step_s):+.1%}). As compiled, XLA's attention takes "
         f"{c.attention_xla_s / c.step_s:.0%} of the one-node step. XLA:GPU's own cost models put the same "
-        f"held-out program at {_xla_serial(h):.1f} s, nearly all of it in GEMMs priced far below the tensor cores' "
-        f"rate. Compile-only, XLA:GPU, no GPU; this page ran in "
-        f"{obs.wall_s:.0f} s."
+        f"held-out program at {_xla_serial(h):.1f} s, the lab at {h.step_s:.1f} s (XLA's attention in both; "
+        f"{_far_gemms(h)}). Compile-only, XLA:GPU, no GPU; this page ran in {obs.wall_s:.0f} s."
     )
 
 
