@@ -159,16 +159,16 @@ def _fresh(function, *args):
 
 
 def measure(config: Config) -> Observations:
-    # local: the CUDA plugin starts only to describe the calibration's GPUs, after the runs compiled in children
+    # local: the CUDA plugin starts only to describe the calibration's GPUs; the runs compile in children
     from lab.targets.devices import devices_for
     from lab.targets.hardware import profile_for_device_kind
 
     started = time.perf_counter()
+    command = _command(CALIBRATION, 0)
+    devices = devices_for(command.target)  # before any child: where the page's work starts
+    chip = profile_for_device_kind(devices[0].device_kind)
     solved, calibration_run = _fresh(_published, CALIBRATION, 0)
     _, held_out = _fresh(_published, HELD_OUT, config.held_out_layers, solved)
-    command = _command(CALIBRATION, 0)
-    devices = devices_for(command.target)
-    chip = profile_for_device_kind(devices[0].device_kind)
     return Observations(
         Setup.of(command.target, devices, command.mesh),
         solved_matmul=solved,

@@ -220,6 +220,8 @@ def measure(config: Config) -> Observations:
     from lab.targets.devices import topology_devices
 
     started = time.perf_counter()
+    libtpu.prepare()  # the parent's compiles as `lab predict` compiles by default: no flags
+    devices = topology_devices(config.calibration_topology)  # before any child: where the page's work starts
     # the published runs, each compiled with its recipe's flags: the 8B sets the constant, the others are held out
     solved, whole = _fresh(_published, CALIBRATION)
     _log(f"8B whole: compile {whole.compile_s:.0f} s, solved {solved:.6f}", started)
@@ -228,8 +230,6 @@ def measure(config: Config) -> Observations:
         held_out[run.name] = _fresh(_published, run, solved)[1]
         _log(f"held out {run.name}: compile {held_out[run.name].compile_s:.0f} s", started)
 
-    libtpu.prepare()  # the rest as `lab predict` compiles it by default: no flags
-    devices = topology_devices(config.calibration_topology)
     stored = calibration.efficiency(_chip(devices).name)
     used = replace(stored, matmul=solved)  # this run's fit, so the page does not depend on the stored constant
     k = config.layers_compiled
