@@ -126,28 +126,39 @@ def test_compiler_flags_are_taken_as_the_help_writes_them():
         assert _parse(["predict", *argv, "--seq", "128"]) == Predict(seq=128, libtpu_flags=flags)
 
 
+TPU_FLAGS = ("--libtpu-flags", "LIBTPU_INIT_ARGS", "topology_devices", LAYERS_2)
+GPU_FLAGS = ("--xla-flags", "XLA_FLAGS", "gpu_cluster_devices", ("--target", "gpu:h100:1x8", "--seq", "256"))
+
+
 @pytest.mark.parametrize(
-    ("flags", "words"),
+    ("compiler", "flags", "words"),
     [
-        ("--2a886c8_chip_config_name=default", "Unknown command line flag '2a886c8_chip_config_name'"),
-        ("--xla_tpu_enable_async_collective_fusion=maybe", "Illegal value 'maybe'"),
-        ("xla_tpu_enable_async_collective_fusion=true", "is not a flag; write each as --name=value"),
+        (TPU_FLAGS, "--2a886c8_chip_config_name=default", "Unknown command line flag '2a886c8_chip_config_name'"),
+        (TPU_FLAGS, "--xla_tpu_enable_async_collective_fusion=maybe", "Illegal value 'maybe'"),
+        (TPU_FLAGS, "xla_tpu_enable_async_collective_fusion=true", "is not a flag; write each as --name=value"),
+        (GPU_FLAGS, "--xla_gpu_enable_async_all_gather=true", "unknown to this XLA: --xla_gpu_enable_async_all_gather"),
+        (GPU_FLAGS, "xla_gpu_enable_latency_hiding_scheduler=true", "is not a flag; write each as --name=value"),
     ],
 )
-def test_a_flag_libtpu_rejects_is_one_line_and_exit_2_before_any_compile(flags, words, capsys, monkeypatch):
+def test_a_flag_the_compiler_rejects_is_one_line_and_exit_2_before_it_starts(
+    compiler, flags, words, capsys, monkeypatch
+):
+    """libtpu's flags and XLA:GPU's alike: refused before the compiler starts, nothing left where it reads them."""
     import os
 
     from lab.targets import devices
 
-    def no_compile(*args, **kwargs):
-        raise AssertionError("a topology started before the flags were checked")
+    option, variable, starts, target = compiler
 
-    monkeypatch.setattr(devices, "topology_devices", no_compile)
-    before = os.environ.get("LIBTPU_INIT_ARGS")
-    assert main(["predict", "--model", SMALL, *LAYERS_2, "--libtpu-flags", flags]) == 2
+    def no_compile(*args, **kwargs):
+        raise AssertionError("the compiler started before the flags were checked")
+
+    monkeypatch.setattr(devices, starts, no_compile)
+    before = os.environ.get(variable)
+    assert main(["predict", "--model", SMALL, *target, option, flags]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
-    assert os.environ.get("LIBTPU_INIT_ARGS") == before  # nothing of the bad flags left for libtpu to read
+    assert os.environ.get(variable) == before  # nothing of the bad flags left for the compiler to read
 
 
 def test_flags_libtpu_knows_pass_its_check():
@@ -441,29 +452,6 @@ def test_tpu_only_options_on_a_gpu_target_are_one_line_and_exit_2(extra, words, 
     assert main(["predict", "--model", SMALL, "--target", "gpu:h100:1x8", "--seq", "256", *extra]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1
-
-
-@pytest.mark.parametrize(
-    ("flags", "words"),
-    [
-        ("--xla_gpu_enable_async_all_gather=true", "unknown to this XLA: --xla_gpu_enable_async_all_gather=true"),
-        ("xla_gpu_enable_latency_hiding_scheduler=true", "is not a flag; write each as --name=value"),
-    ],
-)
-def test_an_xla_flag_xla_rejects_is_one_line_and_exit_2_before_the_plugin_starts(flags, words, capsys, monkeypatch):
-    import os
-
-    from lab.targets import devices
-
-    def no_compile(*args, **kwargs):
-        raise AssertionError("the CUDA plugin started before the flags were checked")
-
-    monkeypatch.setattr(devices, "gpu_cluster_devices", no_compile)
-    before = os.environ.get("XLA_FLAGS")
-    assert main(["predict", "--model", SMALL, "--target", "gpu:h100:1x8", "--seq", "256", "--xla-flags", flags]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and words in err, err
-    assert os.environ.get("XLA_FLAGS") == before  # nothing of the bad flags left for XLA to read
 
 
 def test_xla_flags_on_a_tpu_target_are_one_line_and_exit_2(capsys):
