@@ -36,10 +36,9 @@ CALIBRATION = calibration.LLAMA2_7B_8XH100
 HELD_OUT = calibration.LLAMA2_7B_256XH100
 PUBLISHED_RTOL = 0.15
 PUBLISHED_BASIS = (
-    "the lab's program is not MaxText's: XLA's attention priced as a flash kernel (not compiled as one), remat "
-    "minimal saves every matmul output where minimal_flash keeps the attention's own, the embedding is a one-hot "
-    "matmul, and the loss runs in chunks (the recipes' XLA flags are set, less those today's XLA no longer has); "
-    "15% is the issue's bar for GPU clusters. Published: "
+    "the lab's program is not MaxText's: XLA's attention priced as a flash kernel (not compiled as one), the "
+    "embedding is a one-hot matmul, and the loss runs in chunks (the recipes' XLA flags are set, less those "
+    "today's XLA no longer has); 15% is the issue's bar for GPU clusters. Published: "
 )
 
 
@@ -98,7 +97,7 @@ def _command(run, layers_compiled: int):
         batch_per_device=run.batch_per_device,
         mesh=run.mesh,
         target=f"gpu:{run.topology}",
-        remat="minimal",
+        remat=run.compiled_remat,
         layers_compiled=layers_compiled,
         xla_flags=run.flags,
     )
@@ -429,9 +428,10 @@ def _summary(obs: Observations) -> str:
 def _notes(obs: Observations) -> list[str]:
     return [
         "One published run calibrates, one tests: a single held-out run is one data point.",
-        "Remat: MaxText's minimal_flash keeps the matmul outputs without batch dimensions and the attention's "
-        "output; the lab's minimal keeps every matmul output. With XLA's attention the difference is the saved "
-        "scores (memory above); with a flash kernel it is nothing the step recomputes.",
+        "Remat: MaxText's minimal_flash, compiled as named (`--remat minimal_flash`): the matmul outputs without "
+        "batch dimensions and the attention's output are kept, the rest recomputed; XLA's attention then recomputes "
+        "its scores in the backward pass, which the flash price replaces (a kernel whose output is kept does not "
+        "run its forward again).",
         "Each run is compiled with its recipe's XLA_FLAGS (`lab predict --xla-flags`; `PublishedRun.flags`), each "
         "in a process of its own: the latency-hiding scheduler, the combine thresholds (one node: 1 GiB for "
         "all-gather and all-reduce, 128 MiB for reduce-scatter; 32 nodes: 128 MiB, 512 MiB, 64 MiB), pipelined "

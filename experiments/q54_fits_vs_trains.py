@@ -182,9 +182,9 @@ b·s (and with s² for attention scores), so
   batch: memory ≈ a + r/M, where a does not depend on M; the matmul work per step stays the same, spread over
   M smaller matmuls, and ZeRO-3 gathers the weights again for every micro-batch.
 - **rematerialization** (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; `jax.checkpoint`):
-  *full* keeps only each block's input and recomputes the block in the backward pass; *dots* keeps the matmul
-  outputs and recomputes the cheap elementwise work; *offload* keeps the weight matmuls' outputs in host memory
-  and recomputes the rest.
+  *full* keeps only each block's input and recomputes the block in the backward pass; *dots* keeps the weight
+  matmuls' outputs (MaxText's *minimal*) and recomputes the attention's scores and the cheap elementwise work;
+  *offload* keeps the weight matmuls' outputs in host memory and recomputes the rest.
 - **host offload** moves saved residuals to host memory and back over PCIe: device memory for transfer time.
 
 **Matmul FLOPs per step** (T tokens per device, L layers, vocabulary V, width D, H·K attention width, sequence
@@ -201,9 +201,9 @@ Recomputation adds, per token and layer, the forward of every matmul whose outpu
   is the input of the MLP's norm, which the backward differentiates) and the MLP's first matmul (2DF); the
   MLP's second matmul only adds to the block's output, which nothing in the block's backward reads:
   ΔFLOPs = T·L·(8DHK + 4SHK + 2DF);
-- *dots*: nothing (every matmul output is saved);
-- *offload*: the scores and their mix, the two matmuls with a batch dimension (4SHK), which
-  `offload_dot_with_no_batch_dims` neither saves nor offloads: ΔFLOPs = T·L·4SHK.
+- *dots* and *offload*: the scores and their mix, the two matmuls with a batch dimension (4SHK), which
+  `checkpoint_dots_with_no_batch_dims` does not save and `offload_dot_with_no_batch_dims` neither saves nor
+  offloads: ΔFLOPs = T·L·4SHK.
 
 XLA's own cost analysis counts the body of a `while` loop once, whatever its trip count (the layer scan and the
 micro-batch scan are loops), so its FLOPs are not the step's; the page counts the dots of the compiled HLO with
@@ -212,7 +212,7 @@ each loop's trip count (`lab.hlo.schedule.flops`) and shows XLA's number beside 
 
 _EXTRA = {  # recomputed matmuls per token and layer, in units of (DHK, SHK, DF)
     "none": (0, 0, 0),
-    "dots": (0, 0, 0),
+    "dots": (0, 4, 0),
     "full": (8, 4, 2),
     "offload": (0, 4, 0),
 }

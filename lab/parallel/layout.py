@@ -78,7 +78,14 @@ from lab.rules import (
 
 _REMAT: dict[str, Callable | None] = {
     "none": None,
-    "dots": jax.checkpoint_policies.dots_saveable,  # save matmul outputs, recompute the elementwise rest
+    # save the weight matmuls' outputs (dots without batch dimensions: MaxText's `minimal`); recompute the rest, the
+    # attention's batched dots (scores, their mix) and the norms' scale (an einsum with a batch dimension) among it
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    # MaxText's `minimal_flash`: those, and the attention's output (its kernel's forward is not run again)
+    "dots_flash": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        jax.checkpoint_policies.save_only_these_names("context"),
+    ),
     "full": jax.checkpoint_policies.nothing_saveable,  # save only each block's input
     "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
         "device", "pinned_host"
@@ -285,7 +292,7 @@ class Layout:
         # a row-parallel matmul's partial sums are never saved (JAX cannot slice an unreduced residual out of the
         # layers' stack); their reduce-scatter, the sub-layer's output, is saved where the policy saves matmuls
         inner = policy or (lambda *args, **params: True)
-        keeps_matmuls = self.remat in ("dots", "none")
+        keeps_matmuls = self.remat in ("dots", "dots_flash", "none")
         return lambda prim, *args, **params: (
             False
             if _partial_sum(prim, params)

@@ -8,7 +8,7 @@ width), ``stage`` (layers) and ``expert`` (experts), whole over ``data``. The
 embedding and unembedding are split over ``fsdp`` only. Activations saved for
 the backward pass, per layer and micro-batch, per remat policy
 (`lab.predict.step`: ``full`` keeps each block's input, ``minimal`` every
-matmul output, ``none`` everything; the tally of Korthikanti et al. 2022,
+weight matmul's output, ``none`` everything; the tally of Korthikanti et al. 2022,
 Section 4, for this block, bf16, no dropout), times the layers of a stage
 and the micro-batches in flight (a GPipe pipeline holds all of them,
 `lab.theory.peak_micro_batches_in_flight`). On top, the largest transient:
@@ -276,14 +276,14 @@ def saved_per_layer(model, tokens: float, tensor: int, remat: str, attention: st
     if remat == "full":
         return ACTIVATION_BYTES * tokens * d  # the block's input: the scan's carry
     hidden = (2 if model.gated else 1) * _hidden(model, tensor)
-    dots = _attention_outputs(model, tensor) + d + hidden + d  # the projections; out-projection; MLP hidden and out
-    scores = model.seq * h / tensor if attention == "xla" else 0.0  # [b, H, S, S]: a dot only without flash
-    mixed = h * k / tensor if attention == "xla" else 0.0  # scores @ V is a dot too
-    saved = dots + scores + mixed
+    saved = _attention_outputs(model, tensor) + d + hidden + d  # the projections; out-projection; MLP hidden and out
     if remat == "none":
         # everything else: two norm outputs, rotated q and k, the attention output, the activation, the residual
         saved += 2 * d + _qk_width(model, tensor) + h * k / tensor + hidden + d
-        saved += 2 * model.seq * h / tensor if attention == "xla" else 2 * h / tensor  # fp32 softmax (or logsumexp)
+        if attention == "xla":  # the scores [b, H, S, S] and their mix, then the fp32 softmax
+            saved += model.seq * h / tensor + h * k / tensor + 2 * model.seq * h / tensor
+        else:
+            saved += 2 * h / tensor  # the kernel's fp32 logsumexp
     return ACTIVATION_BYTES * tokens * saved
 
 
@@ -413,8 +413,8 @@ def _recompute(model, remat: str, tensor: int) -> float:
     if remat == "full":
         unread = sum(2 * width * k * n for width, k, n in _unread_outputs(model, tensor))
         return _block_forward_flops(model, tensor) - unread
-    if remat == "minimal" and model.attention == "flash":
-        return _core_flops(model, tensor)  # a kernel's output is no dot: recomputed
+    if remat == "minimal":
+        return _core_flops(model, tensor)  # a kernel's output is no dot, the scores' dots have a batch dimension
     return 0.0
 
 

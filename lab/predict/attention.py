@@ -15,7 +15,8 @@ import math
 from lab.predict.ops import score_ops
 
 FLASH_UNITS = 14  # matmul FLOPs per b·h·S·S·K of FlashAttention-2: forward 4 (QK^T, PV), backward 10 (QK^T again,
-# dV, dP, dQ, dK) (Dao 2023, FlashAttention-2, section 3.1); remat "full" runs the forward once more
+# dV, dP, dQ, dK) (Dao 2023, FlashAttention-2, section 3.1); a remat that does not save the kernel's output
+# (all but minimal_flash and none) runs its forward once more
 FLASH_BLOCK_Q = 128  # the query block whose causal tiles above the diagonal a flash kernel skips
 
 
@@ -27,7 +28,7 @@ def flash_seconds(config, batch_per_device: int, remat: str, peak_flops: float, 
     (n + 1) / 2n under a causal diagonal, fewer under a sliding window (`_live_tiles`).
     """
     s, blocks = config.seq, max(1, math.ceil(config.seq / FLASH_BLOCK_Q))
-    units = FLASH_UNITS + (0 if remat in ("minimal", "none") else 4)  # full and offload:<names> run it again
+    units = FLASH_UNITS + (0 if remat in ("minimal_flash", "none") else 4)  # the others do not save its output
     tile = units * batch_per_device * config.heads * s * s * config.head_dim / blocks**2
     return tile * _layer_tiles(config, blocks) / (peak_flops * matmul_efficiency)
 

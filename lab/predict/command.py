@@ -74,9 +74,10 @@ class Predict:
     batch_per_device: int = 1
     """sequences per chip per step"""
     remat: str = "full"
-    """what the backward pass keeps: full (each block's input only), minimal (every matmul output), none, or
-    MaxText's custom policy, custom:<name>=<device|offload|remat>,... (each named activation kept in HBM, sent to
-    host memory or recomputed; the rest recomputed) or offload:<names> (these to host memory); names from
+    """what the backward pass keeps: full (each block's input only), minimal (every weight matmul's output, as
+    MaxText's), minimal_flash (those and the attention's output), none, or MaxText's custom policy,
+    custom:<name>=<device|offload|remat>,... (each named activation kept in HBM, sent to host memory or
+    recomputed; the rest recomputed) or offload:<names> (these to host memory); names from
     decoder_layer_input, context, query_proj, key_proj, value_proj, out_proj"""
     mesh: str = "fsdp=-1"
     """one slice's (or the whole GPU cluster's) mesh over data,stage,fsdp,expert,tensor (one axis may be -1)"""

@@ -12,7 +12,10 @@ things change at full size:
   vocabulary tiling, Liger's fused linear cross-entropy). Same loss, same
   FLOPs (plus one recompute of the head matmul), a bounded buffer.
 * the remat names: ``full`` saves only each block's input (`nothing_saveable`),
-  ``minimal`` saves every matmul output (`dots_saveable`), ``none`` saves all;
+  ``minimal`` saves every weight matmul's output (MaxText's: the dots
+  without batch dimensions; the attention's scores and the norms' scale are
+  recomputed), ``minimal_flash`` those and the attention's output (MaxText's
+  GPU recipes), ``none`` saves all;
   ``offload:<names>`` is MaxText's custom policy, the named activations (the
   block's input, the attention's projections) sent to host memory and brought
   back for the backward pass, the rest recomputed.
@@ -42,7 +45,12 @@ from lab.predict import xla_estimate
 from lab.targets.devices import quiet_native_stderr
 from lab.training.step import TrainConfig, Trainer
 
-REMATS = {"full": "full", "minimal": "dots", "none": "none"}  # the predictor's names -> lab.parallel.layout's
+REMATS = {
+    "full": "full",
+    "minimal": "dots",
+    "minimal_flash": "dots_flash",
+    "none": "none",
+}  # the predictor's names -> lab.parallel.layout's
 LOSS_CHUNK = 1024  # tokens of each sequence whose logits exist at once
 
 

@@ -277,9 +277,9 @@ def test_tpu7x_shows_two_devices_per_chip_each_with_half_its_compute_and_memory(
     assert p.step_s >= p.compute_s > 0 and p.comm_s > 0
 
 
-def test_sequence_parallelism_reduce_scatters_over_tensor_and_keeps_less_on_each_chip():
+def test_sequence_parallelism_reduce_scatters_over_tensor():
     # Megatron SP on the TPU compiler: each row-parallel output reduce-scattered along the sequence over tensor (the
-    # TP step all-reduces it), the residual stream and what the layers save split tensor ways
+    # TP step all-reduces it); what the layers save, split tensor ways, is tests/predict/test_remat.py's
     args = {"model": SMALL + ",qk_norm=true", "target": "tpu:v5e:2x2", "mesh": "fsdp=2,tensor=2", "seq": 512}
     tp = read_step(Predict(**args, batch_per_device=4, remat="minimal"))
     sp = read_step(Predict(**args, batch_per_device=4, remat="minimal", sequence_parallel=True))
@@ -290,7 +290,6 @@ def test_sequence_parallelism_reduce_scatters_over_tensor_and_keeps_less_on_each
 
     assert "reduce-scatter" in over_tensor(sp) and "reduce-scatter" not in over_tensor(tp)
     assert "all-gather" in over_tensor(sp) and "all-reduce" in over_tensor(tp)
-    assert price(sp).memory_bytes < price(tp).memory_bytes
 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_one_line(capsys):
@@ -482,8 +481,9 @@ def test_xla_flags_reach_the_gpu_compiler(tmp_path):
 def test_flash_seconds_counts_flashattention2_flops_over_the_causal_tiles():
     model = replace(parse_model(SMALL), seq=256)  # 2 layers, 4 heads of 64; 2 query blocks of 128: 3 of 4 tiles
     flops = 2 * 14 * 3 * 4 * 256 * 256 * 64 * 3 / 4  # batch 3
-    assert flash_seconds(model, 3, "minimal", 1e15, 0.5) == pytest.approx(flops / 5e14)
-    assert flash_seconds(model, 3, "full", 1e15, 0.5) == pytest.approx(flops * 18 / 14 / 5e14)  # forward again
+    assert flash_seconds(model, 3, "minimal_flash", 1e15, 0.5) == pytest.approx(flops / 5e14)  # its output kept
+    for remat in ("minimal", "full"):  # the kernel's output is no weight matmul's: its forward runs again
+        assert flash_seconds(model, 3, remat, 1e15, 0.5) == pytest.approx(flops * 18 / 14 / 5e14)
 
 
 def test_flash_seconds_of_a_windowed_stack_counts_only_the_tiles_its_window_reaches():
@@ -491,9 +491,9 @@ def test_flash_seconds_of_a_windowed_stack_counts_only_the_tiles_its_window_reac
     model = replace(parse_model(SMALL), layers=4, seq=1024, window=129, global_every=2)  # 8 query blocks of 128
     windowed, whole = 1 + 2 * 7, 8 * 9 // 2  # live tiles of one layer: min(i + 1, 2) and i + 1 summed over 8 rows
     tile = 14 * 4 * 1024 * 1024 * 64 / 64  # batch 1, 4 heads of 64, a 64th of the grid
-    assert flash_seconds(model, 1, "minimal", 1e15, 0.5) == pytest.approx(tile * 2 * (windowed + whole) / 5e14)
+    assert flash_seconds(model, 1, "none", 1e15, 0.5) == pytest.approx(tile * 2 * (windowed + whole) / 5e14)
     unwindowed = replace(model, window=0, global_every=0)
-    assert flash_seconds(unwindowed, 1, "minimal", 1e15, 0.5) == pytest.approx(tile * 4 * whole / 5e14)
+    assert flash_seconds(unwindowed, 1, "none", 1e15, 0.5) == pytest.approx(tile * 4 * whole / 5e14)
 
 
 def test_the_efficiency_solved_against_an_adjusted_step_matches_it():
