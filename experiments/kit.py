@@ -39,6 +39,8 @@ so nothing has to be closed and a long ``lab report`` keeps no figures alive.
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +101,14 @@ def tpu_chips(topology: str) -> TpuChips | Unavailable | None:
         return TpuChips(topology, topology_devices(topology))
     except LabError as err:
         return Unavailable(f"tpu:{topology} (compile-only)", str(err))
+
+
+def in_fresh_process(function, *args: Any) -> Any:
+    """`function(*args)` in a spawned child process. A compiler reads its flags once, when it starts (libtpu its
+    LIBTPU_INIT_ARGS, XLA:GPU its XLA_FLAGS): a published run compiled with its recipe's flags needs a process of
+    its own. `function` is a module's top-level function, its arguments and result picklable."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(function, *args).result()
 
 
 def compile_and_inspect(fn, *args: Any, mesh) -> tuple[Any, hlo.Inspection]:

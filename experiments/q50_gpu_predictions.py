@@ -20,11 +20,10 @@ corrected is what is solved for and held against the published time.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
+from experiments.kit import in_fresh_process
 from lab.predict import calibration
 from lab.provenance import Setup
 from lab.report import Result, Table
@@ -151,12 +150,6 @@ def _published(run, layers_compiled: int, matmul: float | None = None) -> tuple[
     return matmul, _point(run, price(reading, replace(calibration.efficiency(chip.name), matmul=matmul)))
 
 
-def _fresh(function, *args):
-    """`function(*args)` in a spawned child process, whose XLA starts with the flags it asks for."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        return child.submit(function, *args).result()
-
-
 def measure(config: Config) -> Observations:
     # local: the CUDA plugin starts only to describe the calibration's GPUs; the runs compile in children
     from lab.targets.devices import devices_for
@@ -166,8 +159,8 @@ def measure(config: Config) -> Observations:
     command = _command(CALIBRATION, 0)
     devices = devices_for(command.target)  # before any child: where the page's work starts
     chip = profile_for_device_kind(devices[0].device_kind)
-    solved, calibration_run = _fresh(_published, CALIBRATION, 0)
-    _, held_out = _fresh(_published, HELD_OUT, config.held_out_layers, solved)
+    solved, calibration_run = in_fresh_process(_published, CALIBRATION, 0)
+    _, held_out = in_fresh_process(_published, HELD_OUT, config.held_out_layers, solved)
     return Observations(
         Setup.of(command.target, devices, command.mesh),
         solved_matmul=solved,

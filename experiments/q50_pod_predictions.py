@@ -34,15 +34,14 @@ shorter sequence, to keep the page within its time budget, and without flags, as
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 
 from matplotlib.figure import Figure
 
+from experiments.kit import in_fresh_process
 from lab.predict import calibration
 from lab.progress import track
 from lab.provenance import Setup
@@ -207,12 +206,6 @@ def _published(run, matmul: float | None = None) -> tuple[float, Point]:
     return matmul, _point(price(reading, replace(calibration.efficiency(reading.chip.name), matmul=matmul)))
 
 
-def _fresh(function, *args):
-    """`function(*args)` in a spawned child process, whose libtpu starts with the flags it asks for."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-        return child.submit(function, *args).result()
-
-
 def measure(config: Config) -> Observations:
     # local: libtpu must read lab.predict's flags before it starts (lab.targets.libtpu.prepare)
     from lab.predict.command import Predict, run_prediction
@@ -223,11 +216,11 @@ def measure(config: Config) -> Observations:
     libtpu.prepare()  # the parent's compiles as `lab predict` compiles by default: no flags
     devices = topology_devices(config.calibration_topology)  # before any child: where the page's work starts
     # the published runs, each compiled with its recipe's flags: the 8B sets the constant, the others are held out
-    solved, whole = _fresh(_published, CALIBRATION)
+    solved, whole = in_fresh_process(_published, CALIBRATION)
     _log(f"8B whole: compile {whole.compile_s:.0f} s, solved {solved:.6f}", started)
     held_out = {}
     for run in (HELD_OUT, HELD_OUT_MOE):
-        held_out[run.name] = _fresh(_published, run, solved)[1]
+        held_out[run.name] = in_fresh_process(_published, run, solved)[1]
         _log(f"held out {run.name}: compile {held_out[run.name].compile_s:.0f} s", started)
 
     stored = calibration.efficiency(_chip(devices).name)

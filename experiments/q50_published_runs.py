@@ -24,11 +24,10 @@ misses with the FLOPs in parity misses in the price, not in the program.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
+from experiments.kit import in_fresh_process
 from lab.errors import LabError
 from lab.predict import calibration
 from lab.progress import track
@@ -177,11 +176,8 @@ def measure(config: Config) -> Observations:
     first = runs[0]
     devices = topology_devices(first.topology)
     rows = []
-    # libtpu reads its flags once, when it starts: each run, with its own flags, compiles in a fresh process
-    spawn = multiprocessing.get_context("spawn")
-    for run in track(runs, "published runs"):
-        with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
-            rows.append(fresh.submit(_row, run).result())
+    for run in track(runs, "published runs"):  # each with its own flags
+        rows.append(in_fresh_process(_row, run))
     return Observations(
         Setup.of(f"tpu:{first.topology} (and each other run's slice)", devices, first.mesh),
         rows=tuple(rows),
