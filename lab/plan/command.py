@@ -30,7 +30,7 @@ from lab.model import check_flash_tiling
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
 from lab.plan.space import Problem
-from lab.predict.options import check_gpu_slices, resolve_attention
+from lab.predict.options import check_gpu_flags, check_gpu_slices, check_tpu_flags, resolve_attention
 from lab.predict.spec import MAX_STEP_TOKENS, check_step_tokens, parse_model
 from lab.units import format_bytes
 
@@ -57,6 +57,10 @@ class Plan:
     attention: Literal["auto", "flash", "xla"] = "auto"
     """flash (the Pallas TPU kernel), xla (dot product, scores materialized) or auto: flash on TPU, xla on GPU, as
     lab predict"""
+    libtpu_flags: str = ""
+    """TPU compiler flags for the compiled layouts, as in LIBTPU_INIT_ARGS (a recipe's), as lab predict's"""
+    xla_flags: str = ""
+    """GPU compiler flags for the compiled layouts, as in XLA_FLAGS (a recipe's), as lab predict's"""
     compile_top: int = 3
     """compile this many of the best layouts and re-rank them by the compiled prediction (0: closed form only)"""
     top: int = 10
@@ -86,6 +90,10 @@ def problem_of(command: Plan) -> Problem:
     if command.seq < 1 or command.top < 1 or command.compile_top < 0:
         raise LabError("--seq and --top take 1 or more, --compile-top 0 or more")
     on_gpu = target.platform == "gpu"
+    if on_gpu:
+        check_gpu_flags(command.libtpu_flags)
+    else:
+        check_tpu_flags(command.xla_flags)
     attention = resolve_attention(command.attention, on_gpu)
     if attention == "flash":
         check_flash_tiling(command.seq)
@@ -124,11 +132,14 @@ def problem_of(command: Plan) -> Problem:
 
 def make_plan(command: Plan) -> Ranking:
     """Closed form over every layout, then the compiled re-ranking of the best `compile_top`."""
-    # local: lab predict's compile starts libtpu, which must see its flags before anything else starts it
-    from lab.targets import libtpu
+    # local: the closed form's placements start libtpu or the CUDA plugin, which must first see the compiler's flags
+    from lab.targets import libtpu, xla_flags
 
     problem = problem_of(command)
-    libtpu.prepare()
+    if command.xla_flags:
+        xla_flags.prepare(command.xla_flags)
+    else:
+        libtpu.prepare(command.libtpu_flags)
     plan = closed_form_plan(problem)
     if command.compile_top and plan.candidates:
         # local: compiling imports the training step (flax, optax); a closed-form plan never needs it

@@ -156,3 +156,36 @@ def test_on_gpu_the_axis_across_nodes_is_priced_on_infiniband_and_compiled_there
     compiled = compile_layout(problem, layout)
     assert not isinstance(compiled, str) and compiled.step_s > 0 and compiled.memory_bytes > 0
     assert compiled.axes["fsdp"]["bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "target, option, flags, words",
+    [
+        ("tpu:v5e:2x4", "--libtpu-flags", "--xla_tpu_enable_async_collective_fusion=maybe", "Illegal value 'maybe'"),
+        ("gpu:h100:1x8", "--xla-flags", "--xla_gpu_enable_async_all_gather=true", "unknown to this XLA"),
+        ("tpu:v5e:2x4", "--xla-flags", "--xla_gpu_enable_triton_gemm=false", "a TPU target takes its flags as"),
+        ("gpu:h100:1x8", "--libtpu-flags", "--xla_tpu_enable_async_collective_fusion=true", "a GPU target takes"),
+    ],
+)
+def test_the_compilers_flags_are_checked_as_lab_predict_checks_them(capsys, target, option, flags, words):
+    assert main(["plan", "--model", SMALL, "--seq", "128", "--target", target, option, flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_recipes_xla_flags_reach_the_compiled_layouts(tmp_path):
+    """In a fresh process, as a user runs it: XLA:GPU reads XLA_FLAGS once, when the CUDA plugin starts."""
+    import subprocess
+    import sys
+
+    dump = tmp_path / "dump"
+    argv = ["plan", "--model", SMALL, "--seq", "128", "--target", "gpu:h100:1x2", "--compile-top", "1", "--json"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lab", *argv, "--xla-flags", f"--xla_dump_to={dump}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["candidates"]
+    assert any(p.name.endswith(".txt") for p in dump.iterdir()), "XLA wrote no dump: the flag did not reach it"
