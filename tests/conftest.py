@@ -4,6 +4,7 @@ A test that needs another device count, or several processes, runs in a
 subprocess (see `run_python`).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -52,6 +53,16 @@ def run_python(code: str, *, timeout: int = 300) -> subprocess.CompletedProcess:
         env=env,
         check=False,
     )
+
+
+def run_lab_json(argv: list[str], *, timeout: int = 600) -> dict:
+    """`python -m lab ARGV --json` in a fresh process, as a user runs it (a compiler reads its flags once, when it
+    starts); the JSON it prints."""
+    done = subprocess.run(
+        [sys.executable, "-m", "lab", *argv, "--json"], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
 def pytest_collection_modifyitems(items):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from lab.cli import main
+from tests.conftest import run_lab_json
 
 SMALL = "layers=2,d_model=128,heads=4,d_ff=256,vocab=512"
 
@@ -174,18 +175,8 @@ def test_the_compilers_flags_are_checked_as_lab_predict_checks_them(capsys, targ
 
 
 def test_a_recipes_xla_flags_reach_the_compiled_layouts(tmp_path):
-    """In a fresh process, as a user runs it: XLA:GPU reads XLA_FLAGS once, when the CUDA plugin starts."""
-    import subprocess
-    import sys
-
+    """XLA dumps what it compiles where --xla_dump_to says, when the flag reaches it."""
     dump = tmp_path / "dump"
-    argv = ["plan", "--model", SMALL, "--seq", "128", "--target", "gpu:h100:1x2", "--compile-top", "1", "--json"]
-    done = subprocess.run(
-        [sys.executable, "-m", "lab", *argv, "--xla-flags", f"--xla_dump_to={dump}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout)["candidates"]
+    argv = ["plan", "--model", SMALL, "--seq", "128", "--target", "gpu:h100:1x2", "--compile-top", "1"]
+    assert run_lab_json([*argv, "--xla-flags", f"--xla_dump_to={dump}"])["candidates"]
     assert any(p.name.endswith(".txt") for p in dump.iterdir()), "XLA wrote no dump: the flag did not reach it"

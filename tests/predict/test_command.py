@@ -18,6 +18,7 @@ from lab.predict.command import Predict, price, read_step, run_prediction
 from lab.predict.ops import _taps, convolution_flops, op_flops
 from lab.predict.spec import model_flops, parse_model
 from lab.targets.hardware import H100, profile
+from tests.conftest import run_lab_json
 
 pytestmark = pytest.mark.long  # libtpu compiles for a minute and more: scheduled first, after the doctor's tests
 # (collected before these, so on a shared worker they run first: see REFUSED in tests/doctor/test_diagnosis.py)
@@ -462,19 +463,9 @@ def test_xla_flags_on_a_tpu_target_are_one_line_and_exit_2(capsys):
 def test_xla_flags_reach_the_gpu_compiler(tmp_path):
     """A flag with a visible effect (XLA dumps what it compiles where --xla_dump_to says) set through --xla-flags,
     in a fresh process as a user runs it: XLA reads its flags once, when the plugin starts."""
-    import subprocess
-    import sys
-
     dump = tmp_path / "dump"
-    argv = ["predict", "--model", SMALL, "--target", "gpu:h100:1x2", "--mesh", "fsdp=2", "--seq", "256", "--json"]
-    done = subprocess.run(
-        [sys.executable, "-m", "lab", *argv, "--xla-flags", f"--xla_dump_to={dump}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout)["step_s"] > 0
+    argv = ["predict", "--model", SMALL, "--target", "gpu:h100:1x2", "--mesh", "fsdp=2", "--seq", "256"]
+    assert run_lab_json([*argv, "--xla-flags", f"--xla_dump_to={dump}"])["step_s"] > 0
     assert any(p.name.endswith(".txt") for p in dump.iterdir()), "XLA wrote no dump: the flag did not reach it"
 
 
