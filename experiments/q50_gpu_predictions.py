@@ -387,8 +387,9 @@ def _terms_table(obs: Observations) -> Table:
         "What each term contributes (attention as flash)",
         ["run", "compute", "exposed communication, per axes and link", "memory per GPU (as compiled)", "compile"],
         rows,
-        note="Memory is the compiled program's, XLA's attention included: remat minimal saves the [b, h, S, S] "
-        "scores of every layer, which a flash kernel never writes, so it is far above what the runs used.",
+        note="Memory is the compiled program's, XLA's attention included: each layer's forward and backward write "
+        "its [b, h, S, S] scores and softmax, which a flash kernel never writes (remat minimal_flash keeps none of "
+        "them), so a run the flash kernel fits may compile over HBM here.",
     )
 
 
