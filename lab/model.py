@@ -930,12 +930,17 @@ class Transformer(nnx.Module):
         one_hot_BSV = jax.nn.one_hot(tokens_BS, self.config.vocab, dtype=layout.compute_dtype)
         return sequence_split(jnp.einsum("bsv,vd->bsd", one_hot_BSV, layout.use(self.embedding)), layout)
 
-    def head(self, x_BSD: jax.Array, layout: Parallelism) -> jax.Array:
-        """The last block's output -> logits [B, S, V] (fp32): final norm and unembedding."""
+    def unembedding(self, layout: Parallelism) -> jax.Array:
+        """The head's table as its matmul uses it (`Parallelism.use`: gathered): [D, V], or the tied [V, D]."""
+        return layout.use(self.embedding if self.config.tied else self.unembed)
+
+    def head(self, x_BSD: jax.Array, layout: Parallelism, unembedding: jax.Array | None = None) -> jax.Array:
+        """The last block's output -> logits [B, S, V] (fp32): final norm and unembedding (`unembedding`, if the
+        caller gathered it already: a loss over chunks gathers it once for all of them)."""
         x_BSD = sequence_whole(self.final_norm(x_BSD, layout), layout)
-        if self.config.tied:
-            return jnp.einsum("bsd,vd->bsv", x_BSD, layout.use(self.embedding)).astype(jnp.float32)
-        return jnp.einsum("bsd,dv->bsv", x_BSD, layout.use(self.unembed)).astype(jnp.float32)
+        table = self.unembedding(layout) if unembedding is None else unembedding
+        pattern = "bsd,vd->bsv" if self.config.tied else "bsd,dv->bsv"
+        return jnp.einsum(pattern, x_BSD, table).astype(jnp.float32)
 
 
 LAYERS_SCOPE = "layers"  # the named scope of the layers' scan: `lab.predict.depth` reads its loops deeper

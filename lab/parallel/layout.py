@@ -269,13 +269,13 @@ class Layout:
         An elementwise weight (a norm's scale) may meet an activation split over a model axis too: ``tensor`` splits
         the heads a q/k norm scales, and the sequence under sequence parallelism. Each such device then holds a
         partial sum of the weight's gradient, so the weight is reduced over those axes as well (`beside`)."""
-        w = param[...]
+        w = param[...].astype(self.compute_dtype)  # the shard first (MaxText's order): the gather moves bf16 bytes
         model_axes = spec_axes(jax.typeof(beside).sharding.spec) - self.data_axes if beside is not None else set()
         if self.data_axes or model_axes:  # a no-op unless the weight is split over a data axis or meets a split
             spec = self._live(self.strategy.rules("compute", w.size).spec(logical_axes(param)))
             reduced = (self.data_axes | model_axes) - spec_axes(spec)
             w = jax.reshard(w, NamedSharding(self.mesh, P(*spec, reduced=reduced)))
-        return w.astype(self.compute_dtype)
+        return w
 
     @property
     def remat_policy(self) -> Callable | None:
@@ -283,8 +283,8 @@ class Layout:
 
         The test is on primitives, not on a `checkpoint_name`: a policy that refuses a named value still saves
         the unnamed value the name was applied to. A gathered weight is the output of a ``reshard`` to a reduced
-        spec and, when the compute dtype differs, of the ``convert_element_type`` after it; refusing both makes the
-        backward pass gather again (casts of activations are recomputed too, which costs one elementwise pass).
+        spec, the shard cast to the compute dtype before it; refusing both makes the backward pass gather again (casts
+        of activations are recomputed too, which costs one elementwise pass).
         """
         policy = self._weights_policy(remat_policy(self.remat))
         if not self.sequence_parallel:

@@ -13,7 +13,8 @@ Section 4, for this block, bf16, no dropout), times the layers of a stage
 and the micro-batches in flight (a GPipe pipeline holds all of them,
 `lab.theory.peak_micro_batches_in_flight`). On top, the largest transient:
 one layer's weights gathered over ``fsdp`` (twice: the next layer is
-prefetched) with its backward working set, or the loss's logits chunk.
+prefetched) with its backward working set, or the loss's logits chunk with
+the gathered unembedding and its gradient.
 
 **Step time**: every op at its own roofline, its FLOPs at the chip's peak or
 its bytes at HBM's bandwidth, whichever is longer, each rate times the
@@ -44,6 +45,10 @@ closed form and the compiled prediction price alike):
     backward, its gradient reduce-scattered (ZeRO paper, Section 7.2.2), one
     collective per weight as XLA emits them (each pays its latency);
     XLA overlaps them with the layer's compute, so only what exceeds it is exposed;
+    but over every chip of a slice libtpu compiles the reduce-scatter as a
+    synchronous all-reduce of the whole gradient (twice the bytes, none
+    hidden), and an axis across slices waits for its reduce-scatter within
+    each slice; the vocabulary tables gathered once and reduced once;
   * ``data``: one all-reduce of each chip's gradient shard per step, exposed
     (across slices XLA compiles it as a reduce-scatter within each slice, the
     shard's all-reduce on DCN by libtpu's megascale runtime, an all-gather);
@@ -70,6 +75,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from dataclasses import dataclass, replace
 
 from lab import theory
@@ -311,7 +317,8 @@ def memory(problem: Problem, layout: Layout) -> Memory:
     )
     sequences = micro_tokens / model.seq
     logits = 2 * 4 * sequences * min(LOSS_CHUNK, model.seq) * model.vocab  # fp32 logits and their gradient
-    unembed = PARAM_BYTES * model.vocab * model.embed if s["fsdp"] > 1 else 0.0
+    # through the loss's chunks: the unembedding gathered once, and its gradient's partial sums
+    unembed = (PARAM_BYTES + GRAD_BYTES) * model.vocab * model.embed if s["fsdp"] > 1 else 0.0
     transient = max(backward, logits + unembed)
     return Memory(states.params, states.grads, states.optimizer, saved, transient)
 
@@ -526,31 +533,47 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
 
 
 def _fsdp(problem, layout, link, ticks, kinds) -> AxisCost:
-    """ZeRO-3 over fsdp: per layer and tick, gather forward, gather and reduce-scatter backward, overlapped with
-    that layer's compute; `kinds`: (layers of a stage, the kind's model, its `_Layer`)."""
+    """ZeRO-3 over fsdp: per layer and tick, gather forward, gather and reduce the gradient backward; `kinds`:
+    (layers of a stage, the kind's model, its `_Layer`).
+
+    The gathers overlap that layer's compute, and so does the gradient's reduce-scatter; but over every chip of a
+    slice libtpu compiles a reduce-scatter as a synchronous all-reduce of the whole gradient and a slice of it,
+    exposed whole, and across slices the reduce-scatter within each slice waits too (the DCN tier's all-reduce
+    of the shard runs asynchronously). The vocabulary tables are gathered once each (the loss's chunks share the
+    unembedding) and their gradients reduced once, exposed: the unembedding's by an all-reduce (it leaves the chunk
+    loop as partial sums), the embedding's as a layer's."""
     model = problem.model
+    reduction = "all-reduce" if _whole_slice(problem, link) else "reduce-scatter"
+    waits = reduction == "all-reduce" or link.dcn > 1
     collectives = moved = seconds = exposed = 0.0
     for n, kind, layer in kinds:
         each = [PARAM_BYTES * w for w in _layer_weights(kind, layout.mesh)]
         gather = sum(_seconds("all-gather", w, link) for w in each)
-        scatter = sum(_seconds("reduce-scatter", w, link) for w in each)
+        reduce = sum(_seconds(reduction, w, link) for w in each)
+        hidden = 0.0 if waits else reduce  # else the reduce-scatter overlaps the backward, like a gather
         per_layer = ticks * n
         collectives += 3 * per_layer * len(each)
         moved += 3 * per_layer * sum(each)
-        seconds += per_layer * (2 * gather + scatter)
-        exposed += per_layer * (max(0.0, gather - layer.forward_s) + max(0.0, gather + scatter - layer.backward_s))
-    # the vocabulary tables: gathered before use (the unembedding again for the loss's recompute), reduce-scattered
-    tables = PARAM_BYTES * model.vocab * model.embed
-    table_kinds = [("all-gather", tables, 1 if model.tied else 3), ("reduce-scatter", tables, 1 if model.tied else 2)]
-    tables_s = sum(n * _seconds(kind, size, link) for kind, size, n in table_kinds)
+        seconds += per_layer * (2 * gather + reduce)
+        exposed += per_layer * (
+            max(0.0, gather - layer.forward_s) + max(0.0, gather + hidden - layer.backward_s) + reduce - hidden
+        )
+    table = PARAM_BYTES * model.vocab * model.embed
+    tables = [("all-gather", table, 2), ("all-reduce", table, 1)] + ([] if model.tied else [(reduction, table, 1)])
+    tables_s = sum(n * _seconds(kind, size, link) for kind, size, n in tables)
     return AxisCost(
         "fsdp",
         link.text,
-        round(collectives) + sum(n for _, _, n in table_kinds),
-        moved + sum(n * size for _, size, n in table_kinds),
+        round(collectives) + sum(n for _, _, n in tables),
+        moved + sum(n * size for _, size, n in tables),
         seconds + tables_s,
         exposed + tables_s,
     )
+
+
+def _whole_slice(problem: Problem, link: _Link) -> bool:
+    """Whether the axis's ICI group is every chip of a TPU slice (libtpu then reduce-scatters by all-reduce)."""
+    return link.ici is not None and link.ici.network == "ici" and link.ici.devices == math.prod(problem.torus)
 
 
 def _gradient_all_reduce(grads: float, link: _Link) -> list[tuple]:

@@ -27,8 +27,8 @@ offload; Mixtral MOE_VMEM_LIMIT, CF_FOR_ALL_GATHER, DATA_PARALLEL_OVERLAP) from
 HOST_OFFLOAD_FLAGS lets 24 host transfers overlap and reruns the latency-hiding
 scheduler. Compiled without them (XLA's defaults), the 8B's transfers and
 gathers wait longer, that wait was absorbed into a v6e efficiency of 0.8861,
-and the held-out 70B came out 15.6% fast; with them the 8B solves 0.7406 (and
-TPU7x's recipe, compiled with its flags, 0.7335).
+and the held-out 70B came out 15.6% fast; with them the 8B solves 0.7170 (and
+TPU7x's recipe, compiled with its flags, 0.6872).
 
 The recipes' host offload is compiled as they name it (``--remat offload:<names>``)
 and its DMAs priced on the chip's PCIe links (`lab.predict.ops`): the 8B moves
@@ -52,8 +52,8 @@ lab's ``minimal`` saved every dot's output, its norms' scale einsums among them:
 the program then needed 114 GiB of the chip's 95, XLA's rematerialization pass
 recomputed the MLP's matmuls to fit, and the step with every matmul at the peak
 (10.07 s) was longer than the published 10.03 s. Compiled as MaxText's
-``minimal`` (the dots without batch dimensions) it fits in 88 GiB and solves
-0.8250.
+``minimal`` (the dots without batch dimensions) it fits in 89 GiB and solves
+0.8311.
 
 NVIDIA H100 has its own, from MaxText's Llama 2 7B on one node of 8 H100s
 (NVIDIA's JAX-Toolbox table: 0.721 s), solved the same way with XLA's
@@ -69,7 +69,17 @@ weight matmuls' outputs and the attention's output saved): the one-node
 program fits in 50 GiB, its FSDP gathers hidden (0.006 s exposed). Saving
 every dot's output, XLA's scores among them, it needed 117 GiB, its schedule
 left 0.104 s of gathers exposed, and that wait was absorbed into a constant of
-0.5255; now 0.4292. Other GPUs borrow H100's.
+0.5255; now 0.4145. Other GPUs borrow H100's.
+
+Every one of these programs casts each weight's shard to bf16 before its FSDP
+gather (`lab.parallel.layout.Layout.use`), as MaxText's layers do, so the
+gathers and the gradients' reductions move bf16; and its chunked loss gathers
+the unembedding once for all chunks and reduces its gradient once. Until the
+lab cast after the gather and gathered per chunk, its programs moved fp32,
+twice the bytes, mostly exposed (libtpu compiles a reduce-scatter over every
+chip of a slice as a synchronous all-reduce of the whole gradient and a slice
+of it), and the constants absorbed that wait: v6e 0.7406, v5e 0.9639, v5p
+0.8250, v4 0.8538, TPU7x 0.7335, H100 0.4292.
 """
 
 from __future__ import annotations
@@ -417,7 +427,7 @@ XLA_FLAGS_SOURCE = f"{MAXTEXT} benchmarks/xla_flags_library.py @05d3525e83495977
 # "TPU Specs": the bandwidth figures are peaks; Part 1 uses the peak itself), so 0.9 is taken, for every chip.
 HBM_EFFICIENCY = 0.9
 HBM_SOURCE = "assumed 0.9 of the HBM peak (not fitted; https://jax-ml.github.io/scaling-book/tpus/ gives peaks)"
-MATMUL_EFFICIENCY = {"v6e": 0.7406, "h100": 0.4292, "v5e": 0.9639, "v5p": 0.8250, "v4": 0.8538, "tpu7x": 0.7335}
+MATMUL_EFFICIENCY = {"v6e": 0.7170, "h100": 0.4145, "v5e": 0.8895, "v5p": 0.8311, "v4": 0.7967, "tpu7x": 0.6872}
 MATMUL_SOURCE = {
     "v6e": "solved so that the lab's compiled Llama 3.1 8B step (the recipe's host offload and libtpu flags, "
     "fsdp=256, flash with lab.model's FLASH_BLOCK of 512) predicts LLAMA31_8B's 4.546 s "
