@@ -354,27 +354,7 @@ the calibrated rate).
 def _checks(p: Planned) -> list[Check]:
     checks = []
     for c in p.full_size:
-        label = f"{p.case}: {_layout(c.closed)} {c.closed.remat}"
-        checks.append(
-            check(
-                f"{label}: step s",
-                round(c.closed.step_s, 4),
-                round(c.step_s, 4),
-                kind="model",
-                rtol=FULL_STEP_RTOL,
-                basis=FULL_STEP_BASIS,
-            )
-        )
-        checks.append(
-            check(
-                f"{label}: memory per chip bytes",
-                round(c.closed.memory_bytes),
-                round(c.memory_bytes),
-                kind="model",
-                rtol=MEMORY_RTOL,
-                basis=MEMORY_BASIS,
-            )
-        )
+        checks += _level(f"{p.case}: {_layout(c.closed)} {c.closed.remat}", c, 4, FULL_STEP_RTOL, FULL_STEP_BASIS)
     pairs = _apart(p.full_size)
     if pairs:
         checks.append(
@@ -388,26 +368,7 @@ def _checks(p: Planned) -> list[Check]:
         )
     for c in p.proxy:
         label = f"{p.case} (proxy): {c.closed.layout} {c.closed.remat}"
-        checks.append(
-            check(
-                f"{label}: step s",
-                round(c.closed.step_s, 7),
-                round(c.step_s, 7),
-                kind="model",
-                rtol=STEP_RTOL,
-                basis=STEP_BASIS,
-            )
-        )
-        checks.append(
-            check(
-                f"{label}: memory per chip bytes",
-                round(c.closed.memory_bytes),
-                round(c.memory_bytes),
-                kind="model",
-                rtol=MEMORY_RTOL,
-                basis=MEMORY_BASIS,
-            )
-        )
+        checks += _level(label, c, 7, STEP_RTOL, STEP_BASIS)
         for axis, size in sorted(c.closed.bytes.items()):
             checks.append(
                 check(
@@ -433,6 +394,28 @@ def _checks(p: Planned) -> list[Check]:
             )
         )
     return checks
+
+
+def _level(label: str, c: Compiled, digits: int, step_rtol: float, step_basis: str) -> list[Check]:
+    """The closed form's step (to `digits` decimals) and memory per chip against the compiled prediction's."""
+    return [
+        check(
+            f"{label}: step s",
+            round(c.closed.step_s, digits),
+            round(c.step_s, digits),
+            kind="model",
+            rtol=step_rtol,
+            basis=step_basis,
+        ),
+        check(
+            f"{label}: memory per chip bytes",
+            round(c.closed.memory_bytes),
+            round(c.memory_bytes),
+            kind="model",
+            rtol=MEMORY_RTOL,
+            basis=MEMORY_BASIS,
+        ),
+    ]
 
 
 def _apart(compiled) -> list[tuple[Compiled, Compiled]]:
