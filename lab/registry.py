@@ -142,7 +142,8 @@ class Experiment:
         return self.judge(observations, config, where)
 
 
-_MAY_BE_ZERO = ("seed", "prefetch")  # counts where 0 means something (the first seed, no prefetching)
+_MAY_BE_ZERO = ("seed", "prefetch", "full_size")  # counts where 0 means something (the first seed, no prefetching,
+# no full-size compiles)
 
 
 def _check_options(config) -> None:

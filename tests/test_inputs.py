@@ -55,6 +55,7 @@ CASES = [
     (["run", "collectives", "--repeats", "0"], "--repeats 0: must be at least 1"),
     (["run", "ring_allreduce", "--group-sizes", "16"], "no ring size in [16] fits on 8 devices"),
     (["run", "stage_imbalance", "--repeats", "-2"], "--repeats -2: must be at least 1"),
+    (["run", "layout_plans", "--full-size", "-1"], "--full-size -1: must be at least 0"),  # 0: no full-size compiles
 ]
 
 
