@@ -38,8 +38,8 @@ closed form and the compiled prediction price alike):
 * the pipeline's bubble (`lab.theory.pipeline_step_time`: the SPMD pipeline
   runs M + P - 1 ticks);
 * per axis the collectives it implies, priced on its links
-  (`lab.targets.topology.placement` on the compile-only chips, `lab.theory.predict_on_rings`,
-  DCN by `lab.theory.predict_on_switch`):
+  (`lab.targets.topology.placement` on the compile-only chips, priced by
+  `lab.targets.topology.predict`, the compiled prediction's link model):
 
   * ``fsdp``: per layer and tick, each weight all-gathered forward and again
     backward, its gradient reduce-scattered (ZeRO paper, Section 7.2.2), one
@@ -62,8 +62,10 @@ closed form and the compiled prediction price alike):
   * ``expert``: dispatch and combine all-to-alls per layer, forward and
     backward (`lab.theory.moe_traffic`), exposed.
 
-An axis that crosses slices runs each collective in two tiers, the ICI part
-within a slice and the DCN part across slices on S / (ICI ways), one after the other.
+Each collective is priced by `lab.targets.topology.predict`, as the compiled prediction prices it: an axis that
+crosses TPU slices in two tiers, the ICI part within a slice and the DCN part on S / (ICI ways), one after the
+other; an axis across GPU nodes as NCCL's hierarchical ring, its NVLink and InfiniBand tiers pipelined, the
+slower bounding it.
 
 It is one concept in one module, though above 500 lines: a layout's memory,
 compute and communication are one model over the same per-layer shapes (the
@@ -83,7 +85,7 @@ from lab.mesh import AXES, MeshSpec
 from lab.model import FLASH_BLOCK, flash_head_width
 from lab.plan.space import Layout, Problem
 from lab.predict.spec import model_flops
-from lab.targets.topology import Placement, placement
+from lab.targets.topology import Placement, placement, predict
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and gradients; fp32 master + Adam moments
 ACTIVATION_BYTES = 2  # bf16 compute
@@ -608,6 +610,17 @@ class _Link:
     chip: object
 
     @property
+    def placement(self) -> Placement | None:
+        """The link as `lab.targets.topology` places a compiled collective: a TPU axis across slices runs two tiers
+        in turn (ICI, then DCN on S / k); a GPU axis across nodes a hierarchical ring whose slower tier bounds it."""
+        ici = self.ici if self.ici is not None and self.ici.devices > 1 else None
+        if self.dcn == 1:
+            return ici
+        network = "dcn" if self.chip.torus_dims else "infiniband"
+        within = ici or Placement((), 1, network)
+        return replace(within, devices=within.devices * self.dcn, network=network, nodes=self.dcn)
+
+    @property
     def text(self) -> str:
         parts = [str(self.ici)] if self.ici is not None and self.ici.devices > 1 else []
         if self.dcn > 1:
@@ -616,19 +629,9 @@ class _Link:
 
 
 def _seconds(kind: str, size: float, link: _Link) -> float:
-    """One collective of S = `size` per device: ICI tier, then the DCN tier on the ICI shard."""
-    total, ici_ways = 0.0, 1
-    if link.ici is not None and link.ici.devices > 1:
-        ici_ways = link.ici.devices
-        where = link.ici
-        if where.network == "ici":
-            total += theory.predict_on_rings(kind, size, link.chip, where.extents, where.wraps).seconds
-        elif where.network not in ("chip", "host"):
-            total += theory.predict_on_switch(kind, size, link.chip, where.devices).seconds
-    if link.dcn > 1:
-        share = size if kind == "collective-permute" else size / ici_ways
-        total += theory.predict_on_switch(kind, share, link.chip, link.dcn, network="dcn").seconds
-    return total
+    """One collective of S = `size` per device on `link`, priced as the compiled prediction prices it."""
+    cost = predict(kind, size, link.placement, link.chip) if link.placement is not None else None
+    return cost.seconds if cost is not None else 0.0
 
 
 def _links(problem: Problem, layout: Layout) -> dict[str, _Link]:

@@ -159,6 +159,33 @@ def test_on_gpu_the_axis_across_nodes_is_priced_on_infiniband_and_compiled_there
     assert compiled.axes["fsdp"]["bytes"] > 0
 
 
+@pytest.mark.parametrize("target, slices", [("gpu:h100:4x4", 1), ("tpu:v5e:2x4", 4)])
+def test_the_closed_form_prices_a_collective_across_nodes_or_slices_as_the_compiled_program_places_it(target, slices):
+    """On GPU the NVLink and InfiniBand tiers of NCCL's hierarchical ring are pipelined (the slower bounds it), on
+    TPU the ICI and DCN tiers run in turn: the closed form builds its link from one node's placement and the node
+    count, the compiled side places the collective over the whole cluster's mesh; both price it alike."""
+    from lab.mesh import MeshSpec
+    from lab.plan.closed_form import _links, _seconds
+    from lab.plan.command import Plan, problem_of
+    from lab.plan.space import Layout
+    from lab.predict.command import build_mesh
+    from lab.targets.devices import pod_devices
+    from lab.targets.topology import placement, predict
+
+    problem = problem_of(Plan(model=SMALL, seq=128, target=target, slices=slices))
+    chips = problem.chips
+    layout = Layout(MeshSpec(fsdp=chips), "fsdp", "full")
+    link = _links(problem, layout)["fsdp"]
+    mesh = build_mesh(
+        f"fsdp={chips // problem.slices}", pod_devices(problem.topology, problem.slices), problem.slices, "fsdp"
+    )
+    where = placement(mesh, ("fsdp",), problem.chip)
+    assert where.nodes == problem.slices > 1
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        size = 2.0**30
+        assert _seconds(kind, size, link) == pytest.approx(predict(kind, size, where, problem.chip).seconds, rel=1e-9)
+
+
 @pytest.mark.parametrize(
     "target, option, flags, words",
     [
