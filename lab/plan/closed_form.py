@@ -44,7 +44,8 @@ closed form and the compiled prediction price alike):
   * ``fsdp``: per layer and tick, each weight all-gathered forward and again
     backward, its gradient reduce-scattered (ZeRO paper, Section 7.2.2), one
     collective per weight as XLA emits them (each pays its latency);
-    XLA overlaps them with the layer's compute, so only what exceeds it is exposed;
+    XLA overlaps them with the layer's compute, so only what exceeds it is exposed
+    (on GPU only within its scheduler's memory limit: a step over it waits for them all);
     but over every chip of a slice libtpu compiles the reduce-scatter as a
     synchronous all-reduce of the whole gradient (twice the bytes, none
     hidden), and an axis across slices waits for its reduce-scatter within
@@ -499,8 +500,9 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     bubble_s = theory.pipeline_step_time(p, m, forward_s, backward_s) - m * (forward_s + backward_s) if p > 1 else 0.0
     costs = []
     links = _links(problem, layout)
+    bytes_per_chip = memory(problem, layout)
     if s["fsdp"] > 1:
-        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, kinds))
+        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, kinds, _overlaps(problem, bytes_per_chip)))
     if s["data"] > 1:
         grads = GRAD_BYTES * params_per_chip(model, mesh)
         costs.append(_priced("data", links["data"], _gradient_all_reduce(grads, links["data"])))
@@ -522,7 +524,7 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
         costs.append(_priced("expert", links["expert"], [("all-to-all", buffer, 4 * ticks * model.moe_layers / p)]))
     return Estimate(
         layout,
-        memory(problem, layout),
+        bytes_per_chip,
         flops,
         matmul_s,
         hbm_s,
@@ -534,11 +536,12 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     )
 
 
-def _fsdp(problem, layout, link, ticks, kinds) -> AxisCost:
+def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
     """ZeRO-3 over fsdp: per layer and tick, gather forward, gather and reduce the gradient backward; `kinds`:
     (layers of a stage, the kind's model, its `_Layer`).
 
-    The gathers overlap that layer's compute, and so does the gradient's reduce-scatter; but over every chip of a
+    Where the scheduler `overlaps` (see `_overlaps`), the gathers overlap that layer's compute, and so does the
+    gradient's reduce-scatter, else every one of them waits; but over every chip of a
     slice libtpu compiles a reduce-scatter as a synchronous all-reduce of the whole gradient and a slice of it,
     exposed whole, and across slices the reduce-scatter within each slice waits too (the DCN tier's all-reduce
     of the shard runs asynchronously). The vocabulary tables are gathered once each (the loss's chunks share the
@@ -546,7 +549,7 @@ def _fsdp(problem, layout, link, ticks, kinds) -> AxisCost:
     loop as partial sums), the embedding's as a layer's."""
     model = problem.model
     reduction = "all-reduce" if _whole_slice(problem, link) else "reduce-scatter"
-    waits = reduction == "all-reduce" or link.dcn > 1
+    waits = reduction == "all-reduce" or link.dcn > 1 or not overlaps
     collectives = moved = seconds = exposed = 0.0
     for n, kind, layer in kinds:
         each = [PARAM_BYTES * w for w in _layer_weights(kind, layout.mesh)]
@@ -557,9 +560,8 @@ def _fsdp(problem, layout, link, ticks, kinds) -> AxisCost:
         collectives += 3 * per_layer * len(each)
         moved += 3 * per_layer * sum(each)
         seconds += per_layer * (2 * gather + reduce)
-        exposed += per_layer * (
-            max(0.0, gather - layer.forward_s) + max(0.0, gather + hidden - layer.backward_s) + reduce - hidden
-        )
+        hides = (layer.forward_s, layer.backward_s) if overlaps else (0.0, 0.0)
+        exposed += per_layer * (max(0.0, gather - hides[0]) + max(0.0, gather + hidden - hides[1]) + reduce - hidden)
     table = PARAM_BYTES * model.vocab * model.embed
     tables = [("all-gather", table, 2), ("all-reduce", table, 1)] + ([] if model.tied else [(reduction, table, 1)])
     tables_s = sum(n * _seconds(kind, size, link) for kind, size, n in tables)
@@ -571,6 +573,24 @@ def _fsdp(problem, layout, link, ticks, kinds) -> AxisCost:
         seconds + tables_s,
         exposed + tables_s,
     )
+
+
+# XLA:GPU's latency-hiding scheduler works within 80% of the GPU's memory less the step's inputs and outputs, times
+# the slop factor (``--xla_gpu_memory_limit_slop_factor``, 95 by default): xla/service/gpu/gpu_hlo_schedule.cc,
+# GetSchedulerMemoryLimit
+GPU_SCHEDULER_SHARE, GPU_SLOP = 0.8, 0.95
+
+
+def _overlaps(problem: Problem, bytes_per_chip: Memory) -> bool:
+    """Whether the compiler's scheduler may start a layer's collectives early, to overlap compute. XLA:GPU's does so
+    only within its memory limit (`GPU_SCHEDULER_SHARE`): a step whose buffers beyond its inputs and outputs (the
+    parameters and optimizer state, donated) exceed it is scheduled for memory, and every collective waits (Llama 3
+    70B on 32 nodes of H100: at 70 of 75 GiB all 1.0 s of its FSDP collectives exposed; under remat ``full``, at
+    26 GiB, 0.42 s). libtpu publishes no such limit: on TPU the gathers are taken to overlap."""
+    if problem.chip.torus_dims:
+        return True
+    io = bytes_per_chip.params + bytes_per_chip.optimizer
+    return bytes_per_chip.total - io <= (GPU_SCHEDULER_SHARE * problem.chip.hbm_bytes - io) * GPU_SLOP
 
 
 def _whole_slice(problem: Problem, link: _Link) -> bool:

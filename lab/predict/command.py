@@ -159,6 +159,7 @@ class Prediction:
     xla_comm_s: float | None = None  # ... and of the same collectives, each whole
     host_bytes: int = 0  # per chip, in host memory: what an offloading remat sends there (its transfers: hidden)
     devices_per_chip: int = 1  # 2 on TPU7x: `chips` then counts devices, and every per-chip figure is per device
+    disabled_passes: tuple[str, ...] = ()  # compiler passes the step compiled without, after one crashed on it
 
     @property
     def step_with_flash_s(self) -> float:
@@ -328,6 +329,7 @@ def price(reading: Reading, efficiency=None) -> Prediction:
         xla_comm_s=xla.comm_s if xla else None,
         host_bytes=int(reading.compiled.memory.get("host_temp_size", 0)),
         devices_per_chip=chip.devices_per_chip,
+        disabled_passes=reading.compiled.disabled_passes,
     )
 
 

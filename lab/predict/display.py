@@ -61,6 +61,14 @@ def show(p, console: Console) -> None:
             if p.xla_compute_s is not None
             else []
         ),
+        *(
+            [
+                f"compiled without the compiler's pass {', '.join(p.disabled_passes)}: it crashed on this step (the "
+                "program is the same one, its loops' all-reduces left where the step wrote them)"
+            ]
+            if p.disabled_passes
+            else []
+        ),
         f"compile {p.compile_s:.1f} s, predict {p.predict_s:.2f} s; efficiency matmul {p.efficiency['matmul']:.3f}, "
         f"HBM {p.efficiency['hbm']:.2f}"
         + ("" if p.calibrated else f" ({p.calibrated_on}'s: this chip has no calibration run)"),

@@ -104,6 +104,7 @@ class Compiled:
     cost: dict[str, float]
     compile_s: float
     layers: int
+    disabled_passes: tuple[str, ...] = ()  # compiler passes this step compiled without (see `_compile`)
 
 
 def layout_remat(remat: str) -> str:
@@ -160,7 +161,7 @@ def compile_step(
             # the compiler's C++ log (libtpu's rematerialization warnings on a step over HBM) is not the user's:
             # the prediction says what does not fit, and by how much
             with quiet_native_stderr():
-                compiled = _compile(lowered, xla_estimate.COMPILER_OPTIONS if _on_gpu(mesh) else {})
+                compiled, disabled = _compile(lowered, xla_estimate.COMPILER_OPTIONS if _on_gpu(mesh) else {})
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
                 raise
@@ -170,7 +171,7 @@ def compile_step(
     memory = {name[: -len("_in_bytes")]: int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")}
     cost = compiled.cost_analysis()
     cost = {k: float(v) for k, v in (cost or {}).items() if "{" not in k}
-    return Compiled(compiled.as_text(), memory, cost, elapsed, model.layers)
+    return Compiled(compiled.as_text(), memory, cost, elapsed, model.layers, disabled)
 
 
 # libtpu 0.0.42's pass that hoists a loop's all-reduces out of it fails a RET_CHECK on some steps whose weights are
@@ -178,13 +179,14 @@ def compile_step(
 _CRASHING_PASS = "while-loop-all-reduce-code-motion"
 
 
-def _compile(lowered, options: dict):
+def _compile(lowered, options: dict) -> tuple[object, tuple[str, ...]]:
+    """The executable, and the compiler passes it was compiled without (none, or `_CRASHING_PASS` after it crashed)."""
     try:
-        return lowered.compile(options or None)
+        return lowered.compile(options or None), ()
     except jax.errors.JaxRuntimeError as err:
         if _CRASHING_PASS.replace("-", "_") not in str(err):
             raise
-        return lowered.compile({**options, "xla_disable_hlo_passes": _CRASHING_PASS})
+        return lowered.compile({**options, "xla_disable_hlo_passes": _CRASHING_PASS}), (_CRASHING_PASS,)
 
 
 def _on_gpu(mesh) -> bool:

@@ -71,6 +71,28 @@ def test_a_small_step_on_v5e_predicts_every_reported_quantity(capsys):
     )
 
 
+def test_a_step_a_compiler_pass_crashes_on_compiles_without_it_and_says_so(monkeypatch, capsys):
+    """libtpu 0.0.42's while-loop-all-reduce-code-motion fails a RET_CHECK on some steps (TPU7x's Llama 3.1 70B
+    recipe): the step compiles again without that pass, and the prediction names the pass it went without."""
+    import jax
+
+    real = jax.stages.Lowered.compile
+
+    def crashing(lowered, compiler_options=None):
+        if "xla_disable_hlo_passes" not in (compiler_options or {}):
+            raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure (while_loop_all_reduce_code_motion.cc:1)")
+        return real(lowered, compiler_options)
+
+    argv = ["predict", "--model", SMALL, "--target", "tpu:v5e:2x2", "--seq", "128"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["disabled_passes"] == []
+    monkeypatch.setattr(jax.stages.Lowered, "compile", crashing)
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["disabled_passes"] == ["while-loop-all-reduce-code-motion"]
+    assert main(argv) == 0
+    assert "compiled without the compiler's pass while-loop-all-reduce-code-motion" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("target", "chip"), [("tpu:v4:2x2x1", "v4"), ("tpu:v5p:2x2x1", "v5p"), ("tpu:v6e:2x2", "v6e")])
 def test_every_generation_predicts_on_its_own_chip(target, chip):
     p = run_prediction(Predict(model=SMALL, target=target, mesh="fsdp=2,tensor=2", seq=128))
