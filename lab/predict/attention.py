@@ -54,5 +54,6 @@ def attention_terms(read, step, config, batch_per_device: int, remat: str, chip,
     `step.step_s` - the first + the second is the step with a flash kernel (`Prediction.step_with_flash_s`)."""
     if config.attention != "xla":
         return 0.0, 0.0
-    xla_s = sum(op.seconds for op in score_ops(read, step, config.seq))
+    heads = config.heads // dict(read.mesh.shape).get("tensor", 1)  # the tensor axis splits them
+    xla_s = sum(op.seconds for op in score_ops(read, step, config.seq, heads))
     return xla_s, flash_seconds(config, batch_per_device, remat, chip.peak_bf16_flops, efficiency.matmul)

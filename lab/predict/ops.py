@@ -424,18 +424,52 @@ class _Clock:
             self.t = max(self.t, *pending)
 
 
-def score_ops(read: ReadSchedule, step: StepPrediction, seq: int) -> list[OpCost]:
-    """The priced ops that read or write an [..., S, S] array: XLA's attention scores, their mask and softmax, and
-    their gradients, which a flash kernel computes block by block on chip without an S x S array in HBM."""
-    found = []
-    for op in step.ops:
-        instruction = next((i for i in read.schedule.computations[op.computation] if i.name == op.name), None)
-        if instruction is None:
+def score_ops(read: ReadSchedule, step: StepPrediction, seq: int, heads: int) -> list[OpCost]:
+    """The priced ops on XLA attention's scores: the scores, their mask and softmax, their gradients and the dots that
+    make or read them, which a flash kernel computes block by block on chip without an S x S array in HBM.
+
+    XLA lays the scores out as it fuses them: [b, h, S, T]; a grouped query's [b, g, r, S, T] or [b, g, S, r, T]; a
+    dot's [g, S, r·T]. An op is on them when one of its arrays has two dimensions of the sequence and at least the
+    elements of one sequence's scores over the chip's `heads` (an activation [b, S, D] whose width D is the sequence
+    length has b·S², not heads·S²); or when it hands such an op, or takes from one, a value of as many elements as
+    those scores (the dot whose [g, S, r·T] output the softmax's reductions read)."""
+    instructions = {(i.computation, i.name): i for c in read.schedule.computations.values() for i in c}
+    priced = {(op.computation, op.name): op for op in step.ops if (op.computation, op.name) in instructions}
+
+    def on_scores(dims: tuple[int, ...]) -> bool:
+        return dims.count(seq) >= 2 and math.prod(dims) >= heads * seq * seq
+
+    found, sizes, edges = set(), set(), []  # edges: (reader, the op whose value it reads, that value's elements)
+    for key in priced:
+        instruction, shapes = instructions[key], read.schedule.shapes(key[0])
+        for text in (instruction.shape, *(shapes.get(o, "") for o in instruction.operands)):
+            for _, dims in arrays(text):
+                if on_scores(dims):
+                    found.add(key)
+                    sizes.add(math.prod(dims))
+        for operand in instruction.operands:
+            elements = {math.prod(dims) for _, dims in arrays(shapes.get(operand, ""))}
+            edges += [(key, source, elements) for source in _sources(instructions, key[0], operand)]
+    for reader, source, elements in edges:
+        if elements & sizes and (reader in found) != (source in found):
+            found |= {reader, source} & priced.keys()
+    return [op for op in step.ops if (op.computation, op.name) in found]
+
+
+_PASS_THROUGH = {"get-tuple-element", "bitcast", "copy", "reshape", "transpose"}
+
+
+def _sources(instructions: dict, computation: str, name: str) -> set[tuple[str, str]]:
+    """The instructions whose values `name` is, followed back through tuple elements and relayouts."""
+    found, todo = set(), [name]
+    while todo:
+        operand = instructions.get((computation, todo.pop()))
+        if operand is None:
             continue
-        shapes = read.schedule.shapes(op.computation)
-        texts = [instruction.shape, *(shapes.get(o, "") for o in instruction.operands)]
-        if any(dims[-2:] == (seq, seq) for text in texts for _, dims in arrays(text)):
-            found.append(op)
+        if operand.opcode in _PASS_THROUGH:
+            todo.extend(operand.operands)
+        else:
+            found.add((computation, operand.name))
     return found
 
 

@@ -453,6 +453,19 @@ def test_a_small_step_on_two_h100_nodes_puts_fsdp_on_nvlink_and_data_on_infiniba
     assert "step with flash" in shown and "XLA's own" in shown
 
 
+def test_the_ops_a_flash_kernel_replaces_are_the_attention_scores_not_a_width_the_size_of_the_sequence():
+    """XLA's grouped-query scores [b, g, r, S, T], laid out as its fusions like, are found whole (both dots on them in
+    every pass, the softmax between); the projections and the MLP are not, though the model's width, 256, is the
+    sequence's length: their [b, S, D] arrays also have two dimensions of 256 (read from each op's JAX metadata)."""
+    from experiments.kit import in_fresh_process
+    from tests.predict.gqa_scores import score_ops_of_a_gqa_step
+
+    found, scores, mixes, elsewhere = in_fresh_process(score_ops_of_a_gqa_step)
+    assert len(scores) >= 3 and len(mixes) >= 3  # forward, the recompute, and the backward's gradients
+    assert scores | mixes <= found
+    assert elsewhere and not found & elsewhere
+
+
 def test_other_gpus_borrow_the_h100_constant_and_say_so(capsys):
     # every GPU without a run borrows through the same lookup; one of them (compiled) shows the user that it does
     assert {calibration.source_chip(chip) for chip in ("h200", "b200")} == {"h100"}
