@@ -450,8 +450,9 @@ def score_ops(read: ReadSchedule, step: StepPrediction, seq: int, heads: int) ->
         for operand in instruction.operands:
             elements = {math.prod(dims) for _, dims in arrays(shapes.get(operand, ""))}
             edges += [(key, source, elements) for source in _sources(instructions, key[0], operand)]
+    on = frozenset(found)
     for reader, source, elements in edges:
-        if elements & sizes and (reader in found) != (source in found):
+        if elements & sizes and (reader in on) != (source in on):
             found |= {reader, source} & priced.keys()
     return [op for op in step.ops if (op.computation, op.name) in found]
 
