@@ -629,7 +629,7 @@ class _Link:
     dcn: int  # slices crossed (1: none)
     chip: object
 
-    @property
+    @functools.cached_property
     def placement(self) -> Placement | None:
         """The link as `lab.targets.topology` places a compiled collective: a TPU axis across slices runs two tiers
         in turn (ICI, then DCN on S / k); a GPU axis across nodes a hierarchical ring whose slower tier bounds it."""
@@ -650,7 +650,8 @@ class _Link:
 
 def _seconds(kind: str, size: float, link: _Link) -> float:
     """One collective of S = `size` per device on `link`, priced as the compiled prediction prices it."""
-    cost = predict(kind, size, link.placement, link.chip) if link.placement is not None else None
+    where = link.placement
+    cost = predict(kind, size, where, link.chip) if where is not None else None
     return cost.seconds if cost is not None else 0.0
 
 
