@@ -632,7 +632,8 @@ def report(command: Report) -> int:
                 result = experiment.rejudge(command.results / experiment.name)
             else:
                 progress.say(f"[bold]{experiment.name}[/bold] ({experiment.question}) ...")
-                result = experiment.run(experiment.report_config(command.target))
+                with compiler_flags_kept():
+                    result = experiment.run(experiment.report_config(command.target))
             pages.write(result, command.results)
             results.append(result)
             _print_result(result, command.results / experiment.name / "README.md", time.perf_counter() - page_started)
@@ -657,6 +658,25 @@ def report(command: Report) -> int:
     )
     _out.print(f"index: {index}  ({elapsed:.0f} s)")
     return 0  # a "differs" verdict is a finding on the page, not a failed command
+
+
+# what lab.targets.libtpu and lab.targets.xla_flags put in this process's environment for a compiler to read
+COMPILER_FLAGS = ("LIBTPU_INIT_ARGS", "XLA_FLAGS")
+
+
+@contextlib.contextmanager
+def compiler_flags_kept():
+    """A page's compiler flags end with the page: the processes a later page starts (prediction_cost's `lab predict`,
+    as a user types it) get the environment the report began with, not the recipe flags layout_plans set before."""
+    saved = {name: os.environ.get(name) for name in COMPILER_FLAGS}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _page_hash(folder: Path) -> str:

@@ -1,6 +1,7 @@
 """The `lab` command: one line and exit code 2 on a mistake; real output otherwise."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,19 @@ def test_a_page_measured_beside_another_is_written_by_its_child_and_says_so(tmp_
     page = json.loads((tmp_path / "oracle_checks" / "result.json").read_text())
     assert page["provenance"]["beside"] == side_by_side.BESIDE and page["provenance"]["command"] == command()
     assert result.name == "oracle_checks" and result.checks and seconds > 0
+
+
+def test_a_pages_compiler_flags_end_with_it_so_a_later_pages_child_processes_start_clean(monkeypatch):
+    """layout_plans sets MaxText's libtpu flags in the report's environment; prediction_cost, measured after it in
+    the same report, starts `lab predict` as a user types it and must not inherit them (it compiled differently:
+    DeepSeek-V3's step 9.305 s against 10.189 s)."""
+    from lab.cli import compiler_flags_kept
+
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/somewhere")
+    with compiler_flags_kept():
+        os.environ["LIBTPU_INIT_ARGS"] = "--xla_tpu_enable_async_collective_fusion=true"  # as libtpu.prepare sets it
+        os.environ["XLA_FLAGS"] += " --xla_gpu_enable_latency_hiding_scheduler=true"
+        assert "async_collective_fusion" in os.environ["LIBTPU_INIT_ARGS"]
+    assert "LIBTPU_INIT_ARGS" not in os.environ
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/somewhere"
