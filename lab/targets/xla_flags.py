@@ -14,7 +14,10 @@ collectives, passes disabled (MaxText's GPU recipes:
   such as ``--xla_gpu_enable_async_all_gather``) ends the process with a fatal
   log line, nothing for Python to catch. `check` therefore parses them first in
   a child process, on the CPU backend (the same flag table), and turns that
-  line into one `LabError`. The answer is cached per set of flags.
+  line into one `LabError`; so does a value XLA cannot read as the flag's
+  type (``--xla_gpu_memory_limit_slop_factor=abc``), which XLA reports in one
+  line before printing its whole usage table. The answer is cached per set of
+  flags.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from lab.targets.libtpu import split_flags
 
 OPTION, EXAMPLE = "--xla-flags", "--xla_gpu_enable_latency_hiding_scheduler=true"
 _UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.*)")
+_BAD_VALUE = re.compile(r"Couldn't interpret value (.*) for flag ([^\s.]+)")
 _CHILD = "import jax\njax.devices()\n"
 CHECK_TIMEOUT_S = 120
 
@@ -64,7 +68,10 @@ def check(flags: tuple[str, ...]) -> None:
         raise LabError(f"XLA did not start within {CHECK_TIMEOUT_S} s with {OPTION} {' '.join(flags)!r}") from None
     if done.returncode == 0:
         return
-    unknown = _UNKNOWN.findall(done.stderr)
+    unknown, bad = _UNKNOWN.findall(done.stderr), _BAD_VALUE.findall(done.stderr)
+    if bad:
+        value, name = bad[0]
+        raise LabError(f"XLA cannot read {value!r} as a value of --{name}; give it a value of the flag's type")
     detail = f"unknown to this XLA: {unknown[0]}" if unknown else (done.stderr.strip().splitlines() or ["?"])[-1]
     raise LabError(f"XLA rejects {OPTION} {' '.join(flags)!r}: {detail[:300]}; drop it or use an XLA that has it")
 

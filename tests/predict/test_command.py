@@ -161,6 +161,7 @@ GPU_FLAGS = ("--xla-flags", "XLA_FLAGS", "gpu_cluster_devices", ("--target", "gp
         (TPU_FLAGS, "xla_tpu_enable_async_collective_fusion=true", "is not a flag; write each as --name=value"),
         (GPU_FLAGS, "--xla_gpu_enable_async_all_gather=true", "unknown to this XLA: --xla_gpu_enable_async_all_gather"),
         (GPU_FLAGS, "xla_gpu_enable_latency_hiding_scheduler=true", "is not a flag; write each as --name=value"),
+        (GPU_FLAGS, "--xla_gpu_memory_limit_slop_factor=abc", "cannot read 'abc' as a value of --xla_gpu_memory_limit"),
     ],
 )
 def test_a_flag_the_compiler_rejects_is_one_line_and_exit_2_before_it_starts(
