@@ -718,12 +718,18 @@ class MLP(nnx.Module):
         hidden_BSF = jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_in))  # column-parallel
         hidden_BSF = _plus_bias(hidden_BSF, self, "in_bias", layout)
         if self.gated:
-            gate_BSF = jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_gate))
-            hidden_BSF = self.activation(_plus_bias(gate_BSF, self, "gate_bias", layout)) * hidden_BSF
+            gate_BSF = _plus_bias(jnp.einsum("bsd,df->bsf", x_BSD, layout.use(self.w_gate)), self, "gate_bias", layout)
+            hidden_BSF = _gated(self.activation, gate_BSF, hidden_BSF)
         else:
-            hidden_BSF = self.activation(hidden_BSF)
+            hidden_BSF = self.activation(checkpoint_name(hidden_BSF, "mlpwi"))
         y_BSD = row_parallel("bsf,fd->bsd", hidden_BSF, layout.use(self.w_out), layout)
-        return _plus_bias(y_BSD, self, "out_bias", layout)
+        return checkpoint_name(_plus_bias(y_BSD, self, "out_bias", layout), "mlpwo")
+
+
+def _gated(activation: Callable, gate: jax.Array, hidden: jax.Array) -> jax.Array:
+    """act(gate) * hidden, both inputs under MaxText's names (the gate its ``wi_0``, the other its ``wi_1``), as
+    are the non-gated ``mlpwi`` and the output ``mlpwo``: a custom remat policy places them (lab.parallel.layout)."""
+    return activation(checkpoint_name(gate, "mlpwi_0")) * checkpoint_name(hidden, "mlpwi_1")
 
 
 _EXPERT_HIDDEN = "becf,ef->becf"  # an expert's bias, each slot of the buffer taking its expert's
@@ -782,18 +788,17 @@ class MoE(nnx.Module):
         )
         if self.config.gated:
             gate_BECF = jnp.einsum("becd,edf->becf", x_BECD, layout.use(self.w_gate))
-            hidden_BECF = (
-                self.activation(_plus_bias(gate_BECF, self, "gate_bias", layout, _EXPERT_HIDDEN)) * hidden_BECF
-            )
+            gate_BECF = _plus_bias(gate_BECF, self, "gate_bias", layout, _EXPERT_HIDDEN)
+            hidden_BECF = _gated(self.activation, gate_BECF, hidden_BECF)
         else:
-            hidden_BECF = self.activation(hidden_BECF)
+            hidden_BECF = self.activation(checkpoint_name(hidden_BECF, "mlpwi"))
         y_BECD = jnp.einsum(
             "becf,efd->becd",
             hidden_BECF,
             layout.use(self.w_out),
             out_sharding=activation_sharding(layout, _BECD_AT_EXPERTS),
         )
-        y_BECD = _plus_bias(y_BECD, self, "out_bias", layout, "becd,ed->becd")
+        y_BECD = checkpoint_name(_plus_bias(y_BECD, self, "out_bias", layout, "becd,ed->becd"), "mlpwo")
         y_BECD = _move(y_BECD, layout, _BECD_AT_HOME)  # combine: the all-to-all back
         y_BSD = jax.vmap(combine)(y_BECD, routing)
         if self.config.shared_experts:

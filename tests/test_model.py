@@ -1,5 +1,6 @@
 """The transformer: declared abstractly with logical axes, created sharded, causal."""
 
+import re
 from dataclasses import replace
 
 import jax
@@ -12,6 +13,7 @@ from lab.errors import LabError
 from lab.mesh import MeshSpec
 from lab.model import PRESETS, Mixing, ModelConfig, WholeWeights, abstract_model, create_params, logical_axes, preset
 from lab.parallel import Layout
+from lab.parallel.layout import NAMED_ACTIVATIONS
 from lab.rules import LOGICAL_AXES, get_strategy
 
 
@@ -100,6 +102,26 @@ def test_logits_have_the_vocabulary_and_only_look_backwards(config):
         np.testing.assert_array_equal(stats.counts.dropped, 0)
     else:
         assert stats is None
+
+
+@pytest.mark.parametrize(
+    ("config", "mlp_names"),
+    [
+        (preset("tiny"), {"mlpwi", "mlpwo"}),
+        (ModelConfig(mlp=32, feed_forward="swiglu"), {"mlpwi_0", "mlpwi_1", "mlpwo"}),
+        (ModelConfig(mlp=32, experts=4, top_k=2, feed_forward="swiglu"), {"mlpwi_0", "mlpwi_1", "mlpwo"}),
+    ],
+    ids=["dense", "gated", "gated-moe"],
+)
+def test_the_forward_names_its_activations_as_maxtext_does(config, mlp_names):
+    """What a custom remat policy can place (`NAMED_ACTIVATIONS`) is named in the model, each name MaxText's: the
+    MLP's inputs by whether it is gated, and qkv_proj nowhere (MaxText's fused projection, which no model here has)."""
+    params, forward = _single_device_forward(config)
+    tokens = np.zeros((2, config.seq), dtype=np.int32)
+    named = set(re.findall(r"\bname\[name=(\w+)\]", str(jax.make_jaxpr(forward)(params, tokens))))
+    attention = {"decoder_layer_input", "context", "query_proj", "key_proj", "value_proj", "out_proj"}
+    assert named == attention | mlp_names
+    assert named | {"qkv_proj", "mlpwi", "mlpwi_0", "mlpwi_1"} == set(NAMED_ACTIVATIONS)
 
 
 @pytest.mark.parametrize("window", [0, 5])

@@ -92,8 +92,24 @@ _REMAT: dict[str, Callable | None] = {
     ),  # weight-matmul outputs to host memory
 }
 REMAT_POLICIES = tuple(_REMAT)
-# MaxText's names for the activations its custom remat policy places (`lab.model` names them alike)
-NAMED_ACTIVATIONS = ("decoder_layer_input", "context", "query_proj", "key_proj", "value_proj", "out_proj")
+# MaxText's names for the activations its custom remat policy places (`lab.model` names them alike): the block's
+# input, the attention's projections and its output, the MLP's (an MoE's experts' too): ``mlpwi`` un-gated, else
+# ``mlpwi_0`` the gate's and ``mlpwi_1`` the other; ``mlpwo`` its output. ``qkv_proj`` is MaxText's fused projection,
+# which neither its Llama, Mixtral or DeepSeek configurations nor the lab's models have: it names nothing, there
+# as here, and recipes that set it are taken as written.
+NAMED_ACTIVATIONS = (
+    "decoder_layer_input",
+    "context",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "qkv_proj",
+    "out_proj",
+    "mlpwi",
+    "mlpwi_0",
+    "mlpwi_1",
+    "mlpwo",
+)
 OFFLOAD_PREFIX = "offload:"  # offload:<names>: these to host memory, the rest recomputed
 CUSTOM_PREFIX = "custom:"  # custom:<name>=<device|offload|remat>,...: MaxText's custom policy as a recipe writes it
 _PLACES = ("device", "offload", "remat")

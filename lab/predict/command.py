@@ -78,7 +78,8 @@ class Predict:
     MaxText's), minimal_flash (those and the attention's output), none, or MaxText's custom policy,
     custom:<name>=<device|offload|remat>,... (each named activation kept in HBM, sent to host memory or
     recomputed; the rest recomputed) or offload:<names> (these to host memory); names from
-    decoder_layer_input, context, query_proj, key_proj, value_proj, out_proj"""
+    decoder_layer_input, context, query_proj, key_proj, value_proj, qkv_proj, out_proj, mlpwi, mlpwi_0, mlpwi_1,
+    mlpwo"""
     mesh: str = "fsdp=-1"
     """one slice's (or the whole GPU cluster's) mesh over data,stage,fsdp,expert,tensor (one axis may be -1)"""
     target: str = "tpu:v6e:16x16"

@@ -130,7 +130,10 @@ def test_two_slices_put_the_data_axis_on_dcn():
         ),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "half"], "offload:<names>"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--sequence-parallel"], "tensor=2 or more"),
-        (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlpwi,out_proj"], "'mlpwi' is not a named"),
+        (
+            ["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "offload:mlp_out,out_proj"],
+            "'mlp_out' is not a named",
+        ),
         (["--model", SMALL.replace("layers=2", "layers=4"), "--remat", "offload:out_proj", *LAYERS_2], "unrolls"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--matmul-precision", "fp8"], "v5e publishes no fp8"),
     ],
@@ -291,6 +294,21 @@ def test_a_custom_remat_keeps_its_named_activations_in_hbm_and_recomputes_only_t
     projections = 2 * tokens * config.embed * 2 * (config.heads + config.groups) * config.head_dim * config.layers
     assert full.hardware_flops_per_step - kept.hardware_flops_per_step == chips * projections
     assert kept.host_bytes == 0 and kept.memory_bytes > full.memory_bytes
+
+
+def test_a_custom_remat_keeps_the_mlps_activations_by_maxtexts_names():
+    # a recipe's mlpwi_0 / mlpwi_1 (the gate's and the other input matmul's outputs) kept: the backward recomputes
+    # neither; mlpwo (W_out's output) kept changes nothing, as the backward needs W_out's input, not its output
+    config, chips, tokens = parse_model(SMALL), 4, 2 * 128
+    args = {"model": SMALL, "target": "tpu:v5e:2x2", "mesh": "fsdp=4", "seq": 128, "batch_per_device": 2}
+    full = price(read_step(Predict(**args)))
+    inputs = price(read_step(Predict(**args, remat="custom:mlpwi_0=device,mlpwi_1=device")))
+    output = price(read_step(Predict(**args, remat="custom:mlpwo=device,qkv_proj=device")))
+    assert config.gated and full.hardware_flops_per_step - inputs.hardware_flops_per_step == (
+        chips * 2 * (2 * tokens * config.embed * config.mlp) * config.layers
+    )
+    # JAX saves only what the backward reads: W_out's output, kept or not, is the same program
+    assert (output.hardware_flops_per_step, output.memory_bytes) == (full.hardware_flops_per_step, full.memory_bytes)
 
 
 def test_tpu7x_shows_two_devices_per_chip_each_with_half_its_compute_and_memory():
