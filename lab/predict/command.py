@@ -67,8 +67,10 @@ class Predict:
     model: str = "llama3-8b"
     """a preset (llama3-8b, llama3-70b, mistral-7b, gemma-7b, mixtral-8x7b, qwen3-30b-a3b, ...), key=value pairs
     (layers, d_model, heads, kv_heads, head_dim, d_ff, vocab, mlp (swiglu|geglu|gelu|relu|silu), block
-    (sequential|parallel), tied, qk_norm (true|false); an MoE: experts, top_k, capacity (a factor, or none)), or a
-    preset then pairs that change it (mixtral-8x7b,capacity=2)"""
+    (sequential|parallel), tied, qk_norm (true|false); an MoE: experts, top_k, capacity (a factor, default 1.25, or
+    none: a buffer of the whole sequence per expert; a dropless run's ragged kernels, MaxText's megablox, do the
+    work of capacity=1, a perfectly balanced buffer)), or a preset then pairs that change it
+    (mixtral-8x7b,capacity=2)"""
     seq: int = 8192
     """tokens per sequence"""
     batch_per_device: int = 1

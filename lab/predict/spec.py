@@ -11,7 +11,9 @@ and pairs that change it (``mixtral-8x7b,capacity=2``)::
 An MoE spec adds ``experts``, ``top_k``, ``capacity`` (slots per expert as a
 multiple of the mean load, MaxText's ``capacity_factor``; ``none`` drops nothing,
 compiled as a buffer the size of each routing group per expert, not a ragged
-kernel) and ``d_ff`` is then each expert's width; ``shared_experts`` (each
+kernel: a dropless run's ragged matmuls, MaxText's megablox, multiply each
+routed token once, the work of ``capacity=1``, a buffer exactly as large as a
+balanced load) and ``d_ff`` is then each expert's width; ``shared_experts`` (each
 ``d_ff`` wide, every token goes through them), ``dense_layers`` (the first
 layers dense, DeepSeek's ``first_k_dense_replace``), ``moe_every`` (an MoE
 layer every n, Llama 4's ``interleave_moe_layer_step``) and ``d_ff_dense`` (the
