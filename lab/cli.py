@@ -277,7 +277,10 @@ def _one_line(box: str) -> str:
         for line in lines
         if line and not line.startswith(("For full helptext", "Argument helptext")) and set(line) - set("─-")
     ]
-    return "; ".join(keep[:2]) + " (see lab --help)" if keep else "could not parse the command line (see lab --help)"
+    if not keep:
+        return "could not parse the command line (see lab --help)"
+    joined = "\n".join(keep).replace(":\n", ": ").splitlines()  # a line ending in ':' goes on with the next
+    return "; ".join(joined[:2]) + " (see lab --help)"
 
 
 def _dispatch(command) -> int:

@@ -26,6 +26,10 @@ from lab.cli import main
         (["report", "--only"], "--only needs experiment names"),
         (["run", "nonexistent"], "Unrecognized options: nonexistent"),
         (["bench", "--factor", "x"], "invalid literal"),
+        (
+            ["predict", "--batch-per-device", "0.125"],
+            "--batch-per-device: invalid literal for int() with base 10: '0.125'",
+        ),
         (["bench", "--ops"], "--ops is empty: name at least one"),
         (["run", "ring_allreduce", "--group-sizes", "1"], "a ring needs 2 or more devices"),
     ],
