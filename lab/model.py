@@ -88,7 +88,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
-from lab.moe import Balance, LoadCounts, RouterConfig, balance_loss, combine, dispatch, load_counts, route
+from lab.moe import Balance, LoadCounts, RouterConfig, Routing, balance_loss, combine, dispatch, load_counts, route
+from lab.ragged import dropless
 from lab.rules import logical_axes  # noqa: F401 - declared here, read by the Layout there; lab.model.logical_axes stays importable
 
 
@@ -109,6 +110,7 @@ class ModelConfig:
     experts: int = 0  # 0: dense MLP blocks
     top_k: int = 2
     capacity_factor: float | None = 1.25  # slots per expert per sequence: ceil(S·k/E · factor); None drops nothing
+    dropless: bool = False  # no slots: assignments sorted by expert, ragged matmuls (MaxText's sparse_matmul)
     aux_loss: float = 0.01  # α of the Switch load-balancing loss added to the training loss
     kv_heads: int | None = None  # G key/value heads shared by H/G query heads each (GQA); None: G = H (multi-head)
     feed_forward: str = "gelu"  # plain MLP with this activation (gelu, relu, silu) or a gated one (swiglu, geglu)
@@ -206,7 +208,7 @@ class ModelConfig:
     @property
     def router(self) -> RouterConfig:
         """How tokens choose experts (MoE models only)."""
-        return RouterConfig(experts=self.experts, top_k=self.top_k, capacity_factor=self.capacity_factor)
+        return RouterConfig(self.experts, self.top_k, self.capacity_factor, dropless=self.dropless)
 
     @property
     def dense_width(self) -> int:
@@ -395,6 +397,19 @@ def row_parallel(equation: str, lhs: jax.Array, weight: jax.Array, layout: Paral
     whole = activation_sharding(layout, _BSD_WHOLE)
     partial = jnp.einsum(equation, lhs, weight, out_sharding=whole.update(spec=P(*whole.spec, unreduced={"tensor"})))
     return jax.reshard(partial, out)
+
+
+def _mesh_axes(x: jax.Array, dim: int) -> tuple[str, ...]:
+    """The mesh axes dimension `dim` of `x` is split over (none without a mesh)."""
+    partitions = jax.typeof(x).sharding.spec.partitions
+    entry = partitions[dim] if dim < len(partitions) else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _platform(layout: Parallelism) -> str:
+    """The platform the program is compiled for: the layout's mesh's devices' (this process's without one)."""
+    mesh = getattr(layout, "mesh", None)
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...]) -> nnx.Param:
@@ -777,10 +792,21 @@ class MoE(nnx.Module):
         self.config = config
 
     def __call__(self, x_BSD: jax.Array, layout: Parallelism) -> tuple[jax.Array, MoEStats]:
-        router, experts = self.config.router, self.config.experts
+        router = self.config.router
         logits_BSE = _plus_bias(jnp.einsum("bsd,de->bse", x_BSD, layout.use(self.router)), self, "router_bias", layout)
         # (XLA's CPU partitioner gathers the logits over the batch axes for top_k; the TPU compiler keeps them split)
         routing = jax.vmap(lambda logits_SE: route(logits_SE, router))(logits_BSE)
+        y_BSD = (
+            self._dropless(x_BSD, routing, layout) if self.config.dropless else self._buffered(x_BSD, routing, layout)
+        )
+        if self.config.shared_experts:
+            y_BSD = sequence_split(y_BSD, layout) + self.shared(x_BSD, layout)
+        balance = jax.vmap(balance_loss, in_axes=(0, None))(routing, Balance(aux_loss=self.config.aux_loss))
+        return y_BSD, MoEStats(balance.mean(), jax.tree.map(lambda c: c.sum(0), jax.vmap(load_counts)(routing)))
+
+    def _buffered(self, x_BSD: jax.Array, routing: Routing, layout: Parallelism) -> jax.Array:
+        """The experts on their buffers [B, E, C, D]: dispatch, the expert MLP, combine."""
+        experts = self.config.experts
         home_BECD = jax.vmap(lambda x_SD, one: dispatch(x_SD, one, experts))(x_BSD, routing)
         x_BECD = _move(home_BECD, layout, _BECD_AT_EXPERTS)  # dispatch: the all-to-all over expert
         hidden_BECF = _plus_bias(
@@ -801,10 +827,52 @@ class MoE(nnx.Module):
         y_BECD = checkpoint_name(_plus_bias(y_BECD, self, "out_bias", layout, "becd,ed->becd"), "mlpwo")
         y_BECD = _move(y_BECD, layout, _BECD_AT_HOME)  # combine: the all-to-all back
         y_BSD = jax.vmap(combine)(y_BECD, routing)
-        if self.config.shared_experts:
-            y_BSD = sequence_split(y_BSD, layout) + self.shared(x_BSD, layout)
-        balance = jax.vmap(balance_loss, in_axes=(0, None))(routing, Balance(aux_loss=self.config.aux_loss))
-        return y_BSD, MoEStats(balance.mean(), jax.tree.map(lambda c: c.sum(0), jax.vmap(load_counts)(routing)))
+        return y_BSD
+
+    def _dropless(self, x_BSD: jax.Array, routing: Routing, layout: Parallelism) -> jax.Array:
+        """The experts on every assignment (`lab.ragged.dropless`): each device sorts its own sequences' tokens
+        and multiplies them by every expert's weights, under ``shard_map``; the experts' width split over
+        ``tensor`` ends in a sum over it, after the combine (k times fewer rows than before it)."""
+        names = [n for n in ("w_in", "w_gate", "w_out", "in_bias", "gate_bias", "out_bias") if hasattr(self, n)]
+        weights = {n: layout.use(getattr(self, n)) for n in names}
+        expert_BSK, gate_BSK = (_move(a, layout, ("batch", None, None)) for a in (routing.expert_TK, routing.gate_TK))
+        split = _mesh_axes(weights["w_out"], 1)  # the mesh axes the experts' width is split over
+        if _mesh_axes(weights["w_in"], 0) or _mesh_axes(weights["w_in"], 1):
+            raise LabError(
+                "capacity=dropless multiplies each device's own tokens by every expert's whole weights "
+                "(MaxText's sparse_matmul without expert parallelism): use a mesh without an expert axis, "
+                "or a capacity such as 1.25"
+            )
+        tpu = _platform(layout) == "tpu"
+
+        def local(x_bsd, expert_bsk, gate_bsk, weights):
+            def mlp(x_AD, matmul, expert_A):
+                def bias(name):
+                    return weights[name][expert_A] if name in weights else 0
+
+                hidden_AF = matmul(x_AD, weights["w_in"]) + bias("in_bias")
+                if self.config.gated:
+                    hidden_AF = _gated(self.activation, matmul(x_AD, weights["w_gate"]) + bias("gate_bias"), hidden_AF)
+                else:
+                    hidden_AF = self.activation(checkpoint_name(hidden_AF, "mlpwi"))
+                return checkpoint_name(matmul(hidden_AF, weights["w_out"]), "mlpwo")
+
+            b, s, d = x_bsd.shape
+            k = expert_bsk.shape[-1]
+            expert_TK, gate_TK = expert_bsk.reshape(b * s, k), gate_bsk.reshape(b * s, k)
+            y_TD = dropless(x_bsd.reshape(b * s, d), expert_TK, gate_TK, self.config.experts, mlp, tpu)
+            y_TD = jax.lax.psum(y_TD, split) if split else y_TD
+            if "out_bias" in weights:  # once, after the sum: each choice's bias, gate-weighted
+                y_TD = y_TD + jnp.einsum("tk,tkd->td", gate_TK.astype(y_TD.dtype), weights["out_bias"][expert_TK])
+            return y_TD.reshape(b, s, d)
+
+        operands = (x_BSD, expert_BSK, gate_BSK, weights)
+        if jax.typeof(x_BSD).sharding.mesh.empty:  # one device, no mesh
+            return local(*operands)
+        specs = jax.tree.map(lambda a: jax.typeof(a).sharding.spec, operands)
+        # check_vma off: the Pallas kernel does not track which mesh axes its output varies over
+        mesh = jax.typeof(x_BSD).sharding.mesh
+        return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*operands)
 
 
 class Block(nnx.Module):

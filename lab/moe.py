@@ -28,6 +28,9 @@ one past the buffer, so a scatter with ``mode="drop"`` skips it. Expert
 choice fills the same table with k = E columns. `dispatch` scatters tokens
 into the [E, C, D] buffers by that table and `combine` gathers them back;
 `lab.parallel.expert` puts the buffers' E axis on the ``expert`` mesh axis.
+A dropless router (MaxText's ``sparse_matmul``) places nothing: every
+assignment is kept, and `lab.ragged` sorts them by expert instead of
+scattering them into buffers.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class RouterConfig:
     experts: int = 8
     top_k: int = 1
     capacity_factor: float | None = 1.25  # None: no dropping (each buffer holds a whole group)
+    dropless: bool = False  # no buffers: assignments sorted by expert, multiplied as ragged groups (`lab.ragged`)
     score: str = "softmax"  # softmax over experts | sigmoid per expert (gates renormalized over the top-k)
     drop_policy: str = "probability"  # drop the lowest-probability assignments | the latest in the group
     choice: str = "tokens"  # tokens pick experts | experts pick tokens
@@ -84,10 +88,12 @@ class RouterConfig:
             )
         if self.noise_std < 0:
             raise LabError(f"noise_std={self.noise_std}: the noise scale must be >= 0")
+        if self.dropless and (self.capacity_factor is not None or self.choice != "tokens"):
+            raise LabError("dropless routing has no capacity and needs token choice: leave capacity_factor unset")
 
     def capacity(self, tokens: int) -> int:
         """Slots per expert for a group of `tokens`, never more than the group (see module docstring)."""
-        if self.capacity_factor is None:
+        if self.capacity_factor is None:  # a dropless router keeps every assignment in slot 0 of this bound
             return tokens  # no dropping: any expert may be chosen by every token of the group
         # capped at the group: a token reaches an expert at most once, and expert choice picks C of the tokens
         return min(tokens, expert_capacity(tokens, self.experts, self.top_k, self.capacity_factor))
@@ -151,7 +157,10 @@ def route(
     gate_TK = jnp.take_along_axis(scores_TE, expert_TK, axis=-1)
     if config.score == "sigmoid":
         gate_TK = gate_TK / gate_TK.sum(-1, keepdims=True)
-    slot_TK = _slots(expert_TK, gate_TK, config.experts, capacity, config.drop_policy)
+    if config.dropless:  # nothing to place: every assignment is kept (`lab.ragged` sorts them instead)
+        slot_TK = jnp.zeros_like(expert_TK)
+    else:
+        slot_TK = _slots(expert_TK, gate_TK, config.experts, capacity, config.drop_policy)
     return Routing(expert_TK, slot_TK, gate_TK, jnp.ones_like(expert_TK, bool), probs_TE, logits_TE, capacity)
 
 

@@ -2,12 +2,15 @@
 
 import re
 from dataclasses import replace
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
 from lab.mesh import MeshSpec
@@ -169,3 +172,35 @@ def test_a_tight_capacity_drops_assignments_and_the_counts_say_how_many():
     _, stats = forward(params, tokens)
     dropped_share = stats.counts.dropped / stats.counts.chosen
     assert np.all(dropped_share >= 0.5) and np.all(dropped_share < 1)  # at least the half that cannot fit
+
+
+@pytest.mark.parametrize("mesh_spec", ["fsdp=4,tensor=2", "data=2,fsdp=4"])
+def test_a_dropless_moe_computes_what_a_buffer_of_the_whole_sequence_does(mesh_spec):
+    """Dropless (`lab.ragged`: tokens sorted by expert, ragged matmuls, under shard_map) against the buffered path
+    with no dropping: the same loss and the same gradients, the experts' width split over tensor or not."""
+    base = ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None, feed_forward="swiglu", biases=True)
+    mesh = MeshSpec.parse(mesh_spec).build(jax.devices())
+    layout = Layout(mesh, get_strategy("zero3"))
+    abstract = abstract_model(base)[1]
+    params = create_params(base, layout.shardings(abstract, "params"))
+    tokens = np.random.default_rng(0).integers(0, base.vocab, (8, base.seq), dtype=np.int32)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, layout.batch_spec()))
+
+    def loss_and_grads(config):
+        def loss(params, tokens):
+            return nnx.merge(graphdef, params).forward(tokens, layout)[0].mean()
+
+        def step(params, tokens):
+            value, grads = jax.value_and_grad(loss)(params, tokens)  # summed over the batch axes by the reshard
+            return value, jax.tree.map(
+                lambda g: jax.reshard(g, NamedSharding(mesh, P(*jax.typeof(g).sharding.spec.partitions))), grads
+            )
+
+        graphdef = abstract_model(config)[0]
+        return jax.jit(step)(params, tokens)
+
+    (buffered, buffered_grads), (dropless, dropless_grads) = map(loss_and_grads, (base, replace(base, dropless=True)))
+    np.testing.assert_allclose(dropless, buffered, rtol=1e-5)
+    jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-7), dropless_grads, buffered_grads)
+    with pytest.raises(LabError, match="dropless routing has no capacity"):
+        ModelConfig(experts=4, dropless=True)  # the default capacity factor 1.25 left in place

@@ -30,7 +30,7 @@ from lab.model import check_flash_tiling
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
 from lab.plan.space import Problem
-from lab.predict.options import check_gpu_flags, check_gpu_slices, check_tpu_flags, resolve_attention
+from lab.predict.options import check_dropless, check_gpu_flags, check_gpu_slices, check_tpu_flags, resolve_attention
 from lab.predict.spec import MAX_STEP_TOKENS, check_step_tokens, parse_model
 from lab.units import format_bytes
 
@@ -127,6 +127,7 @@ def problem_of(command: Plan) -> Problem:
     else:
         sequences = command.batch_per_device * chips
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
+    check_dropless(model, on_gpu)
     return Problem(model, sequences, chip_profile, torus, topology, slices)
 
 

@@ -94,12 +94,12 @@ class Layout:
 
 
 def axis_limits(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """For each axis, the model dimensions its size must divide (`expert` of a dense model: only 1)."""
+    """For each axis, the model dimensions its size must divide (`expert` of a dense or dropless model: only 1)."""
     return {
         "data": (),
         "stage": (1,) if model.dense_layers else (model.scan_length,),  # a dense prefix is not pipelined
         "fsdp": (model.embed,),
-        "expert": (model.experts,) if model.experts else (1,),
+        "expert": (model.experts,) if model.experts and not model.dropless else (1,),  # dropless: no expert axis
         "tensor": (model.heads, model.groups, model.mlp, model.dense_width, model.shared_width or model.mlp),
     }
 

@@ -43,6 +43,7 @@ from lab.model import check_flash_tiling
 from lab.predict import calibration
 from lab.predict.display import show
 from lab.predict.options import (
+    check_dropless,
     check_experts,
     check_gpu_flags,
     check_gpu_slices,
@@ -67,9 +68,9 @@ class Predict:
     model: str = "llama3-8b"
     """a preset (llama3-8b, llama3-70b, mistral-7b, gemma-7b, mixtral-8x7b, qwen3-30b-a3b, ...), key=value pairs
     (layers, d_model, heads, kv_heads, head_dim, d_ff, vocab, mlp (swiglu|geglu|gelu|relu|silu), block
-    (sequential|parallel), tied, qk_norm (true|false); an MoE: experts, top_k, capacity (a factor, default 1.25, or
-    none: a buffer of the whole sequence per expert; a dropless run's ragged kernels, MaxText's megablox, do the
-    work of capacity=1, a perfectly balanced buffer)), or a preset then pairs that change it
+    (sequential|parallel), tied, qk_norm (true|false); an MoE: experts, top_k, capacity (a factor, default 1.25;
+    none: a buffer of the whole sequence per expert; dropless: MaxText's sparse_matmul, tokens sorted by expert and
+    multiplied by megablox's grouped matmul, TPU only, no expert axis)), or a preset then pairs that change it
     (mixtral-8x7b,capacity=2)"""
     seq: int = 8192
     """tokens per sequence"""
@@ -225,6 +226,7 @@ def read_step(command: Predict) -> Reading:
     layout_remat(command.remat)  # a policy name it does not know stops here, before libtpu starts
     check_precision(command.matmul_precision, _profile(target))  # as is a precision
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
+    check_dropless(model, on_gpu)
     scan = model.scan_length  # what depth reading counts: the layers' scan, not a dense prefix before it
     compiled_layers = compiled_layers_for(command.layers_compiled, scan)
     if on_gpu:

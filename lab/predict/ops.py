@@ -23,7 +23,9 @@ order it runs, so each can be priced on its own:
   dkv kernels) is opaque to XLA: its FLOPs are counted from its operand shapes
   (forward 4·b·h·S·T·K, dq 6·, dkv 8·, the causal kernels skipping the blocks
   above the diagonal: a fraction (n + 1) / 2n of n x n blocks; the splash
-  kernel of a sliding window, the blocks its mask's table lists);
+  kernel of a sliding window, the blocks its mask's table lists; a dropless
+  MoE's grouped matmuls, megablox's ``gmm`` and ``tgmm``, 2·m·k·n and the row
+  tiles that straddle two experts, `_grouped_flops`);
 * a loop: its body, priced twice in a row and the second pass taken as the
   steady state (a collective the scheduler starts in one iteration and
   finishes in the next then waits as it would), times its trip count (the
@@ -580,6 +582,8 @@ def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Inst
         return 0.0
     if instruction.name.startswith("splash"):
         return _splash_flops(schedule.shapes(computation), instruction)
+    if "gmm" in instruction.name:
+        return _grouped_flops(schedule.shapes(computation), instruction)
     units = next((u for key, u in _FLASH_UNITS if key in instruction.name), 0)
     q = arrays(schedule.shapes(computation).get(instruction.operands[0], "")) if instruction.operands else []
     if not units or not q or len(q[0][1]) != 4:
@@ -602,6 +606,21 @@ def _gemm_flops(shapes: dict[str, str], instruction: Instruction) -> float:
         return 0.0
     dims = [int(d) for d in re.findall(r"\d+", contracting.group(1))]
     return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in dims)
+
+
+def _grouped_flops(shapes: dict[str, str], instruction: Instruction) -> float:
+    """A megablox grouped matmul's FLOPs (``gmm``: rows [m, k] by their experts' [k, n]; ``tgmm``, the weights'
+    gradient: rows [m, k] and [m, n] into [E, k, n]): 2·m·k·n, times the row tiles it visits over the m/tm it
+    would without groups. Its operands say how many: after the tile count, the group offsets [E + 1] and the
+    tiles' group ids [V], V = m/tm + E - 1, a visit more for each expert whose rows start inside a tile (with
+    the tokens' choices unknown when compiling, every one of them: a tile-aligned boundary is a 1-in-tm chance)."""
+    operands = [arrays(shapes.get(o, "")) for o in instruction.operands]
+    out = arrays(instruction.shape)
+    if len(operands) < 6 or not out or not all(operands[i] for i in (1, 2, 5)) or len(operands[5][0][1]) != 2:
+        return 0.0
+    (m, k), n = operands[5][0][1], out[0][1][-1]
+    groups, visits = operands[1][0][1][0] - 1, operands[2][0][1][0]
+    return 2.0 * m * k * n * visits / max(1, visits - groups + 1)
 
 
 def _splash_flops(shapes: dict[str, str], instruction: Instruction) -> float:

@@ -29,11 +29,25 @@ def check_experts(model, ways: int) -> None:
             f"--mesh expert={ways}: a dense model has no experts to split; give an MoE model (experts=E, or a preset "
             "such as mixtral-8x7b) or leave the expert axis out"
         )
+    if model.dropless and ways > 1:
+        raise LabError(
+            f"--mesh expert={ways}: capacity=dropless multiplies each device's own tokens by every expert (MaxText's "
+            "sparse_matmul without expert parallelism); leave the expert axis out, or give a capacity such as 1.25"
+        )
     if model.experts % ways:
         fits = [w for w in range(2, ways + 1) if model.experts % w == 0]
         raise LabError(
             f"--mesh expert={ways} does not divide the model's {model.experts} experts; use an expert axis of "
             + (f"{', '.join(map(str, fits))} or 1" if fits else "1")
+        )
+
+
+def check_dropless(model, on_gpu: bool) -> None:
+    """A dropless MoE compiles megablox's grouped matmul (`lab.ragged`), a Pallas TPU kernel: TPU targets only."""
+    if on_gpu and model.dropless:
+        raise LabError(
+            "capacity=dropless compiles megablox's grouped matmul, a Pallas TPU kernel; on a GPU target give a "
+            "capacity (1 does a dropless run's work, a perfectly balanced buffer)"
         )
 
 

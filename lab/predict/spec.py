@@ -9,11 +9,11 @@ and pairs that change it (``mixtral-8x7b,capacity=2``)::
     layers=32,d_model=4096,heads=32,kv_heads=8,head_dim=128,d_ff=14336,vocab=128256,mlp=swiglu,block=sequential,tied=false
 
 An MoE spec adds ``experts``, ``top_k``, ``capacity`` (slots per expert as a
-multiple of the mean load, MaxText's ``capacity_factor``; ``none`` drops nothing,
-compiled as a buffer the size of each routing group per expert, not a ragged
-kernel: a dropless run's ragged matmuls, MaxText's megablox, multiply each
-routed token once, the work of ``capacity=1``, a buffer exactly as large as a
-balanced load) and ``d_ff`` is then each expert's width; ``shared_experts`` (each
+multiple of the mean load, MaxText's ``capacity_factor``; ``none`` drops nothing
+through a buffer the size of each routing group per expert; ``dropless`` is
+MaxText's ``sparse_matmul``: each device sorts its tokens by expert and
+multiplies them by megablox's grouped matmul on TPU, `lab.ragged`, with no
+expert axis) and ``d_ff`` is then each expert's width; ``shared_experts`` (each
 ``d_ff`` wide, every token goes through them), ``dense_layers`` (the first
 layers dense, DeepSeek's ``first_k_dense_replace``), ``moe_every`` (an MoE
 layer every n, Llama 4's ``interleave_moe_layer_step``) and ``d_ff_dense`` (the
@@ -299,7 +299,11 @@ def _fields(text: str, pairs: str) -> dict[str, object]:
         given[name] = value
     if not given.get("experts") and not text.startswith(_MOE_PRESETS) and {"top_k", "capacity"} & given.keys():
         raise LabError(f"--model {text!r}: top_k and capacity are an MoE's; give experts=E too")
-    return {KEYS[name]: _value(name, value) for name, value in given.items()}
+    fields = {KEYS[name]: _value(name, value) for name, value in given.items()}
+    if "capacity" in given:  # a factor or none keeps a buffer; dropless has none
+        fields["dropless"] = fields["capacity_factor"] == "dropless"
+        fields["capacity_factor"] = None if fields["dropless"] else fields["capacity_factor"]
+    return fields
 
 
 def _value(name: str, value: str) -> object:
@@ -312,9 +316,14 @@ def _value(name: str, value: str) -> object:
             raise LabError(f"--model: {name}={value!r}; use true or false")
         return value.lower() == "true"
     if name == "capacity":
-        factor = parse_capacity_factor(value)
+        if value.strip().lower() == "dropless":
+            return "dropless"
+        try:
+            factor = parse_capacity_factor(value)
+        except LabError:
+            factor = math.nan
         if factor is not None and not (math.isfinite(factor) and factor > 0):
-            raise LabError(f"--model: capacity={value!r}; use a number above 0 such as 1.25, or none")
+            raise LabError(f"--model: capacity={value!r}; use a number above 0 such as 1.25, none or dropless")
         return factor
     choices = FEED_FORWARDS if name == "mlp" else BLOCKS
     if value not in choices:

@@ -136,6 +136,11 @@ def test_two_slices_put_the_data_axis_on_dcn():
         ),
         (["--model", SMALL.replace("layers=2", "layers=4"), "--remat", "offload:out_proj", *LAYERS_2], "unrolls"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--matmul-precision", "fp8"], "v5e publishes no fp8"),
+        (
+            ["--model", f"{SMALL},experts=4,capacity=dropless", "--target", "tpu:v5e:2x2", "--mesh", "fsdp=2,expert=2"],
+            "--mesh expert=2: capacity=dropless multiplies each device's own tokens by every expert",
+        ),
+        (["--model", f"{SMALL},experts=4,capacity=all", "--target", "tpu:v5e:2x2"], "none or dropless"),
     ],
 )
 def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
@@ -261,6 +266,19 @@ def test_an_moe_step_prices_each_expert_matmul_at_its_einsums_flops(capsys):
     expert_ops = [o["flops"] / per_einsum for o in out["top_ops"] if "/moe/be" in o["op"]]
     # a fusion holds one einsum or two whole ones, never a fraction (3/8 and 36/8 before the windows were read)
     assert expert_ops and all(ratio in (1.0, 2.0) for ratio in expert_ops), expert_ops
+
+
+def test_a_dropless_moe_step_prices_megabloxs_grouped_matmuls_at_the_row_tiles_they_visit():
+    """capacity=dropless compiles MaxText's sparse_matmul: megablox's gmm forward, and gmm + tgmm backward, for each
+    of a SwiGLU expert's three matmuls; each priced 2·m·k·n times the row tiles it visits over its row tiles, m/tm + E
+    - 1 over m/tm, counted here from the model's sizes and megablox's tiling, apart from the HLO the pricing reads."""
+    moe = f"{SMALL},experts=8,top_k=2,capacity=dropless"
+    reading = read_step(Predict(model=moe, target="tpu:v5e:2x2", mesh="fsdp=4", seq=512, batch_per_device=2))
+    grouped = [o for o in reading.read.predict(calibration.efficiency("v5e")).ops if "gmm" in o.name]
+    rows = 2 * 512 * 2  # per chip: 2 sequences of 512 tokens, each to 2 experts: 2048 rows, 4 tiles of 512
+    per_matmul = 2 * rows * 256 * 512 * (4 + 8 - 1) / 4
+    # remat full: forward, recompute, then gmm (the rows' gradient) and tgmm (the weights') per matmul and layer
+    assert sum(o.flops * o.runs for o in grouped) == pytest.approx(3 * 4 * 2 * per_matmul, rel=1e-9)
 
 
 def test_an_offloading_remat_sends_the_named_activations_to_host_and_recomputes_the_rest():
@@ -500,6 +518,7 @@ def test_other_gpus_borrow_the_h100_constant_and_say_so(capsys):
         (["--attention", "flash"], "--attention flash is the Pallas TPU kernel"),
         (["--slices", "2"], "--slices 2: a GPU cluster's nodes are in its target"),
         (["--libtpu-flags", "--xla_tpu_enable_async_collective_fusion=true"], "a GPU target takes --xla-flags"),
+        (["--model", f"{SMALL},experts=4,capacity=dropless"], "capacity=dropless compiles megablox's grouped matmul"),
     ],
 )
 def test_tpu_only_options_on_a_gpu_target_are_one_line_and_exit_2(extra, words, capsys):

@@ -107,6 +107,9 @@ def test_an_moe_is_typed_in_or_a_preset_changed():
     assert typed.parameters == PRESETS["mixtral-8x7b"][0].parameters
     changed = parse_model("mixtral-8x7b,capacity=none,top_k=1")
     assert (changed.capacity_factor, changed.top_k, changed.experts, changed.layers) == (None, 1, 8, 32)
+    assert not changed.dropless
+    dropless = parse_model("mixtral-8x7b,capacity=dropless")  # MaxText's sparse_matmul: no buffer, no factor
+    assert (dropless.dropless, dropless.capacity_factor) == (True, None)
     qwen = parse_model("qwen3-30b-a3b")
     assert (qwen.qk_norm, qwen.experts, qwen.top_k, qwen.mlp) == (True, 128, 8, 768)
 
@@ -124,7 +127,7 @@ def test_an_moe_is_typed_in_or_a_preset_changed():
         ("layers=2,d_model=256,heads=4,d_ff=512,vocab=9,experts=4,top_k=5", "top-k 5 is larger than the 4 experts"),
         ("layers=2,d_model=256,heads=4,d_ff=512,vocab=9,top_k=2", "give experts=E too"),
         ("mixtral-8x7b,capacity=0", "capacity='0'"),
-        ("mixtral-8x7b,capacity=lots", "capacity factor 'lots'"),
+        ("mixtral-8x7b,capacity=lots", "capacity='lots'; use a number above 0 such as 1.25, none or dropless"),
         ("mixtral-8x7b,colour=red", "unknown key 'colour'"),
         ("mixtral-8x7b,experts", "write key=value pairs"),
         ("llama3-8b,shared_experts=1", "a dense model has no MoE layers"),
