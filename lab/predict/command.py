@@ -69,8 +69,8 @@ class Predict:
     """a preset (llama3-8b, llama3-70b, mistral-7b, gemma-7b, mixtral-8x7b, qwen3-30b-a3b, ...), key=value pairs
     (layers, d_model, heads, kv_heads, head_dim, d_ff, vocab, mlp (swiglu|geglu|gelu|relu|silu), block
     (sequential|parallel), tied, qk_norm (true|false); an MoE: experts, top_k, capacity (a factor, default 1.25;
-    none: a buffer of the whole sequence per expert; dropless: MaxText's sparse_matmul, tokens sorted by expert and
-    multiplied by megablox's grouped matmul, TPU only, no expert axis)), or a preset then pairs that change it
+    none: a buffer of the whole sequence per expert; dropless: MaxText's sparse_matmul, tokens sorted by
+    expert, megablox's grouped matmul, TPU only, no expert axis)), or a preset then pairs that change it
     (mixtral-8x7b,capacity=2)"""
     seq: int = 8192
     """tokens per sequence"""
@@ -102,8 +102,8 @@ class Predict:
     compute_dtype: Literal["bfloat16", "float32"] = "bfloat16"
     matmul_precision: Literal["bf16", "int8", "fp8"] = "bf16"
     """the precision the step's matmuls run at: bf16 as compiled, or int8 / fp8 (a quantized run, AQT-style),
-    priced at the chip's int8 / fp8 peak; the program compiled stays bf16 (its quantize and dequantize ops and its
-    narrower weights are not in it) and the flash attention kernel stays at bf16"""
+    priced at the chip's int8 / fp8 peak; the program compiled stays bf16 (its quantize and dequantize ops
+    and its narrower weights are not in it) and the flash attention kernel stays at bf16"""
     sequence_parallel: bool = False
     """split the residual stream between sub-layers along the sequence over the tensor axis (Megatron SP: an
     all-gather before and a reduce-scatter after each sub-layer in place of its all-reduce)"""

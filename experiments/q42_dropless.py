@@ -1,0 +1,362 @@
+"""Dropless experts: what a capacity buffer costs against MaxText's sorted, ragged path.
+
+Question #42 gives each expert a capacity, (tokens / E) x capacity factor slots,
+and drops what overflows. The compute follows the buffer, not the tokens: every
+slot is multiplied whether a token filled it or not. MaxText's MoE recipes drop
+nothing instead (``sparse_matmul``): each device sorts its tokens by expert and
+multiplies each expert's rows by its weights in one grouped matmul (megablox's
+``gmm`` on TPU), which pays the routed rows plus a row tile for each expert whose
+rows start inside one. This page compiles the lab's MoE (`lab.model`) both ways:
+
+1. on this target, the dropless layer against a buffer of the whole sequence per
+   expert (which drops nothing either): the same loss and the same gradients, on
+   a mesh that splits the batch over ``fsdp`` and the experts' width over ``tensor``;
+2. compile-only for a TPU, one training step per capacity (1.25, MaxText's
+   default; 1, a perfectly balanced buffer; none; dropless): the experts' matmul
+   FLOPs read from the compiled step by `lab.predict.ops` against the count from
+   the sizes alone, and the step `lab predict` prices from each;
+3. the grouped matmul's row-tile overhead at the sizes of published dropless runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from functools import partial
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from experiments import kit
+from lab.mesh import MeshSpec
+from lab.model import ModelConfig, abstract_model, create_params
+from lab.parallel import Layout
+from lab.predict import calibration
+from lab.predict.command import Predict, price, read_step
+from lab.predict.spec import parse_model
+from lab.provenance import Setup
+from lab.ragged import GMM_TILING
+from lab.report import Result, Table
+from lab.rules import get_strategy
+from lab.targets.devices import DEFAULT_TARGET, devices_for
+from lab.units import format_bytes
+from lab.verdict import Check, Claim, check
+
+QUESTION = "#42"
+UNTIMED = True  # reads what XLA compiled and computes, no clock: lab report may run it beside another page
+TOLERANCE = 1e-4  # relative: float32 sums of the same products in another order (sorted rows against buffers)
+CAPACITIES = ("1.25", "1", "none", "dropless")
+_EXPERT_EINSUMS = re.compile(r"becd,edf->becf|becf,efd->becd")  # the buffered path's expert matmuls (`lab.model`)
+
+
+@dataclass(frozen=True)
+class Config:
+    target: str = DEFAULT_TARGET
+    """where to compare the two paths' numerics (cpu:N)"""
+    mesh: str = "fsdp=4,tensor=2"
+    """their mesh: the batch over fsdp, the experts' width over tensor"""
+    model: str = "layers=2,d_model=256,heads=4,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu,experts=8,top_k=2"
+    """the MoE compiled for the TPU (its capacity is set per step)"""
+    tpu_topology: str = "v5e:2x2"
+    """compile one step per capacity for this TPU topology (compile-only); empty to skip"""
+    seq: int = 512
+    """tokens per sequence of the TPU steps"""
+    batch_per_device: int = 2
+    """sequences per chip of the TPU steps"""
+    capacities: tuple[str, ...] = CAPACITIES
+    """the TPU steps' capacities: factors, none, dropless"""
+
+
+@dataclass(frozen=True)
+class Numerics:
+    mesh: str
+    loss_buffered: float
+    loss_dropless: float
+    worst_gradient: float  # max over parameters of max |dropless - buffered| / max |buffered|
+
+
+@dataclass(frozen=True)
+class Step:
+    """One TPU step, compiled for one capacity and read by `lab.predict`."""
+
+    capacity: str
+    expert_flops: float  # the experts' matmuls, all runs, per chip, as `lab.predict.ops` prices them
+    expert_ops: int
+    hardware_flops: float
+    step_s: float
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
+class Observations:
+    setup: Setup
+    numerics: Numerics
+    steps: tuple[Step, ...] = ()
+    tpu_unavailable: kit.Unavailable | None = None
+
+
+# --------------------------------------------------------------------------- measure
+
+
+def measure(config: Config) -> Observations:
+    devices = devices_for(config.target)
+    tpu = kit.tpu_chips(config.tpu_topology)
+    steps = tuple(_step(config, c) for c in config.capacities) if isinstance(tpu, kit.TpuChips) else ()
+    return Observations(
+        setup=Setup.of(config.target, devices, config.mesh),
+        numerics=_numerics(config, devices),
+        steps=steps,
+        tpu_unavailable=tpu if isinstance(tpu, kit.Unavailable) else None,
+    )
+
+
+def _numerics(config: Config, devices) -> Numerics:
+    """The loss and gradients of a small MoE, dropless against a whole-sequence buffer, on `config.mesh`."""
+    base = ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None, feed_forward="swiglu", biases=True)
+    mesh = MeshSpec.parse(config.mesh).build(devices)
+    layout = Layout(mesh, get_strategy("zero3"))
+    params = create_params(base, layout.shardings(abstract_model(base)[1], "params"))
+    tokens = np.random.default_rng(0).integers(0, base.vocab, (2 * mesh.devices.size, base.seq), dtype=np.int32)
+    tokens = jax.device_put(tokens, NamedSharding(mesh, layout.batch_spec()))
+
+    def loss_and_grads(model: ModelConfig):
+        graphdef = abstract_model(model)[0]
+
+        def step(params, tokens):
+            value, grads = jax.value_and_grad(lambda p: nnx.merge(graphdef, p).forward(tokens, layout)[0].mean())(
+                params
+            )
+            # the reshard of an unreduced gradient is its sum over the batch axes
+            whole = partial(_summed, mesh)
+            return value, jax.tree.map(whole, grads)
+
+        return jax.jit(step)(params, tokens)
+
+    (loss_b, grads_b), (loss_d, grads_d) = loss_and_grads(base), loss_and_grads(replace(base, dropless=True))
+    gaps = jax.tree.map(lambda d, b: float(np.abs(d - b).max() / max(np.abs(b).max(), 1e-30)), grads_d, grads_b)
+    return Numerics(config.mesh, float(loss_b), float(loss_d), max(jax.tree.leaves(gaps)))
+
+
+def _summed(mesh, grad: jax.Array) -> jax.Array:
+    return jax.reshard(grad, NamedSharding(mesh, P(*jax.typeof(grad).sharding.spec.partitions)))
+
+
+def _step(config: Config, capacity: str) -> Step:
+    command = Predict(
+        model=f"{config.model},capacity={capacity}",
+        target=f"tpu:{config.tpu_topology}",
+        mesh="fsdp=-1",
+        seq=config.seq,
+        batch_per_device=config.batch_per_device,
+    )
+    reading = read_step(command)
+    ops = reading.read.predict(calibration.efficiency(reading.chip.name)).ops
+    experts = [o for o in ops if "gmm" in o.name or _EXPERT_EINSUMS.search(o.op_name)]
+    prediction = price(reading)
+    return Step(
+        capacity,
+        sum(o.flops * o.runs for o in experts),
+        len(experts),
+        prediction.hardware_flops_per_step,
+        prediction.step_s,
+        prediction.memory_bytes,
+    )
+
+
+# --------------------------------------------------------------------------- judge
+
+
+def expert_flops(model: ModelConfig, capacity: str, sequences: int) -> float:
+    """The experts' matmul FLOPs per chip and step from the sizes alone: 2 · rows · D · F per matmul (SwiGLU: three),
+    each run four times under remat full (forward, its recompute, the two halves of its gradient), in every layer.
+    Rows: a buffer's E · C slots per sequence, C = ceil(S·k/E · cf) or S with none; dropless, the S·k routed rows of
+    every sequence times the row tiles megablox visits over the tiles the rows fill, (t + E - 1) / t."""
+    s, k, e = model.seq, model.top_k, model.experts
+    if capacity == "dropless":
+        rows = sequences * s * k * tile_visits(sequences * s * k, e)
+    else:
+        slots = s if capacity == "none" else math.ceil(s * k / e * float(capacity))
+        rows = sequences * e * min(slots, s)
+    matmuls = 3 if model.gated else 2
+    return 4 * matmuls * model.layers * 2 * rows * model.embed * model.mlp
+
+
+def tile_visits(routed: int, experts: int) -> float:
+    """Megablox's row-tile visits over the tiles `routed` rows fill: (t + E - 1) / t, t = ceil(rows / tm)."""
+    tile = min(GMM_TILING[0], -(-routed // 128) * 128)
+    tiles = -(-routed // tile)
+    return (tiles + experts - 1) / tiles
+
+
+# published MoE runs that drop nothing, and the rows one device routes per layer: sequences x tokens x k
+PUBLISHED_SIZES = (
+    ("Qwen3-235B-A22B, TPU7x-256 (tpu-recipes@c8cfe2f)", 16 * 4096 * 8, 128),
+    ("GPT-OSS 120B, TPU7x-64 (tpu-recipes@c8cfe2f)", 10 * 8192 * 4, 128),
+    ("DeepSeek-V3, TPU7x-256 (tpu-recipes@c8cfe2f)", 8 * 4096 * 8, 256),
+)
+
+
+def judge(obs: Observations, config: Config) -> Result:
+    checks = _numerics_checks(obs.numerics)
+    model = replace(parse_model(config.model), seq=config.seq)
+    checks += [
+        check(
+            f"tpu:{config.tpu_topology} capacity={s.capacity}: the experts' matmul FLOPs per chip, read from the "
+            "compiled step, against the count from the sizes",
+            expert_flops(model, s.capacity, config.batch_per_device),
+            s.expert_flops,
+            kind="exact",
+            rtol=1e-9,
+        )
+        for s in obs.steps
+    ]
+    return Result(
+        summary=_summary(obs, config, model),
+        theory=THEORY,
+        tables=[_numerics_table(obs.numerics), *_step_tables(obs, config, model), _published_table()],
+        checks=checks,
+        claims=_claims(obs, config, model),
+        notes=NOTES,
+    )
+
+
+def _numerics_checks(n: Numerics) -> list[Check]:
+    basis = "float32: the sorted rows and the buffers add the same products in other orders (~1e-7 each)"
+    return [
+        check(
+            f"{n.mesh}: dropless loss against a whole-sequence buffer's",
+            n.loss_buffered,
+            n.loss_dropless,
+            kind="model",
+            rtol=1e-5,
+            basis=basis,
+        ),
+        check(
+            f"{n.mesh}: the largest gradient difference, relative to the gradient's largest element",
+            TOLERANCE,
+            n.worst_gradient,
+            kind="model",
+            relation="<=",
+            basis=basis,
+        ),
+    ]
+
+
+def _numerics_table(n: Numerics) -> Table:
+    return Table(
+        "Dropless against a whole-sequence buffer, on this target",
+        ["mesh", "loss, buffered", "loss, dropless", "worst gradient difference (relative)"],
+        [[n.mesh, f"{n.loss_buffered:.7g}", f"{n.loss_dropless:.7g}", f"{n.worst_gradient:.2e}"]],
+    )
+
+
+def _published_table() -> Table:
+    return Table(
+        "The grouped matmul's row tiles at published sizes (from the sizes alone)",
+        ["run", "rows per device and layer", "experts", f"tiles of {GMM_TILING[0]}", "work over the routed rows"],
+        [
+            [run, str(rows), str(e), str(-(-rows // GMM_TILING[0])), f"{tile_visits(rows, e):.3f}x"]
+            for run, rows, e in PUBLISHED_SIZES
+        ],
+    )
+
+
+def _step_tables(obs: Observations, config: Config, model: ModelConfig) -> list[Table]:
+    if obs.tpu_unavailable:
+        return [obs.tpu_unavailable.table()]
+    routed = expert_flops(model, "1", config.batch_per_device)  # a balanced buffer: exactly the routed rows
+    rows = [
+        [
+            s.capacity,
+            f"{s.expert_flops:.4g}",
+            f"{s.expert_flops / routed:.3f}x",
+            str(s.expert_ops),
+            f"{s.hardware_flops:.4g}",
+            f"{s.step_s * 1e3:.2f}",
+            format_bytes(s.memory_bytes),
+        ]
+        for s in obs.steps
+    ]
+    return [
+        Table(
+            f"One training step per capacity, tpu:{config.tpu_topology} (compile-only, priced by lab predict)",
+            [
+                "capacity",
+                "expert matmul FLOPs per chip",
+                "of the routed work",
+                "expert ops",
+                "step FLOPs per chip",
+                "predicted step ms",
+                "memory per chip",
+            ],
+            rows,
+        ),
+    ]
+
+
+def _claims(obs: Observations, config: Config, model: ModelConfig) -> list[Claim]:
+    by = {s.capacity: s for s in obs.steps}
+    if not {"1.25", "none", "dropless"} <= by.keys():
+        return []
+    routed = expert_flops(model, "1", config.batch_per_device)
+    padded = by["1.25"].expert_flops / routed
+    whole = by["none"].expert_flops / routed
+    dropless = by["dropless"].expert_flops / routed
+    status = "refined" if dropless > 1 else "confirmed"
+    return [
+        Claim(
+            "capacity = tokens / E x capacity factor; what overflows is dropped",
+            status,
+            f"a buffer's compute is its slots, filled or not: {padded:.2f}x the routed work at capacity 1.25, "
+            f"{whole:.2f}x (E/k) with none; dropless drops nothing for {dropless:.2f}x (the row tiles that straddle "
+            f"two of the {model.experts} experts), predicted step {by['dropless'].step_s * 1e3:.2f} ms against "
+            f"{by['1.25'].step_s * 1e3:.2f} ms at 1.25 on tpu:{config.tpu_topology}",
+        )
+    ]
+
+
+def _summary(obs: Observations, config: Config, model: ModelConfig) -> str:
+    n = obs.numerics
+    text = (
+        f"On {obs.setup.target} ({n.mesh}) the dropless MoE layer gives the loss of a buffer that drops nothing "
+        f"({n.loss_dropless:.7g} against {n.loss_buffered:.7g}) and its gradients within {n.worst_gradient:.1e}."
+    )
+    if obs.steps:
+        routed = expert_flops(model, "1", config.batch_per_device)
+        ratios = ", ".join(f"{s.capacity}: {s.expert_flops / routed:.2f}x" for s in obs.steps)
+        text += (
+            f" Compiled for tpu:{config.tpu_topology}, the experts' matmuls cost, against the routed rows' work: "
+            f"{ratios}; each as counted from the sizes."
+        )
+    return text
+
+
+THEORY = r"""
+A group of T tokens routed to k of E experts makes T·k (token, expert) rows, T·k/E per expert on average.
+
+- **Capacity** (GShard, Switch: `lab.moe`): each expert gets C = ceil(T·k/E · cf) slots per group, and each expert
+  matmul multiplies all E·C of them, filled or not: cf times the routed rows; with no dropping, C = T and E/k times.
+- **Dropless** (MegaBlocks, Gale et al. 2022; MaxText's `sparse_matmul`: `lab.ragged`): sort the T·k rows by expert
+  and multiply each expert's contiguous rows in one grouped matmul. Megablox's `gmm` walks row tiles of tm rows
+  (512 in MaxText): every tile once, and once more for each expert whose rows start inside a tile, so
+  t + E - 1 tile visits for t = ceil(T·k/tm) tiles when no boundary falls on a tile edge. Its gradient is `gmm`
+  again (the rows') and `tgmm` (the weights'), each over the same tiles.
+
+Per chip and step, with remat full: every expert matmul runs four times (forward, its recompute, and the two halves
+of its gradient), 2·rows·D·F FLOPs each, in every layer.
+"""
+
+NOTES = [
+    "The TPU steps are compiled, not run: the FLOPs are what `lab.predict.ops` reads from each compiled step (the "
+    "buffered path's expert einsums inside their fusions; megablox's kernels from their operand shapes and row-tile "
+    "tables), and the step times are its prices at the chip's calibrated constants.",
+    "The dropless layer runs under shard_map on each device's own sequences with every expert's whole weights: "
+    "MaxText's sparse_matmul without expert parallelism, as its TPU7x recipes run it. With an expert axis it is "
+    "refused (its tokens would have to move by a ragged all-to-all, which the lab does not compile).",
+    "Dropless has no overflow, so no token is dropped whatever the router does; its cost instead grows with the "
+    "imbalance only through the grouped matmul's tiles, and its sort and two row permutations (gathers, HBM-bound).",
+]

@@ -1,0 +1,36 @@
+"""Dropless experts: the buffered layer's numbers on this target, the experts' FLOPs as compiled for a TPU."""
+
+import pytest
+
+from experiments.q42_dropless import Config, tile_visits
+from lab.registry import get
+from tests.experiments.support import pinned
+
+pytestmark = pytest.mark.long  # two libtpu compiles
+
+SMALL = Config(seq=128, capacities=("1", "dropless"))
+
+
+@pytest.fixture(scope="module")
+def result(devices):
+    return get("dropless").run(SMALL)
+
+
+def test_dropless_matches_the_buffer_and_the_compiled_flops_match_the_count(result):
+    assert pinned(result) == {
+        "fsdp=4,tensor=2: dropless loss against a whole-sequence buffer's": "agrees",
+        "fsdp=4,tensor=2: the largest gradient difference, relative to the gradient's largest element": "agrees",
+        "tpu:v5e:2x2 capacity=1: the experts' matmul FLOPs per chip, read from the compiled step, against the count "
+        "from the sizes": "agrees",
+        "tpu:v5e:2x2 capacity=dropless: the experts' matmul FLOPs per chip, read from the compiled step, against the "
+        "count from the sizes": "agrees",
+    }
+    one, dropless = result.checks[2].observed, result.checks[3].observed
+    # 2 sequences of 128 tokens to 2 experts: 512 rows, one tile, visited once more for each of 7 boundaries
+    assert dropless / one == pytest.approx(8.0)
+    assert not result.claims  # the claim needs the buffer at 1.25 and none beside dropless
+
+
+def test_the_tile_overhead_shrinks_as_the_rows_outnumber_the_experts():
+    assert tile_visits(512, 8) == 8.0
+    assert tile_visits(16 * 4096 * 8, 128) == pytest.approx((1024 + 127) / 1024)
