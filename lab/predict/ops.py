@@ -1,5 +1,4 @@
 """Op by op: the predicted time of a compiled, scheduled step, and what of its communication is exposed.
-
 One concept, one module: pricing each op and walking the schedule that decides what hides are one model (the walk
 needs each op's price, the prices mean nothing without the walk), so they stay together.
 
@@ -53,6 +52,8 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from lab.hlo.schedule import ScheduledModule, Window, _communicates, flops, overlap_report, parse_schedule
 from lab.hlo.text import Instruction, arrays, nbytes
@@ -558,20 +559,24 @@ def _window(text: str) -> dict[str, list]:
 
 def _taps(n: int, w: int, n_out: int, lo: int, stride: int, dilation: int, holes: int = 1) -> int:
     """(output, tap) pairs of one spatial dimension whose position o·stride + k·dilation - lo in the input, dilated
-    `holes` times ((n - 1)·holes + 1 positions, a real element at every multiple of `holes`), is a real element."""
-    total, extent = 0, (n - 1) * holes + 1
-    for k in range(w):
-        offset = k * dilation - lo
-        first = max(0, math.ceil(-offset / stride))
-        last = min(n_out, math.ceil((extent - offset) / stride))
-        if holes == 1:
-            total += max(0, last - first)
-            continue
-        # outputs o with (o·stride + offset) a multiple of `holes`: one residue class modulo holes / gcd(stride, holes)
-        period = holes // math.gcd(stride, holes)
-        hits = [o for o in range(first, min(last, first + period)) if (o * stride + offset) % holes == 0]
-        total += sum(len(range(o, last, period)) for o in hits)
-    return total
+    `holes` times ((n - 1)·holes + 1 positions, a real element at every multiple of `holes`), is a real element.
+
+    Counted for all w taps at once (a window may span a whole sequence of rows: hundreds of thousands of taps).
+    """
+    offset = np.arange(w, dtype=np.int64) * dilation - lo  # tap k reads input position o·stride + offset
+    extent = (n - 1) * holes + 1
+    first = np.maximum(0, -(offset // stride))  # the first output whose position is >= 0: ceil(-offset / stride)
+    last = np.minimum(n_out, -((offset - extent) // stride))  # one past the last below extent
+    if holes == 1:
+        return int(np.maximum(0, last - first).sum())
+    # outputs o with o·stride + offset a multiple of `holes`: none unless gcd(stride, holes) divides the offset,
+    # else one residue class o0 modulo holes / gcd, o0 = (-offset / gcd) · (stride / gcd)^-1
+    g = math.gcd(stride, holes)
+    period = holes // g
+    inverse = pow(stride // g, -1, period) if period > 1 else 0
+    o0 = ((-offset // g) % period) * inverse % period
+    hits = (last - 1 - o0) // period - (first - 1 - o0) // period  # o = o0 (mod period) in [first, last)
+    return int(np.where((offset % g == 0) & (last > first), hits, 0).sum())
 
 
 def _kernel_flops(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
