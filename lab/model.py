@@ -46,7 +46,9 @@ An MoE model (``experts > 0``) replaces every MLP by E expert MLPs of width F
 and a top-k router (GShard, Lepikhin et al. 2020; the routing, balancing loss
 and load counts of `lab.moe`, the buffers of
 `lab.parallel.expert`): Ψ = 2VD + L (4DHK + DE + (2 + gated) EDF + 2D) + D, of
-which a token uses the k experts it is routed to. ``qk_norm`` adds an RMSNorm
+which a token uses the k experts it is routed to; ``dropless`` replaces the
+buffers by MaxText's sorted rows and grouped matmuls (`lab.ragged`), the same
+numbers as a buffer that drops nothing. ``qk_norm`` adds an RMSNorm
 of each query and key head (Qwen3): 2K more per layer.
 
 The MoE stacks of DeepSeek-V3 and Llama 4 add four fields: ``shared_experts``
