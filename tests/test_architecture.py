@@ -29,7 +29,7 @@ LAYERS = (
     ("lab.errors", "lab.interrupts", "lab.units", "lab.progress", "lab.verdict", "lab.inputs", "lab.provenance"),
     ("lab.mesh", "lab.targets", "lab.collectives"),
     ("lab.rules", "lab.targets.topology", "lab.theory"),
-    ("lab.hlo", "lab.moe", "lab.model", "lab.roofline", "lab.bench", "lab.explanation"),
+    ("lab.hlo", "lab.moe", "lab.ragged", "lab.model", "lab.roofline", "lab.bench", "lab.explanation"),
     ("lab.parallel",),
     ("lab.report", "lab.training"),
     ("lab.doctor", "lab.predict", "lab.plan"),
