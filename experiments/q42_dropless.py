@@ -357,6 +357,9 @@ NOTES = [
     "The dropless layer runs under shard_map on each device's own sequences with every expert's whole weights: "
     "MaxText's sparse_matmul without expert parallelism, as its TPU7x recipes run it. With an expert axis it is "
     "refused (its tokens would have to move by a ragged all-to-all, which the lab does not compile).",
-    "Dropless has no overflow, so no token is dropped whatever the router does; its cost instead grows with the "
-    "imbalance only through the grouped matmul's tiles, and its sort and two row permutations (gathers, HBM-bound).",
+    "Dropless has no overflow, so no token is dropped whatever the router does, and its matmul work does not grow "
+    "with the imbalance either: at most E - 1 extra row tiles, fewer when experts get no rows. What it adds to a "
+    "buffer of the balanced load is those tiles, its sort and its two row permutations (gathers, HBM-bound). "
+    "`lab plan`'s closed form prices a dropless layer as that balanced buffer (capacity 1): the tiles and the sort "
+    "are in the compiled prediction only.",
 ]
