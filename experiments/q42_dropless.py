@@ -27,7 +27,6 @@ from functools import partial
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -140,8 +139,13 @@ def _numerics(config: Config, devices) -> Numerics:
 
     (loss_b, grads_b), (loss_d, grads_d) = loss_and_grads(base), loss_and_grads(replace(base, dropless=True))
     gaps = jax.tree.map(lambda d, b: float(np.abs(d - b).max() / max(np.abs(b).max(), 1e-30)), grads_d, grads_b)
-    norm_b, norm_d = (float(optax.global_norm(g)) for g in (grads_b, grads_d))
+    norm_b, norm_d = (_norm(g) for g in (grads_b, grads_d))
     return Numerics(config.mesh, float(loss_b), float(loss_d), max(jax.tree.leaves(gaps)), norm_b, norm_d)
+
+
+def _norm(grads) -> float:
+    """The gradients' global norm, in float64."""
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads))))
 
 
 def _summed(mesh, grad: jax.Array) -> jax.Array:
