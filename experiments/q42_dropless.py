@@ -233,23 +233,17 @@ def judge(obs: Observations, config: Config) -> Result:
 
 def _numerics_checks(n: Numerics) -> list[Check]:
     basis = "float32: the sorted rows and the buffers add the same products in other orders (~1e-7 each)"
+    pairs = (("loss", n.loss_buffered, n.loss_dropless), ("gradients' global norm", n.norm_buffered, n.norm_dropless))
     return [
         check(
-            f"{n.mesh}: dropless loss against a whole-sequence buffer's",
-            n.loss_buffered,
-            n.loss_dropless,
+            f"{n.mesh}: the {what}, dropless against a whole-sequence buffer's",
+            buffered,
+            dropless,
             kind="model",
             rtol=1e-5,
             basis=basis,
-        ),
-        check(
-            f"{n.mesh}: the gradients' global norm, dropless against a whole-sequence buffer's",
-            n.norm_buffered,
-            n.norm_dropless,
-            kind="model",
-            rtol=1e-5,
-            basis=basis,
-        ),
+        )
+        for what, buffered, dropless in pairs
     ]
 
 

@@ -18,7 +18,7 @@ def result(devices):
 
 def test_dropless_matches_the_buffer_and_the_compiled_flops_match_the_count(result):
     assert pinned(result) == {
-        "fsdp=4,tensor=2: dropless loss against a whole-sequence buffer's": "agrees",
+        "fsdp=4,tensor=2: the loss, dropless against a whole-sequence buffer's": "agrees",
         "fsdp=4,tensor=2: the gradients' global norm, dropless against a whole-sequence buffer's": "agrees",
         "tpu:v5e:2x2 capacity=dropless: the experts' matmul FLOPs per chip, read from the compiled step, against the "
         "count from the sizes": "agrees",
