@@ -15,7 +15,9 @@ rows start inside one. This page compiles the lab's MoE (`lab.model`) both ways:
    default; 1, a perfectly balanced buffer; none; dropless): the experts' matmul
    FLOPs read from the compiled step by `lab.predict.ops` against the count from
    the sizes alone, and the step `lab predict` prices from each;
-3. the grouped matmul's row-tile overhead at the sizes of published dropless runs.
+3. ``lab plan``'s closed form (`lab.plan.closed_form`, from the shapes alone) against
+   each compiled step's matmul FLOPs;
+4. the grouped matmul's row-tile overhead at the sizes of published dropless runs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from experiments import kit
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig, abstract_model, create_params
 from lab.parallel import Layout
+from lab.plan import closed_form
+from lab.plan import space as plan
 from lab.predict import calibration
 from lab.predict.command import Predict, price, read_step
 from lab.predict.spec import parse_model
@@ -43,6 +47,7 @@ from lab.ragged import GMM_TILING
 from lab.report import Result, Table
 from lab.rules import get_strategy
 from lab.targets.devices import DEFAULT_TARGET, devices_for
+from lab.targets.hardware import profile
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
 
@@ -87,7 +92,7 @@ class Step:
     capacity: str
     expert_flops: float  # the experts' matmuls, all runs, per chip, as `lab.predict.ops` prices them
     expert_ops: int
-    hardware_flops: float
+    hardware_flops: float  # the whole step's matmuls, per chip
     step_s: float
     memory_bytes: int
 
@@ -168,7 +173,7 @@ def _step(config: Config, capacity: str) -> Step:
         capacity,
         sum(o.flops * o.runs for o in experts),
         len(experts),
-        prediction.hardware_flops_per_step,
+        prediction.hardware_flops_per_step / prediction.chips,
         prediction.step_s,
         prediction.memory_bytes,
     )
@@ -190,6 +195,17 @@ def expert_flops(model: ModelConfig, capacity: str, sequences: int) -> float:
         rows = sequences * e * min(slots, s)
     matmuls = 3 if model.gated else 2
     return 4 * matmuls * model.layers * 2 * rows * model.embed * model.mlp
+
+
+def planned_flops(config: Config, capacity: str) -> float:
+    """`lab plan`'s closed form for the TPU step of `capacity`: its matmul FLOPs per chip (remat full, fsdp over
+    every chip, as `lab predict` compiles it)."""
+    model = replace(parse_model(f"{config.model},capacity={capacity}"), seq=config.seq)
+    generation, torus = config.tpu_topology.split(":")
+    shape = tuple(int(n) for n in torus.split("x"))
+    chips = math.prod(shape)
+    problem = plan.Problem(model, config.batch_per_device * chips, profile(generation), shape, config.tpu_topology)
+    return closed_form.estimate(problem, plan.Layout(MeshSpec.parse(f"fsdp={chips}"), None, "full")).flops_per_chip
 
 
 def tile_visits(routed: int, experts: int) -> float:
@@ -218,6 +234,20 @@ def judge(obs: Observations, config: Config) -> Result:
             s.expert_flops,
             kind="exact",
             rtol=1e-9,
+        )
+        for s in obs.steps
+    ]
+    checks += [
+        check(
+            f"tpu:{config.tpu_topology} capacity={s.capacity}: lab plan's closed form, the step's matmul FLOPs per "
+            "chip against the compiled step's",
+            planned_flops(config, s.capacity),
+            s.hardware_flops,
+            kind="model",
+            rtol=0.05,
+            basis="the closed form counts the model's matmuls from its shapes (each expert's rows as the capacity "
+            "or the grouped matmul's tiles make them); the compiled step adds the buffer's one-hot dispatch and "
+            "combine and the loss's chunks, and the closed form's one-hot embedding runs whole: a few per cent",
         )
         for s in obs.steps
     ]
@@ -277,6 +307,7 @@ def _step_tables(obs: Observations, config: Config, model: ModelConfig) -> list[
             f"{s.expert_flops / routed:.3f}x",
             str(s.expert_ops),
             f"{s.hardware_flops:.4g}",
+            f"{planned_flops(config, s.capacity):.4g}",
             f"{s.step_s * 1e3:.2f}",
             format_bytes(s.memory_bytes),
         ]
@@ -291,6 +322,7 @@ def _step_tables(obs: Observations, config: Config, model: ModelConfig) -> list[
                 "of the routed work",
                 "expert ops",
                 "step FLOPs per chip",
+                "lab plan's closed form",
                 "predicted step ms",
                 "memory per chip",
             ],
@@ -361,6 +393,6 @@ NOTES = [
     "Dropless has no overflow, so no token is dropped whatever the router does, and its matmul work does not grow "
     "with the imbalance either: at most E - 1 extra row tiles, fewer when experts get no rows. What it adds to a "
     "buffer of the balanced load is those tiles, its sort and its two row permutations (gathers, HBM-bound). "
-    "`lab plan`'s closed form prices a dropless layer as that balanced buffer (capacity 1): the tiles and the sort "
-    "are in the compiled prediction only.",
+    "`lab plan`'s closed form prices the tiles (a buffer of the rows the grouped matmul visits on a chip's tokens) "
+    "but not the sort and the permutations, as it leaves out a buffer's dispatch and combine.",
 ]

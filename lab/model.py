@@ -91,8 +91,11 @@ from jax.sharding import PartitionSpec as P
 
 from lab.errors import LabError
 from lab.moe import Balance, LoadCounts, RouterConfig, Routing, balance_loss, combine, dispatch, load_counts, route
-from lab.ragged import dropless
-from lab.rules import logical_axes  # noqa: F401 - declared here, read by the Layout there; lab.model.logical_axes stays importable
+from lab.ragged import NO_EXPERT_AXIS, dropless
+from lab.rules import (
+    logical_axes,  # noqa: F401 - declared here, read by the Layout there; lab.model.logical_axes stays importable
+    spec_axes,
+)
 
 
 @dataclass(frozen=True)
@@ -401,11 +404,10 @@ def row_parallel(equation: str, lhs: jax.Array, weight: jax.Array, layout: Paral
     return jax.reshard(partial, out)
 
 
-def _mesh_axes(x: jax.Array, dim: int) -> tuple[str, ...]:
+def _mesh_axes(x: jax.Array, dim: int) -> set[str]:
     """The mesh axes dimension `dim` of `x` is split over (none without a mesh)."""
     partitions = jax.typeof(x).sharding.spec.partitions
-    entry = partitions[dim] if dim < len(partitions) else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return spec_axes(P(partitions[dim])) if dim < len(partitions) else set()
 
 
 def _platform(layout: Parallelism) -> str:
@@ -839,12 +841,9 @@ class MoE(nnx.Module):
         weights = {n: layout.use(getattr(self, n)) for n in names}
         expert_BSK, gate_BSK = (_move(a, layout, ("batch", None, None)) for a in (routing.expert_TK, routing.gate_TK))
         split = _mesh_axes(weights["w_out"], 1)  # the mesh axes the experts' width is split over
-        if _mesh_axes(weights["w_in"], 0) or _mesh_axes(weights["w_in"], 1):
-            raise LabError(
-                "capacity=dropless multiplies each device's own tokens by every expert's whole weights "
-                "(MaxText's sparse_matmul without expert parallelism): use a mesh without an expert axis, "
-                "or a capacity such as 1.25"
-            )
+        experts_split = _mesh_axes(weights["w_in"], 0) | _mesh_axes(weights["w_in"], 1)
+        if experts_split:
+            raise LabError(f"the experts' weights are split over {', '.join(sorted(experts_split))}: {NO_EXPERT_AXIS}")
         tpu = _platform(layout) == "tpu"
 
         def local(x_bsd, expert_bsk, gate_bsk, weights):
@@ -863,7 +862,7 @@ class MoE(nnx.Module):
             k = expert_bsk.shape[-1]
             expert_TK, gate_TK = expert_bsk.reshape(b * s, k), gate_bsk.reshape(b * s, k)
             y_TD = dropless(x_bsd.reshape(b * s, d), expert_TK, gate_TK, self.config.experts, mlp, tpu)
-            y_TD = jax.lax.psum(y_TD, split) if split else y_TD
+            y_TD = jax.lax.psum(y_TD, tuple(sorted(split))) if split else y_TD
             if "out_bias" in weights:  # once, after the sum: each choice's bias, gate-weighted
                 y_TD = y_TD + jnp.einsum("tk,tkd->td", gate_TK.astype(y_TD.dtype), weights["out_bias"][expert_TK])
             return y_TD.reshape(b, s, d)

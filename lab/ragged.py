@@ -25,6 +25,10 @@ import jax
 import jax.numpy as jnp
 
 GMM_TILING = (512, 1024, 1024)  # rows, contraction, output columns: MaxText's default megablox tiles
+NO_EXPERT_AXIS = (  # why a dropless layer refuses experts split over devices, and what to do instead
+    "capacity=dropless multiplies each device's own tokens by every expert's whole weights (MaxText's sparse_matmul "
+    "without expert parallelism); leave the expert axis out, or give a capacity such as 1.25"
+)
 
 
 @jax.custom_vjp

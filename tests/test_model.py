@@ -204,3 +204,15 @@ def test_a_dropless_moe_computes_what_a_buffer_of_the_whole_sequence_does(mesh_s
     jax.tree.map(partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-7), dropless_grads, buffered_grads)
     with pytest.raises(LabError, match="dropless routing has no capacity"):
         ModelConfig(experts=4, dropless=True)  # the default capacity factor 1.25 left in place
+
+
+def test_a_dropless_moe_refuses_experts_split_over_devices():
+    """A library caller's expert axis gets the CLI's refusal (`lab.ragged.NO_EXPERT_AXIS`), naming the split."""
+    config = ModelConfig(mlp=32, experts=4, top_k=2, capacity_factor=None, dropless=True)
+    mesh = MeshSpec.parse("fsdp=4,expert=2").build(jax.devices())
+    layout = Layout(mesh, get_strategy("zero3"))
+    graphdef, abstract = abstract_model(config)
+    params = create_params(config, layout.shardings(abstract, "params"))
+    tokens = jax.device_put(np.zeros((8, config.seq), np.int32), NamedSharding(mesh, layout.batch_spec()))
+    with pytest.raises(LabError, match="the experts' weights are split over expert: capacity=dropless"):
+        jax.jit(lambda p, t: nnx.merge(graphdef, p).forward(t, layout)[0])(params, tokens)

@@ -86,6 +86,7 @@ from lab.mesh import AXES, MeshSpec
 from lab.model import FLASH_BLOCK, flash_head_width
 from lab.plan.space import Layout, Problem
 from lab.predict.spec import model_flops
+from lab.ragged import GMM_TILING
 from lab.targets.topology import Placement, placement, predict
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and gradients; fp32 master + Adam moments
@@ -270,8 +271,26 @@ def _qk_width(model, t: int) -> float:
 
 
 def _mlp_width(model) -> float:
-    """Tokens through the MLP per token: 1, or an MoE layer's top_k experts with the capacity's padding."""
-    return model.top_k * (model.capacity_factor or 1.0) if model.experts else 1.0
+    """Rows through the MLP per token: 1; in an MoE layer top_k x the capacity factor (each expert's buffer), E
+    without a factor (every expert's buffer holds its whole group), top_k dropless (the routed rows)."""
+    if not model.experts:
+        return 1.0
+    if model.dropless:
+        return float(model.top_k)
+    return model.top_k * model.capacity_factor if model.capacity_factor else float(model.experts)
+
+
+def _as_buffer(model, tokens: float):
+    """`model` as its matmuls are priced on a chip of `tokens` tokens: a dropless MoE layer as a buffer of the rows
+    its grouped matmul visits (`lab.ragged`): the T·k routed rows in row tiles, each tile once and once more for
+    each expert whose rows start inside one, (tiles + E - 1) x the tile (as `lab.predict.ops` prices the kernel).
+    The sort's permutations, HBM-bound gathers, are left out, as a buffer's dispatch and combine are."""
+    if not model.dropless:
+        return model
+    rows = tokens * model.top_k
+    tile = min(GMM_TILING[0], math.ceil(rows / 128) * 128)
+    visited = (math.ceil(rows / tile) + model.experts - 1) * tile
+    return replace(model, dropless=False, capacity_factor=visited / rows)
 
 
 def _hidden(model, tensor: int) -> float:
@@ -484,7 +503,8 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     shard_tokens = problem.tokens / layout.batch_ways
     micro_tokens = shard_tokens / m
     layers = model.layers / p
-    kinds = [(n / p, kind, _layer(problem, layout, micro_tokens, kind)) for n, kind in layer_kinds(model)]
+    priced = [(n, _as_buffer(kind, micro_tokens)) for n, kind in layer_kinds(model)]
+    kinds = [(n / p, kind, _layer(problem, layout, micro_tokens, kind)) for n, kind in priced]
     forward_s = sum(n * layer.forward_s for n, _, layer in kinds)  # one stage's layers, one micro-batch
     backward_s = sum(n * layer.backward_s for n, _, layer in kinds)
     vocab_dots, vocab_moved = _vocab_s(problem, layout, shard_tokens)

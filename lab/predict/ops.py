@@ -1,4 +1,5 @@
 """Op by op: the predicted time of a compiled, scheduled step, and what of its communication is exposed.
+
 One concept, one module: pricing each op and walking the schedule that decides what hides are one model (the walk
 needs each op's price, the prices mean nothing without the walk), so they stay together.
 

@@ -7,6 +7,7 @@ plugin starts, in one line that says what to give instead (`lab.errors.LabError`
 from __future__ import annotations
 
 from lab.errors import LabError
+from lab.ragged import NO_EXPERT_AXIS
 from lab.targets.gpu import GPU_TARGET_FORM
 
 
@@ -30,10 +31,7 @@ def check_experts(model, ways: int) -> None:
             "such as mixtral-8x7b) or leave the expert axis out"
         )
     if model.dropless and ways > 1:
-        raise LabError(
-            f"--mesh expert={ways}: capacity=dropless multiplies each device's own tokens by every expert (MaxText's "
-            "sparse_matmul without expert parallelism); leave the expert axis out, or give a capacity such as 1.25"
-        )
+        raise LabError(f"--mesh expert={ways}: {NO_EXPERT_AXIS}")
     if model.experts % ways:
         fits = [w for w in range(2, ways + 1) if model.experts % w == 0]
         raise LabError(

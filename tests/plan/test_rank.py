@@ -6,8 +6,9 @@ import pytest
 
 from lab.mesh import MeshSpec
 from lab.model import ModelConfig
-from lab.plan.closed_form import _layer_weights, layer_kinds, params_per_chip
+from lab.plan.closed_form import _layer_weights, estimate, layer_kinds, params_per_chip
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman
+from lab.plan.space import Layout
 from tests.plan.test_space import SMALL, problem
 
 
@@ -61,6 +62,24 @@ def test_the_weights_fsdp_gathers_one_by_one_add_up_to_the_layer():
         vocab = (1 if model.tied else 2) * model.vocab * model.embed + model.embed
         assert sum(_layer_weights(model, MeshSpec(data=8))) * model.layers + vocab == model.parameters
         assert sum(_layer_weights(model, MeshSpec(tensor=2, fsdp=4))) < sum(_layer_weights(model, MeshSpec(fsdp=8)))
+
+
+def test_the_experts_rows_follow_the_capacity_and_a_dropless_layer_its_row_tiles():
+    """Over a balanced buffer (capacity 1: the k routed rows a token), the experts' matmuls add (cf - 1)·k rows a
+    token at a capacity factor, E - k without one (each buffer holds its whole sequence), and dropless the row
+    tiles megablox visits beyond the routed rows: 128 tokens a chip x 2 choices = 256 rows, one tile of 256,
+    visited once and once more for each of the 7 other experts, 8 x 256 rows in all, 6 rows a token beyond k."""
+    moe = replace(SMALL, experts=8, top_k=2, capacity_factor=1.0)
+    layout = Layout(MeshSpec(fsdp=8), None, "full")
+
+    def flops(**capacity) -> float:
+        return estimate(problem(replace(moe, **capacity)), layout).flops_per_chip
+
+    routed = flops()
+    extra_row = (flops(capacity_factor=1.25) - routed) / (0.25 * 2)  # one more row a token through the experts
+    assert extra_row > 0
+    assert flops(capacity_factor=None) - routed == pytest.approx((8 - 2) * extra_row)
+    assert flops(capacity_factor=None, dropless=True) - routed == pytest.approx((8 * 256 / 128 - 2) * extra_row)
 
 
 def test_everything_ranked_fits_and_is_sorted_by_step_time():
