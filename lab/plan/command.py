@@ -105,14 +105,10 @@ def problem_of(command: Plan) -> Problem:
     else:
         chip, topology, slices = target.generation, target.topology, command.slices
     chip_profile = profile(chip)
-    if chip_profile.devices_per_chip > 1:
-        raise LabError(
-            f"--target {command.target}: lab plan lays one device per chip on the torus, and {chip} has "
-            f"{chip_profile.devices_per_chip}; rank its layouts one by one with lab predict"
-        )
     torus = topology_shape(topology)
     chips = math.prod(torus) * slices
-    check_step_tokens(command.batch_per_device, chips, command.seq)
+    devices = chips * chip_profile.devices_per_chip  # TPU7x: two a chip, each laid out and priced on its own
+    check_step_tokens(command.batch_per_device, devices, command.seq)
     if command.chips is not None and command.chips != chips:
         raise LabError(
             f"--chips {command.chips}: {command.target} has {math.prod(torus)} chips a slice (node), x {slices} "
@@ -125,7 +121,7 @@ def problem_of(command: Plan) -> Problem:
             raise LabError(f"--global-batch {command.global_batch:,} tokens: a step counts {MAX_STEP_TOKENS:,} at most")
         sequences = command.global_batch // command.seq
     else:
-        sequences = command.batch_per_device * chips
+        sequences = command.batch_per_device * devices
     model = replace(parse_model(command.model), seq=command.seq, attention=attention)
     check_dropless(model, on_gpu)
     return Problem(model, sequences, chip_profile, torus, topology, slices)
@@ -290,9 +286,11 @@ def why_table(result: Ranking) -> tuple[list[str], list[list]]:
 
 def show(result: Ranking, console: Console, rows: int = 10) -> None:
     p = result.problem
+    per_chip = p.chip.devices_per_chip
+    laid = f"{p.chips} devices ({per_chip} a chip: 'chip' below means device)" if per_chip > 1 else f"{p.chips} chips"
     console.print(
         f"{p.model.parameters / 1e9:.2f} B parameters, {p.sequences} x {p.model.seq} tokens, {p.topology} x "
-        f"{p.slices} {'slice(s)' if p.chip.torus_dims else 'node(s) on InfiniBand'} = {p.chips} chips; "
+        f"{p.slices} {'slice(s)' if p.chip.torus_dims else 'node(s) on InfiniBand'} = {laid}; "
         f"{result.enumerated} layouts enumerated, {len(result.candidates)} "
         f"fit, ranked in {result.ranked_s:.2f} s",
         highlight=False,

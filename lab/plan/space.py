@@ -54,7 +54,9 @@ class Problem:
 
     @property
     def chips(self) -> int:
-        return math.prod(self.torus) * self.slices
+        """The devices laid out: the torus's chips x slices x the chip's devices (TPU7x: two chiplets a chip, each
+        its own device with half the chip's compute and HBM, as `lab predict` counts them)."""
+        return math.prod(self.torus) * self.slices * self.chip.devices_per_chip
 
     @property
     def tokens(self) -> int:

@@ -169,8 +169,11 @@ def _across_slices(kind: str, size_bytes: float, where: Placement, chip: ChipPro
     k = where.per_node
     if k == 1 or kind not in ("all-reduce", "all-gather", "reduce-scatter"):
         return theory.predict_on_switch(kind, size_bytes, chip, where.devices, network="dcn")
-    ici = theory.predict_on_rings(kind, size_bytes, chip, where.extents, where.wraps)
     dcn = theory.predict_on_switch(kind, size_bytes / k, chip, where.nodes, network="dcn")
+    if not where.torus_dims:  # each slice's k devices are one chip's (TPU7x's chiplets): die to die, no link
+        algorithm = f"{dcn.algorithm} on DCN (the {k} devices of each slice on one chip)"
+        return replace(dcn, algorithm=algorithm, devices=where.devices, size_bytes=size_bytes)
+    ici = theory.predict_on_rings(kind, size_bytes, chip, where.extents, where.wraps)
     return replace(
         dcn,
         algorithm=f"two tiers: {ici.algorithm} within each slice, then {dcn.algorithm} on DCN",

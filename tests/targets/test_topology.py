@@ -59,6 +59,19 @@ def test_an_axis_over_slices_and_chips_runs_in_two_tiers():
     assert predict("collective-permute", size, data, chip).seconds == pytest.approx(flat.seconds)
 
 
+def test_an_axis_over_slices_and_one_chips_two_devices_pays_dcn_alone():
+    """TPU7x: an axis over the two chiplets of one chip in each of 2 slices meets die to die, then on DCN (S / 2)."""
+    from lab.predict.command import build_mesh
+
+    chip = profile("tpu7x")
+    mesh = build_mesh("fsdp=4,tensor=2", topology_devices("tpu7x:2x2x1", 2), 2, "tensor")  # 2 devices x 2 slices
+    tensor = placement(mesh, ("tensor",))
+    assert (tensor.network, tensor.devices, tensor.nodes, tensor.torus_dims) == ("dcn", 4, 2, ())
+    size = 64 * 2**20
+    dcn = theory.predict_on_switch("all-reduce", size / 2, chip, 2, network="dcn")
+    assert predict("all-reduce", size, tensor, chip).seconds == pytest.approx(dcn.seconds)
+
+
 def test_predicted_times_follow_the_placement():
     chip = profile("v5e")
     mesh = MeshSpec(data=2, tensor=4).build(topology_devices("v5e:2x2", 2))
