@@ -63,8 +63,10 @@ class Config:
     """where to compare the two paths' numerics (cpu:N)"""
     mesh: str = "fsdp=4,tensor=2"
     """their mesh: the batch over fsdp, the experts' width over tensor"""
-    model: str = "layers=2,d_model=256,heads=4,kv_heads=2,head_dim=64,d_ff=512,vocab=1024,mlp=swiglu,experts=8,top_k=2"
-    """the MoE compiled for the TPU (its capacity is set per step)"""
+    model: str = (
+        "layers=2,d_model=1024,heads=8,kv_heads=4,head_dim=128,d_ff=1536,vocab=1024,mlp=swiglu,experts=8,top_k=2"
+    )
+    """the MoE compiled for the TPU (its capacity is set per step): d_ff 1536, Qwen3-235B's, is 1.5 tiles of 1024"""
     tpu_topology: str = "v5e:2x2"
     """compile one step per capacity for this TPU topology (compile-only); empty to skip"""
     seq: int = 512
@@ -183,18 +185,33 @@ def _step(config: Config, capacity: str) -> Step:
 
 
 def expert_flops(model: ModelConfig, capacity: str, sequences: int) -> float:
-    """The experts' matmul FLOPs per chip and step from the sizes alone: 2 · rows · D · F per matmul (SwiGLU: three),
-    each run four times under remat full (forward, its recompute, the two halves of its gradient), in every layer.
-    Rows: a buffer's E · C slots per sequence, C = ceil(S·k/E · cf) or S with none; dropless, the S·k routed rows of
-    every sequence times the row tiles megablox visits over the tiles the rows fill, (t + E - 1) / t."""
+    """The experts' matmul FLOPs per chip and step from the sizes alone: each matmul [rows, k] x [k, n] (SwiGLU:
+    [D, F] twice, then [F, D]) runs four times under remat full (forward, its recompute, the two halves of its
+    gradient), in every layer. A buffer: E · C rows per sequence, C = ceil(S·k/E · cf) or S with none, each product
+    exact (XLA's dots). Dropless: megablox's row-tile visits (`visited_rows`), each multiplying whole blocks
+    (`_block_columns`), the forward's tiles reused by the rows' gradient on [n, k]."""
     s, k, e = model.seq, model.top_k, model.experts
+    shapes = [(model.embed, model.mlp)] * (3 if model.gated else 2)
+    shapes[-1] = shapes[-1][::-1]  # W_out: [F, D]
     if capacity == "dropless":
-        rows = sequences * s * k * tile_visits(sequences * s * k, e)
-    else:
-        slots = s if capacity == "none" else math.ceil(s * k / e * float(capacity))
-        rows = sequences * e * min(slots, s)
-    matmuls = 3 if model.gated else 2
-    return 4 * matmuls * model.layers * 2 * rows * model.embed * model.mlp
+        per_row = sum(3 * _block_columns(a, b, a, b) + _block_columns(b, a, a, b) for a, b in shapes)
+        return model.layers * 2 * visited_rows(sequences * s * k, e) * per_row
+    slots = s if capacity == "none" else math.ceil(s * k / e * float(capacity))
+    return model.layers * 2 * sequences * e * min(slots, s) * sum(4 * a * b for a, b in shapes)
+
+
+def visited_rows(routed: int, experts: int) -> int:
+    """The rows megablox's gmm multiplies for `routed` rows: t = ceil(rows / tm) tiles, visited t + E - 1 times
+    (once more for each expert whose rows start inside a tile), tm = 512 or the rows rounded up to 128."""
+    tile = min(GMM_TILING[0], -(-routed // 128) * 128)
+    return (-(-routed // tile) + experts - 1) * tile
+
+
+def _block_columns(k: int, n: int, k_forward: int, n_forward: int) -> int:
+    """k x n as megablox multiplies it: each in whole tiles, the tiles (min(1024, k), min(1024, n)) of the forward's
+    [k_forward, n_forward]; the last tile computed whole where it is only partly filled."""
+    tk, tn = min(GMM_TILING[1], k_forward), min(GMM_TILING[2], n_forward)
+    return -(-k // tk) * tk * (-(-n // tn) * tn)
 
 
 def planned_flops(config: Config, capacity: str) -> float:
@@ -209,17 +226,21 @@ def planned_flops(config: Config, capacity: str) -> float:
 
 
 def tile_visits(routed: int, experts: int) -> float:
-    """Megablox's row-tile visits over the tiles `routed` rows fill: (t + E - 1) / t, t = ceil(rows / tm)."""
-    tile = min(GMM_TILING[0], -(-routed // 128) * 128)
-    tiles = -(-routed // tile)
-    return (tiles + experts - 1) / tiles
+    """Megablox's row-tile visits over the routed rows (1 with no straddled boundary and whole tiles)."""
+    return visited_rows(routed, experts) / routed
 
 
-# published MoE runs that drop nothing, and the rows one device routes per layer: sequences x tokens x k
+def column_tiles(d_model: int, d_ff: int) -> float:
+    """A forward expert matmul's whole-tile work over its exact [D, F] (or [F, D]): the widths in tiles of 1024."""
+    return _block_columns(d_model, d_ff, d_model, d_ff) / (d_model * d_ff)
+
+
+# published MoE runs that drop nothing: the rows one device routes per layer (sequences x tokens x k), the
+# experts, and the widths the expert matmuls multiply (d_model, the expert's d_ff)
 PUBLISHED_SIZES = (
-    ("Qwen3-235B-A22B, TPU7x-256 (tpu-recipes@c8cfe2f)", 16 * 4096 * 8, 128),
-    ("GPT-OSS 120B, TPU7x-64 (tpu-recipes@c8cfe2f)", 10 * 8192 * 4, 128),
-    ("DeepSeek-V3, TPU7x-256 (tpu-recipes@c8cfe2f)", 8 * 4096 * 8, 256),
+    ("Qwen3-235B-A22B, TPU7x-256 (tpu-recipes@c8cfe2f)", 16 * 4096 * 8, 128, 4096, 1536),
+    ("GPT-OSS 120B, TPU7x-64 (tpu-recipes@c8cfe2f)", 10 * 8192 * 4, 128, 2880, 2880),
+    ("DeepSeek-V3, TPU7x-256 (tpu-recipes@c8cfe2f)", 8 * 4096 * 8, 256, 7168, 2048),
 )
 
 
@@ -287,11 +308,29 @@ def _numerics_table(n: Numerics) -> Table:
 
 def _published_table() -> Table:
     return Table(
-        "The grouped matmul's row tiles at published sizes (from the sizes alone)",
-        ["run", "rows per device and layer", "experts", f"tiles of {GMM_TILING[0]}", "work over the routed rows"],
+        "The grouped matmul's tiles at published sizes, at MaxText's default tiling (from the sizes alone)",
         [
-            [run, str(rows), str(e), str(-(-rows // GMM_TILING[0])), f"{tile_visits(rows, e):.3f}x"]
-            for run, rows, e in PUBLISHED_SIZES
+            "run",
+            "rows per device and layer",
+            "experts",
+            f"row tiles of {GMM_TILING[0]}",
+            "row-tile visits over the routed rows",
+            "d_model x d_ff",
+            f"columns in tiles of {GMM_TILING[1]}",
+            "work over the routed rows",
+        ],
+        [
+            [
+                run,
+                str(rows),
+                str(e),
+                str(-(-rows // GMM_TILING[0])),
+                f"{tile_visits(rows, e):.3f}x",
+                f"{d} x {f}",
+                f"{column_tiles(d, f):.3f}x",
+                f"{tile_visits(rows, e) * column_tiles(d, f):.3f}x",
+            ]
+            for run, rows, e, d, f in PUBLISHED_SIZES
         ],
     )
 
@@ -346,7 +385,9 @@ def _claims(obs: Observations, config: Config, model: ModelConfig) -> list[Claim
             status,
             f"a buffer's compute is its slots, filled or not: {padded:.2f}x the routed work at capacity 1.25, "
             f"{whole:.2f}x (E/k) with none; dropless drops nothing for {dropless:.2f}x (the row tiles that straddle "
-            f"two of the {model.experts} experts), predicted step {by['dropless'].step_s * 1e3:.2f} ms against "
+            f"two of the {model.experts} experts, and the widths in whole tiles: "
+            f"{column_tiles(model.embed, model.mlp):.2f}x at d_model {model.embed}, d_ff {model.mlp}), predicted step "
+            f"{by['dropless'].step_s * 1e3:.2f} ms against "
             f"{by['1.25'].step_s * 1e3:.2f} ms at 1.25 on tpu:{config.tpu_topology}",
         )
     ]
@@ -376,8 +417,10 @@ A group of T tokens routed to k of E experts makes T·k (token, expert) rows, T�
 - **Dropless** (MegaBlocks, Gale et al. 2022; MaxText's `sparse_matmul`: `lab.ragged`): sort the T·k rows by expert
   and multiply each expert's contiguous rows in one grouped matmul. Megablox's `gmm` walks row tiles of tm rows
   (512 in MaxText): every tile once, and once more for each expert whose rows start inside a tile, so
-  t + E - 1 tile visits for t = ceil(T·k/tm) tiles when no boundary falls on a tile edge. Its gradient is `gmm`
-  again (the rows') and `tgmm` (the weights'), each over the same tiles.
+  t + E - 1 tile visits for t = ceil(T·k/tm) tiles when no boundary falls on a tile edge. Each visit multiplies
+  whole (tm, tk) x (tk, tn) blocks, tk and tn up to 1024 (MaxText's defaults): a width that is no multiple of its
+  tile is computed to the next whole tile (Qwen3-235B's expert d_ff 1536 as 2048: 1.33x). Its gradient is `gmm`
+  again (the rows', the forward's tiles on [n, k]) and `tgmm` (the weights'), each over the same row tiles.
 
 Per chip and step, with remat full: every expert matmul runs four times (forward, its recompute, and the two halves
 of its gradient), 2·rows·D·F FLOPs each, in every layer.
@@ -385,8 +428,9 @@ of its gradient), 2·rows·D·F FLOPs each, in every layer.
 
 NOTES = [
     "The TPU steps are compiled, not run: the FLOPs are what `lab.predict.ops` reads from each compiled step (the "
-    "buffered path's expert einsums inside their fusions; megablox's kernels from their operand shapes and row-tile "
-    "tables), and the step times are its prices at the chip's calibrated constants.",
+    "buffered path's expert einsums inside their fusions; megablox's kernels from the grid and blocks of their Mosaic "
+    "modules, `lab.hlo.mosaic`, and their row-tile tables), and the step times are its prices at the chip's "
+    "calibrated constants.",
     "The dropless layer runs under shard_map on each device's own sequences with every expert's whole weights: "
     "MaxText's sparse_matmul without expert parallelism, as its TPU7x recipes run it. With an expert axis it is "
     "refused (its tokens would have to move by a ragged all-to-all, which the lab does not compile).",

@@ -282,15 +282,26 @@ def _mlp_width(model) -> float:
 
 def _as_buffer(model, tokens: float):
     """`model` as its matmuls are priced on a chip of `tokens` tokens: a dropless MoE layer as a buffer of the rows
-    its grouped matmul visits (`lab.ragged`): the T·k routed rows in row tiles, each tile once and once more for
-    each expert whose rows start inside one, (tiles + E - 1) x the tile (as `lab.predict.ops` prices the kernel).
-    The sort's permutations, HBM-bound gathers, are left out, as a buffer's dispatch and combine are."""
+    its grouped matmul visits, times the columns its whole blocks multiply (`lab.ragged`, as `lab.predict.ops`
+    prices the kernel): the T·k routed rows in row tiles, each tile once and once more for each expert whose rows
+    start inside one, (tiles + E - 1) x the tile; and the model's and the experts' widths in tiles of up to
+    1024, each multiplied whole (a width of 1536 as 2048). The gradient's matmuls reuse the forward's tiles with
+    k and n swapped, which costs more only where a width is under its tile: left out, as are the sort's
+    permutations (HBM-bound gathers, like a buffer's dispatch and combine, which are left out too)."""
     if not model.dropless:
         return model
     rows = tokens * model.top_k
-    tile = min(GMM_TILING[0], math.ceil(rows / 128) * 128)
+    tile_rows, tile_k, tile_n = GMM_TILING
+    tile = min(tile_rows, math.ceil(rows / 128) * 128)
     visited = (math.ceil(rows / tile) + model.experts - 1) * tile
-    return replace(model, dropless=False, capacity_factor=visited / rows)
+    columns = _whole(model.embed, tile_k) * _whole(model.mlp, tile_n) / (model.embed * model.mlp)
+    return replace(model, dropless=False, capacity_factor=visited / rows * columns)
+
+
+def _whole(size: int, tile: int) -> int:
+    """`size` in whole tiles of up to `tile` (a tile no larger than the size)."""
+    tile = min(tile, size)
+    return math.ceil(size / tile) * tile
 
 
 def _hidden(model, tensor: int) -> float:

@@ -24,7 +24,8 @@ order it runs, so each can be priced on its own:
   (forward 4·b·h·S·T·K, dq 6·, dkv 8·, the causal kernels skipping the blocks
   above the diagonal: a fraction (n + 1) / 2n of n x n blocks; the splash
   kernel of a sliding window, the blocks its mask's table lists; a dropless
-  MoE's grouped matmuls, megablox's ``gmm`` and ``tgmm``, 2·m·k·n and the row
+  MoE's grouped matmuls, megablox's ``gmm`` and ``tgmm``, their grid of whole
+  blocks as the kernel's Mosaic module gives it (`lab.hlo.mosaic`), with the row
   tiles that straddle two experts, `_grouped_flops`);
 * a loop: its body, priced twice in a row and the second pass taken as the
   steady state (a collective the scheduler starts in one iteration and
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lab.hlo import mosaic
 from lab.hlo.schedule import ScheduledModule, Window, _communicates, flops, overlap_report, parse_schedule
 from lab.hlo.text import Instruction, arrays, nbytes
 from lab.targets.hardware import ChipProfile
@@ -616,16 +618,25 @@ def _gemm_flops(shapes: dict[str, str], instruction: Instruction) -> float:
 
 def _grouped_flops(shapes: dict[str, str], instruction: Instruction) -> float:
     """A megablox grouped matmul's FLOPs (``gmm``: rows [m, k] by their experts' [k, n]; ``tgmm``, the weights'
-    gradient: rows [m, k] and [m, n] into [E, k, n]): 2·m·k·n, times the row tiles it visits over the m/tm it
-    would without groups. Its operands say how many: after the tile count, the group offsets [E + 1] and the
-    tiles' group ids [V], V = m/tm + E - 1, a visit more for each expert whose rows start inside a tile (with
-    the tokens' choices unknown when compiling, every one of them: a tile-aligned boundary is a 1-in-tm chance)."""
+    gradient: rows [m, k] and [m, n] into [E, k, n]): its grid steps times one step's blocks, read from the
+    kernel's Mosaic module (`lab.hlo.mosaic`). A step multiplies a (tm, tk) block by a (tk, tn) one whole, so
+    2·tm·tk·tn = 2·sqrt(the three blocks' sizes multiplied): where k or n is no multiple of its tile the last
+    tile is computed whole (masked, not skipped). The grid's row-tile dimension is set when it runs; its
+    operands bound it: after the tile count, the group offsets [E + 1] and the tiles' group ids [V],
+    V = m/tm + E - 1, a visit more for each expert whose rows start inside a tile (with the tokens' choices unknown
+    when compiling, every one of them: a tile-aligned boundary is a 1-in-tm chance). Without a readable module:
+    2·m·k·n x V / (m/tm), the operands' sizes."""
     operands = [arrays(shapes.get(o, "")) for o in instruction.operands]
     out = arrays(instruction.shape)
     if len(operands) < 6 or not out or not all(operands[i] for i in (1, 2, 5)) or len(operands[5][0][1]) != 2:
         return 0.0
-    (m, k), n = operands[5][0][1], out[0][1][-1]
     groups, visits = operands[1][0][1][0] - 1, operands[2][0][1][0]
+    kernel = mosaic.kernel(instruction.attrs)
+    if kernel is not None and len(kernel.blocks) >= 3:
+        steps = math.prod(visits if bound is None else bound for bound in kernel.grid)
+        lhs, rhs, result = (math.prod(b) for b in (kernel.blocks[0], kernel.blocks[1], kernel.blocks[-1]))
+        return 2.0 * steps * math.sqrt(lhs * rhs * result)
+    (m, k), n = operands[5][0][1], out[0][1][-1]
     return 2.0 * m * k * n * visits / max(1, visits - groups + 1)
 
 

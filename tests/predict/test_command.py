@@ -268,17 +268,28 @@ def test_an_moe_step_prices_each_expert_matmul_at_its_einsums_flops(capsys):
     assert expert_ops and all(ratio in (1.0, 2.0) for ratio in expert_ops), expert_ops
 
 
-def test_a_dropless_moe_step_prices_megabloxs_grouped_matmuls_at_the_row_tiles_they_visit():
+@pytest.mark.parametrize("d_ff", [512, 1536])
+def test_a_dropless_moe_step_prices_megabloxs_grouped_matmuls_by_the_whole_blocks_they_multiply(d_ff):
     """capacity=dropless compiles MaxText's sparse_matmul: megablox's gmm forward, and gmm + tgmm backward, for each
-    of a SwiGLU expert's three matmuls; each priced 2·m·k·n times the row tiles it visits over its row tiles, m/tm + E
-    - 1 over m/tm, counted here from the model's sizes and megablox's tiling, apart from the HLO the pricing reads."""
-    moe = f"{SMALL},experts=8,top_k=2,capacity=dropless"
+    of a SwiGLU expert's three matmuls. Counted here from the sizes and megablox's tiling, apart from the kernels'
+    modules the pricing reads: tiles (512, min(1024, k), min(1024, n)) from each forward [k, n]; the rows'
+    gradient multiplies [n, k] with the same tiles; every block is multiplied whole (a d_ff of 1536 is two tiles of
+    1024), and the row tiles are visited m/tm + E - 1 times."""
+    moe = f"{SMALL.replace('d_ff=512', f'd_ff={d_ff}')},experts=8,top_k=2,capacity=dropless"
     reading = read_step(Predict(model=moe, target="tpu:v5e:2x2", mesh="fsdp=4", seq=512, batch_per_device=2))
     grouped = [o for o in reading.read.predict(calibration.efficiency("v5e")).ops if "gmm" in o.name]
-    rows = 2 * 512 * 2  # per chip: 2 sequences of 512 tokens, each to 2 experts: 2048 rows, 4 tiles of 512
-    per_matmul = 2 * rows * 256 * 512 * (4 + 8 - 1) / 4
-    # remat full: forward, recompute, then gmm (the rows' gradient) and tgmm (the weights') per matmul and layer
-    assert sum(o.flops * o.runs for o in grouped) == pytest.approx(3 * 4 * 2 * per_matmul, rel=1e-9)
+    visits = 2 * 512 * 2 // 512 + 8 - 1  # per chip: 2 sequences of 512 tokens to 2 experts, 4 row tiles of 512
+
+    def whole(size, tile):
+        return -(-size // tile) * tile
+
+    def matmul(k, n):  # remat full: forward, recompute, the rows' gradient, the weights' (tgmm)
+        tk, tn = min(1024, k), min(1024, n)
+        forward = whole(k, tk) * whole(n, tn)
+        return 2 * 512 * visits * (3 * forward + whole(n, tk) * whole(k, tn))
+
+    expected = 2 * matmul(256, d_ff) + matmul(d_ff, 256)  # gate and input, then output, per layer
+    assert sum(o.flops * o.runs for o in grouped) == pytest.approx(2 * expected, rel=1e-9)
 
 
 def test_an_offloading_remat_sends_the_named_activations_to_host_and_recomputes_the_rest():
