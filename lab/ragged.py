@@ -65,11 +65,16 @@ def ragged_matmul(lhs_AD: jax.Array, rhs_EDF: jax.Array, sizes_E: jax.Array, tpu
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
     rows, (width, out) = lhs_AD.shape[0], rhs_EDF.shape[1:]
-    tile_rows = min(GMM_TILING[0], -(-rows // 128) * 128)
+    tile_rows = row_tile(rows)
     padded = -(-rows // tile_rows) * tile_rows
     tiling = (tile_rows, min(GMM_TILING[1], width), min(GMM_TILING[2], out))
     lhs_AD = jnp.pad(lhs_AD, ((0, padded - rows), (0, 0)))
     return megablox.gmm(lhs_AD, rhs_EDF, sizes_E.astype(jnp.int32), lhs_AD.dtype, tiling)[:rows]
+
+
+def row_tile(rows: int) -> int:
+    """The grouped matmul's row tile for `rows` rows: MaxText's 512, or the rows rounded up to 128 when fewer."""
+    return min(GMM_TILING[0], -(-rows // 128) * 128)
 
 
 def dropless(x_TD: jax.Array, expert_TK: jax.Array, gate_TK: jax.Array, experts: int, mlp, tpu: bool) -> jax.Array:

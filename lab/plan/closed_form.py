@@ -86,7 +86,7 @@ from lab.mesh import AXES, MeshSpec
 from lab.model import FLASH_BLOCK, flash_head_width
 from lab.plan.space import Layout, Problem
 from lab.predict.spec import model_flops
-from lab.ragged import GMM_TILING
+from lab.ragged import GMM_TILING, row_tile
 from lab.targets.topology import Placement, placement, predict
 
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and gradients; fp32 master + Adam moments
@@ -291,9 +291,9 @@ def _as_buffer(model, tokens: float):
     if not model.dropless:
         return model
     rows = tokens * model.top_k
-    tile_rows, tile_k, tile_n = GMM_TILING
-    tile = min(tile_rows, math.ceil(rows / 128) * 128)
+    tile = row_tile(math.ceil(rows))
     visited = (math.ceil(rows / tile) + model.experts - 1) * tile
+    _, tile_k, tile_n = GMM_TILING
     columns = _whole(model.embed, tile_k) * _whole(model.mlp, tile_n) / (model.embed * model.mlp)
     return replace(model, dropless=False, capacity_factor=visited / rows * columns)
 
