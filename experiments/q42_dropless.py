@@ -46,7 +46,7 @@ from lab.provenance import Setup
 from lab.ragged import GMM_TILING
 from lab.report import Result, Table
 from lab.rules import get_strategy
-from lab.targets.devices import DEFAULT_TARGET, devices_for
+from lab.targets.devices import DEFAULT_TARGET, devices_for, topology_shape
 from lab.targets.hardware import profile
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
@@ -218,9 +218,9 @@ def planned_flops(config: Config, capacity: str) -> float:
     """`lab plan`'s closed form for the TPU step of `capacity`: its matmul FLOPs per chip (remat full, fsdp over
     every chip, as `lab predict` compiles it)."""
     model = replace(parse_model(f"{config.model},capacity={capacity}"), seq=config.seq)
-    generation, torus = config.tpu_topology.split(":")
-    shape = tuple(int(n) for n in torus.split("x"))
+    shape = topology_shape(config.tpu_topology)
     chips = math.prod(shape)
+    generation = config.tpu_topology.split(":")[0]
     problem = plan.Problem(model, config.batch_per_device * chips, profile(generation), shape, config.tpu_topology)
     return closed_form.estimate(problem, plan.Layout(MeshSpec.parse(f"fsdp={chips}"), None, "full")).flops_per_chip
 
@@ -247,6 +247,7 @@ PUBLISHED_SIZES = (
 def judge(obs: Observations, config: Config) -> Result:
     checks = _numerics_checks(obs.numerics)
     model = replace(parse_model(config.model), seq=config.seq)
+    planned = {s.capacity: planned_flops(config, s.capacity) for s in obs.steps}  # lab plan's, for checks and table
     checks += [
         check(
             f"tpu:{config.tpu_topology} capacity={s.capacity}: the experts' matmul FLOPs per chip, read from the "
@@ -262,7 +263,7 @@ def judge(obs: Observations, config: Config) -> Result:
         check(
             f"tpu:{config.tpu_topology} capacity={s.capacity}: lab plan's closed form, the step's matmul FLOPs per "
             "chip against the compiled step's",
-            planned_flops(config, s.capacity),
+            planned[s.capacity],
             s.hardware_flops,
             kind="model",
             rtol=0.05,
@@ -275,7 +276,7 @@ def judge(obs: Observations, config: Config) -> Result:
     return Result(
         summary=_summary(obs, config, model),
         theory=THEORY,
-        tables=[_numerics_table(obs.numerics), *_step_tables(obs, config, model), _published_table()],
+        tables=[_numerics_table(obs.numerics), *_step_tables(obs, config, model, planned), _published_table()],
         checks=checks,
         claims=_claims(obs, config, model),
         notes=NOTES,
@@ -335,7 +336,7 @@ def _published_table() -> Table:
     )
 
 
-def _step_tables(obs: Observations, config: Config, model: ModelConfig) -> list[Table]:
+def _step_tables(obs: Observations, config: Config, model: ModelConfig, planned: dict[str, float]) -> list[Table]:
     if obs.tpu_unavailable:
         return [obs.tpu_unavailable.table()]
     routed = expert_flops(model, "1", config.batch_per_device)  # a balanced buffer: exactly the routed rows
@@ -346,7 +347,7 @@ def _step_tables(obs: Observations, config: Config, model: ModelConfig) -> list[
             f"{s.expert_flops / routed:.3f}x",
             str(s.expert_ops),
             f"{s.hardware_flops:.4g}",
-            f"{planned_flops(config, s.capacity):.4g}",
+            f"{planned[s.capacity]:.4g}",
             f"{s.step_s * 1e3:.2f}",
             format_bytes(s.memory_bytes),
         ]
