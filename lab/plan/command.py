@@ -47,7 +47,7 @@ class Plan:
     global_batch: int | None = None
     """tokens per step, all chips (a multiple of --seq); default: --batch-per-device sequences on every chip"""
     batch_per_device: int = 1
-    """sequences per chip per step, when --global-batch is not given"""
+    """sequences per device per step, when --global-batch is not given (one device a chip; two on TPU7x)"""
     target: str = "tpu:v5e:16x16"
     """one slice's topology, tpu:<gen>:<topology>, or a GPU cluster, gpu:<chip>:<nodes>x<gpus per node>"""
     slices: int = 1
