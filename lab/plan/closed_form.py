@@ -206,15 +206,40 @@ def _layer_weights(model, mesh: MeshSpec) -> tuple[float, ...]:
 
     The attention's projections; the MLP's two or three matrices (an MoE layer's expert stacks, its router and its
     shared experts); the norms' scales."""
-    s = mesh.sizes
-    d, f, t, matrices = model.embed, model.mlp, s["tensor"], 3 if model.gated else 2
-    if model.experts:
-        shared = (d * model.shared_width / t,) * (matrices if model.shared_experts else 0)
-        mlp = (model.experts * d * f / (t * s["expert"]),) * matrices + (d * model.experts,) + shared
-    else:
-        mlp = (d * f / t,) * matrices
+    d = model.embed
     norms = (float(d),) * (1 if model.block == "parallel" else 2)
-    return _attention_weights(model, t) + mlp + norms + _biases(model, mesh)
+    return _embed_major(model, mesh) + _embed_minor(model, mesh) + norms + _biases(model, mesh)
+
+
+def _embed_major(model, mesh: MeshSpec) -> tuple[float, ...]:
+    """The matrices that take the embedding in (its dimension their first after the experts'): the attention's
+    input projections, the MLP's one or two input matrices (an MoE layer's expert stacks, router and shared
+    experts')."""
+    s = mesh.sizes
+    d, f, t, inputs = model.embed, model.mlp, s["tensor"], 2 if model.gated else 1
+    if model.experts:
+        shared = (d * model.shared_width / t,) * (inputs if model.shared_experts else 0)
+        mlp = (model.experts * d * f / (t * s["expert"]),) * inputs + (d * model.experts,) + shared
+    else:
+        mlp = (d * f / t,) * inputs
+    return _attention_weights(model, t)[:-1] + mlp
+
+
+def _embed_minor(model, mesh: MeshSpec) -> tuple[float, ...]:
+    """The matrices that give the embedding out, its dimension their last (XLA's minor one): the attention's
+    out-projection [h, k, d] and the MLP's output matrix [f, d] (an MoE layer's [E, f, d], and its shared
+    experts'). Split over fsdp along that minor dimension, their gradients are not reduce-scattered: libtpu
+    all-reduces each whole, synchronously, and keeps its slice (Llama 3 70B on v6e-256, data=4,fsdp=64: the
+    [28672, 8192] and [64, 128, 8192] gradients of every layer, 0.35 s of its 0.60 s exposed on fsdp)."""
+    s = mesh.sizes
+    d, f, t = model.embed, model.mlp, s["tensor"]
+    if model.experts:
+        mlp = (model.experts * d * f / (t * s["expert"]),) + (
+            (d * model.shared_width / t,) if model.shared_experts else ()
+        )
+    else:
+        mlp = (d * f / t,)
+    return _attention_weights(model, t)[-1:] + mlp
 
 
 def _biases(model, mesh: MeshSpec) -> tuple[float, ...]:
@@ -572,21 +597,23 @@ def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
     (layers of a stage, the kind's model, its `_Layer`).
 
     Where the scheduler `overlaps` (see `_overlaps`), the gathers overlap that layer's compute, and so does the
-    gradient's reduce-scatter, else every one of them waits; but over every chip of a
-    slice libtpu compiles a reduce-scatter as a synchronous all-reduce of the whole gradient and a slice of it,
-    exposed whole, and across slices the reduce-scatter within each slice waits too (the DCN tier's all-reduce
-    of the shard runs asynchronously). The vocabulary tables are gathered once each (the loss's chunks share the
-    unembedding) and their gradients reduced once, exposed: the unembedding's by an all-reduce (it leaves the chunk
-    loop as partial sums), the embedding's as a layer's."""
+    gradient's reduce-scatter, else every one of them waits. But a gradient split along its minor dimension
+    (`_embed_minor`) is all-reduced whole, synchronously, and so is every gradient over all the chips of a slice:
+    exposed whole; across slices the reduce-scatter within each slice waits too (the DCN tier's all-reduce of the
+    shard runs asynchronously). The vocabulary tables are gathered once each (the loss's chunks share the
+    unembedding) and their gradients all-reduced once, exposed: the unembedding's leaves the chunk loop as partial
+    sums, the embedding [vocab, embed] is split along its minor dimension."""
     model = problem.model
-    reduction = "all-reduce" if _whole_slice(problem, link) else "reduce-scatter"
-    waits = reduction == "all-reduce" or link.dcn > 1 or not overlaps
+    whole = _whole_slice(problem, link)
     collectives = moved = seconds = exposed = 0.0
     for n, kind, layer in kinds:
         each = [PARAM_BYTES * w for w in _layer_weights(kind, layout.mesh)]
+        minor = [PARAM_BYTES * w for w in _embed_minor(kind, layout.mesh)]
+        scattered = [] if whole else _without(each, minor)
         gather = sum(_seconds("all-gather", w, link) for w in each)
-        reduce = sum(_seconds(reduction, w, link) for w in each)
-        hidden = 0.0 if waits else reduce  # else the reduce-scatter overlaps the backward, like a gather
+        scatter = sum(_seconds("reduce-scatter", w, link) for w in scattered)
+        reduce = scatter + sum(_seconds("all-reduce", w, link) for w in (each if whole else minor))
+        hidden = scatter if overlaps and link.dcn == 1 else 0.0  # the reduce-scatters overlap the backward
         per_layer = ticks * n
         collectives += 3 * per_layer * len(each)
         moved += 3 * per_layer * sum(each)
@@ -594,7 +621,7 @@ def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
         hides = (layer.forward_s, layer.backward_s) if overlaps else (0.0, 0.0)
         exposed += per_layer * (max(0.0, gather - hides[0]) + max(0.0, gather + hidden - hides[1]) + reduce - hidden)
     table = PARAM_BYTES * model.vocab * model.embed
-    tables = [("all-gather", table, 2), ("all-reduce", table, 1)] + ([] if model.tied else [(reduction, table, 1)])
+    tables = [("all-gather", table, 2), ("all-reduce", table, 1 if model.tied else 2)]
     tables_s = sum(n * _seconds(kind, size, link) for kind, size, n in tables)
     return AxisCost(
         "fsdp",
@@ -622,6 +649,14 @@ def _overlaps(problem: Problem, bytes_per_chip: Memory) -> bool:
         return True
     io = bytes_per_chip.params + bytes_per_chip.optimizer
     return bytes_per_chip.total - io <= (GPU_SCHEDULER_SHARE * problem.chip.hbm_bytes - io) * GPU_SLOP
+
+
+def _without(sizes: list[float], taken: list[float]) -> list[float]:
+    """`sizes` less one entry equal to each of `taken` (weights of one size are priced alike: which one is moot)."""
+    rest = list(sizes)
+    for size in taken:
+        rest.remove(size)
+    return rest
 
 
 def _whole_slice(problem: Problem, link: _Link) -> bool:

@@ -2,13 +2,26 @@
 
 from dataclasses import replace
 
+import jax
 import pytest
+from flax import nnx
 
 from lab.mesh import MeshSpec
-from lab.model import ModelConfig
-from lab.plan.closed_form import _layer_weights, estimate, layer_kinds, params_per_chip
+from lab.model import ModelConfig, abstract_model
+from lab.plan.closed_form import (
+    PARAM_BYTES,
+    _embed_minor,
+    _layer_weights,
+    _links,
+    _seconds,
+    estimate,
+    layer_kinds,
+    params_per_chip,
+)
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman
 from lab.plan.space import Layout
+from lab.predict.spec import parse_model
+from lab.rules import logical_axes
 from tests.plan.test_space import SMALL, problem
 
 
@@ -62,6 +75,33 @@ def test_the_weights_fsdp_gathers_one_by_one_add_up_to_the_layer():
         vocab = (1 if model.tied else 2) * model.vocab * model.embed + model.embed
         assert sum(_layer_weights(model, MeshSpec(data=8))) * model.layers + vocab == model.parameters
         assert sum(_layer_weights(model, MeshSpec(tensor=2, fsdp=4))) < sum(_layer_weights(model, MeshSpec(fsdp=8)))
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+def test_the_gradients_all_reduced_whole_are_the_declared_weights_with_embed_last(shared):
+    """`_embed_minor` (what libtpu all-reduces instead of reduce-scattering) against the model's own declarations:
+    every block parameter whose last logical axis is ``embed``, a layer's worth."""
+    for model in (
+        replace(SMALL, layers=4),
+        ModelConfig(vocab=64, embed=32, heads=2, head_dim=16, mlp=16, layers=2, experts=4, shared_experts=shared),
+    ):
+        _, state = abstract_model(model)
+        blocks = jax.tree.leaves(state["blocks"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+        declared = sorted(v.size / model.layers for v in blocks if logical_axes(v)[-1] == "embed" and v.ndim > 2)
+        assert sorted(_embed_minor(model, MeshSpec(data=8))) == declared
+
+
+def test_a_gradient_split_along_its_minor_dimension_waits_for_its_all_reduce():
+    """Over part of a slice the closed form hides the reduce-scatters under the backward, but not the all-reduces of
+    the out-projection's and W_out's gradients: the fsdp axis exposes at least their time, every layer (a layer of
+    Llama 3 8B's shapes, 8192 tokens a chip: its compute would hide every gather and reduce-scatter)."""
+    model = replace(parse_model("llama3-8b"), vocab=512, layers=4, seq=4096)
+    case = problem(model, sequences=16)
+    layout = Layout(MeshSpec(data=2, fsdp=4), None, "full")
+    link = _links(case, layout)["fsdp"]
+    all_reduced = sum(_seconds("all-reduce", PARAM_BYTES * w, link) for w in _embed_minor(model, layout.mesh))
+    fsdp = next(a for a in estimate(case, layout).axes if a.axis == "fsdp")
+    assert all_reduced > 0 and fsdp.exposed_s >= model.layers * all_reduced
 
 
 def test_the_experts_rows_follow_the_capacity_and_a_dropless_layer_its_row_tiles():
