@@ -14,6 +14,11 @@ there, before this module runs.
 Once `lab.cli` is imported, `lab.interrupts` takes both over: from then on they
 unwind the running command (an asynchronous checkpoint save finishes) before
 the same line and code, and a compile that holds the main thread is abandoned.
+
+libtpu's driver writes a set of log files to ``/tmp/tpu_logs`` in every process that starts it (a compile-only
+target too): hundreds of files over a few `lab report` runs, none of which the lab reads. So the command sets
+``TPU_LOG_DIR=disabled`` (libtpu then logs to stderr only, at its usual level) unless the user's environment names a
+directory of its own; the processes the command starts inherit it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ def main() -> int:
     """Entry point of the ``lab`` console script and of ``python -m lab``."""
     for signum in EXIT_CODES:
         signal.signal(signum, _stop_at_once)
+    os.environ.setdefault("TPU_LOG_DIR", "disabled")
     from lab import cli  # imported here, once the handlers above are set: it imports jax, flax and orbax (seconds)
 
     return cli.main()  # which hands both signals to lab.interrupts

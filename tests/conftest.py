@@ -17,6 +17,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # examples, a GPU and a TPU compile, checked) and takes about 40% off every CPU compile. An environment variable,
 # so the `lab` subprocesses the tests start inherit it. `lab report`, whose pages time programs, leaves it off.
 os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+os.environ.setdefault("TPU_LOG_DIR", "disabled")  # as the `lab` command sets it (lab.entry): no /tmp/tpu_logs
 
 import jax
 

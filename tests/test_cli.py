@@ -197,6 +197,22 @@ def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
         assert "all-" in done.stdout
 
 
+def test_a_tpu_compile_leaves_no_libtpu_log_files():
+    """libtpu's driver logs to /tmp/tpu_logs in every process that starts it; the `lab` command turns that off
+    (TPU_LOG_DIR=disabled, `lab.entry`) unless the user names a directory."""
+    import os
+    import subprocess
+    import sys
+
+    logs = Path("/tmp/tpu_logs")
+    before = set(logs.iterdir()) if logs.exists() else set()
+    env = {k: v for k, v in os.environ.items() if k != "TPU_LOG_DIR"}
+    argv = ["inspect", "--axes", "fsdp", "--mesh", "fsdp=4", "--target", "tpu:v5e:2x2"]
+    done = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (set(logs.iterdir()) if logs.exists() else set()) == before
+
+
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("lab (sharding-lab) 0.1.0, jax 0.10")
