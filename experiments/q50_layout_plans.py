@@ -33,6 +33,7 @@ from functools import partial
 from matplotlib.figure import Figure
 
 from lab.plan.closed_form import Estimate
+from lab.plan.overlap import overlaps
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman, spread
 from lab.plan.space import Problem
 from lab.predict import calibration
@@ -212,15 +213,19 @@ class Planned:
 class Observations:
     setup: Setup
     cases: tuple[Planned, ...]
+    overlapped: tuple[tuple[str, bool], ...] = ()  # per generation: libtpu runs the gathers asynchronously
 
 
 # --------------------------------------------------------------------------- measure
 
 
 def _problem(model: str, target: str, slices: int, sequences: int, seq: int) -> Problem:
+    """The case as `lab plan` poses it, the gathers overlapping where libtpu, with the page's flags, says they do."""
     topology = target.removeprefix("tpu:")
+    generation = topology.split(":")[0]
     spec = replace(parse_model(model), seq=seq, attention="flash")
-    return Problem(spec, sequences, profile(topology.split(":")[0]), topology_shape(topology), topology, slices)
+    shape = topology_shape(topology)
+    return Problem(spec, sequences, profile(generation), shape, topology, slices, overlaps(generation))
 
 
 def _compiled(problem: Problem, layouts, plan) -> tuple[list[Compiled], list[str]]:
@@ -297,7 +302,9 @@ def measure(config: Config) -> Observations:
                 tuple(skipped),
             )
         )
-    return Observations(Setup("compile-only TPU pods", "", "enumerated"), tuple(planned))
+    generations = dict.fromkeys(c.target.removeprefix("tpu:").split(":")[0] for c in config.cases)
+    overlapped = tuple((g, overlaps(g)) for g in generations)
+    return Observations(Setup("compile-only TPU pods", "", "enumerated"), tuple(planned), overlapped)
 
 
 # --------------------------------------------------------------------------- judge
@@ -724,6 +731,8 @@ def _notes(obs: Observations, config: Config) -> list[str]:
         "Full-size compiles: "
         + (", ".join(f"{p.case} {len(p.full_size)}" for p in obs.cases) if config.full_size else "none")
         + f"; every compile with libtpu flags {config.libtpu_flags} (MaxText's DATA_PARALLEL_OVERLAP and "
-        "CF_FOR_ALL_GATHER; `lab plan --libtpu-flags` passes a recipe's own)."
+        "CF_FOR_ALL_GATHER; `lab plan --libtpu-flags` passes a recipe's own). With them libtpu runs the gathers "
+        + ", ".join(f"on {g} {'asynchronously' if on else 'synchronously'}" for g, on in obs.overlapped)
+        + " (`lab.plan.overlap`'s probe compile), and the closed form hides them under compute there alone."
     )
     return notes

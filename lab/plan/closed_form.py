@@ -44,8 +44,9 @@ closed form and the compiled prediction price alike):
   * ``fsdp``: per layer and tick, each weight all-gathered forward and again
     backward, its gradient reduce-scattered (ZeRO paper, Section 7.2.2), one
     collective per weight as XLA emits them (each pays its latency);
-    XLA overlaps them with the layer's compute, so only what exceeds it is exposed
-    (on GPU only within its scheduler's memory limit: a step over it waits for them all);
+    where the compiler runs them asynchronously they overlap the layer's compute, so only what exceeds it is
+    exposed (on TPU as libtpu answers `lab.plan.overlap`'s probe for the generation and flags, on GPU within its
+    scheduler's memory limit), else the step waits for them all;
     but over every chip of a slice libtpu compiles the reduce-scatter as a
     synchronous all-reduce of the whole gradient (twice the bytes, none
     hidden), and an axis across slices waits for its reduce-scatter within
@@ -640,13 +641,14 @@ GPU_SCHEDULER_SHARE, GPU_SLOP = 0.8, 0.95
 
 
 def _overlaps(problem: Problem, bytes_per_chip: Memory) -> bool:
-    """Whether the compiler's scheduler may start a layer's collectives early, to overlap compute. XLA:GPU's does so
-    only within its memory limit (`GPU_SCHEDULER_SHARE`): a step whose buffers beyond its inputs and outputs (the
-    parameters and optimizer state, donated) exceed it is scheduled for memory, and every collective waits (Llama 3
-    70B on 32 nodes of H100: at 70 of 75 GiB all 1.0 s of its FSDP collectives exposed; under remat ``full``, at
-    26 GiB, 0.42 s). libtpu publishes no such limit: on TPU the gathers are taken to overlap."""
+    """Whether the compiler's scheduler may start a layer's collectives early, to overlap compute. On TPU, where libtpu
+    makes the gathers asynchronous (`Problem.overlaps`: by generation and flags, asked of libtpu by
+    `lab.plan.overlap`). XLA:GPU's does so only within its memory limit (`GPU_SCHEDULER_SHARE`): a step whose
+    buffers beyond its inputs and outputs (the parameters and optimizer state, donated) exceed it is scheduled for
+    memory, and every collective waits (Llama 3 70B on 32 nodes of H100: at 70 of 75 GiB all 1.0 s of its FSDP
+    collectives exposed; under remat ``full``, at 26 GiB, 0.42 s)."""
     if problem.chip.torus_dims:
-        return True
+        return problem.overlaps
     io = bytes_per_chip.params + bytes_per_chip.optimizer
     return bytes_per_chip.total - io <= (GPU_SCHEDULER_SHARE * problem.chip.hbm_bytes - io) * GPU_SLOP
 

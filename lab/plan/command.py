@@ -27,9 +27,11 @@ from rich.table import Table
 from lab import inputs
 from lab.errors import LabError
 from lab.model import check_flash_tiling
+from lab.plan import overlap
 from lab.plan.closed_form import Estimate
 from lab.plan.rank import Candidate, Ranking, closed_form_plan, differing_terms, frontier, rerank
 from lab.plan.space import Problem
+from lab.predict import calibration
 from lab.predict.options import check_dropless, check_gpu_flags, check_gpu_slices, check_tpu_flags, resolve_attention
 from lab.predict.spec import MAX_STEP_TOKENS, check_step_tokens, parse_model
 from lab.units import format_bytes
@@ -135,8 +137,9 @@ def make_plan(command: Plan) -> Ranking:
     problem = problem_of(command)
     if command.xla_flags:
         xla_flags.prepare(command.xla_flags)
-    else:
+    elif problem.chip.torus_dims:
         libtpu.prepare(command.libtpu_flags)
+        problem = replace(problem, overlaps=overlap.overlaps(problem.topology.split(":")[0]))
     plan = closed_form_plan(problem)
     if command.compile_top and plan.candidates:
         # local: compiling imports the training step (flax, optax); a closed-form plan never needs it
@@ -213,6 +216,7 @@ def to_json(result: Ranking) -> dict:
         "ranked_s": result.ranked_s,
         "rank_correlation": result.rank_correlation,
         "fits": bool(result.candidates),
+        "gathers_overlap": result.problem.overlaps if result.problem.chip.torus_dims else None,
         "candidates": [candidate_json(c) for c in result.candidates],
     }
     if result.closest is not None:
@@ -284,6 +288,15 @@ def why_table(result: Ranking) -> tuple[list[str], list[list]]:
     return ["against", "term", f"winner ({winner.layout}, {winner.layout.remat})", "other"], body
 
 
+def synchronous_note(generation: str) -> str:
+    """Why every gather is priced exposed on this target, and the flags that would overlap them."""
+    return (
+        f"libtpu, with these flags, runs the gathers on {generation} synchronously (asked of it by a probe compile, "
+        "lab.plan.overlap): none hides behind compute, and the plan prices them so; MaxText's recipes overlap them "
+        f'with --libtpu-flags "{calibration.CF_FOR_ALL_GATHER}"'
+    )
+
+
 def show(result: Ranking, console: Console, rows: int = 10) -> None:
     p = result.problem
     per_chip = p.chip.devices_per_chip
@@ -295,6 +308,8 @@ def show(result: Ranking, console: Console, rows: int = 10) -> None:
         f"fit, ranked in {result.ranked_s:.2f} s",
         highlight=False,
     )
+    if p.chip.torus_dims and not p.overlaps:
+        console.print(synchronous_note(p.topology.split(":")[0]), highlight=False)
     if not result.candidates:
         console.print(nothing_fits(result), highlight=False)
         return

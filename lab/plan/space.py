@@ -51,6 +51,7 @@ class Problem:
     torus: tuple[int, ...]  # one slice's chips along each torus dimension
     topology: str  # "v5e:16x16", one slice
     slices: int = 1
+    overlaps: bool = True  # on TPU, whether libtpu runs the layers' gathers asynchronously (`lab.plan.overlap`)
 
     @property
     def chips(self) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lab.cli import main
-from tests.conftest import run_lab_json
+from tests.conftest import run_lab_json, run_python
 
 SMALL = "layers=2,d_model=128,heads=4,d_ff=256,vocab=512"
 
@@ -214,6 +214,50 @@ def test_on_gpu_a_step_over_the_schedulers_memory_limit_waits_for_every_collecti
         compiled = compile_layout(problem, layout).axes["fsdp"]
         assert (closed.exposed_s == pytest.approx(closed.seconds)) is waits
         assert (compiled["exposed_s"] > 0.9 * compiled["seconds"]) is waits
+
+
+_OVERLAP_PROBE = """
+    import json
+    from dataclasses import replace
+    from lab.mesh import MeshSpec
+    from lab.plan.closed_form import estimate
+    from lab.plan.command import Plan, problem_of
+    from lab.plan.compiled import compile_layout
+    from lab.plan.overlap import overlaps
+    from lab.plan.space import Layout
+    from lab.targets import libtpu
+
+    libtpu.prepare({flags!r})
+    for generation in {generations!r}:
+        problem = problem_of(Plan(model="layers=2,d_model=512,heads=8,d_ff=2048,vocab=512", seq=512,
+                                  target=f"tpu:{{generation}}:2x2"))
+        problem = replace(problem, overlaps=overlaps(generation))
+        layout = Layout(MeshSpec(fsdp=4), None, "full")
+        closed = {{a.axis: a for a in estimate(problem, layout).axes}}["fsdp"]
+        compiled = compile_layout(problem, layout).axes["fsdp"]
+        print(json.dumps([generation, problem.overlaps, closed.exposed_s / closed.seconds,
+                          compiled["exposed_s"] / compiled["seconds"]]))
+"""
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [("", {"v5e": True, "v6e": False}), ("CF_FOR_ALL_GATHER", {"v6e": True})],
+)
+def test_on_tpu_the_closed_form_hides_the_gathers_only_where_libtpu_runs_them_asynchronously(flags, expected):
+    """libtpu's defaults overlap an FSDP gather on v5e, not on v6e, where MaxText's collective-fusion flags make it
+    asynchronous: the probe says which (in a process of its own: libtpu takes its flags once), the closed form
+    prices every gather of a v6e layout exposed without them, and the compiled program waits for them too."""
+    from lab.predict import calibration
+
+    code = _OVERLAP_PROBE.format(flags=getattr(calibration, flags, ""), generations=tuple(expected))
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in done.stdout.splitlines():
+        generation, overlapped, closed_exposed, compiled_exposed = json.loads(line)
+        assert overlapped is expected[generation], generation
+        if not overlapped:
+            assert closed_exposed == pytest.approx(1.0) and compiled_exposed > 0.9
 
 
 @pytest.mark.parametrize(
