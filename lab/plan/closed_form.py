@@ -229,7 +229,7 @@ def _embed_major(model, mesh: MeshSpec) -> tuple[float, ...]:
 def _embed_minor(model, mesh: MeshSpec) -> tuple[float, ...]:
     """The matrices that give the embedding out, its dimension their last (XLA's minor one): the attention's
     out-projection [h, k, d] and the MLP's output matrix [f, d] (an MoE layer's [E, f, d], and its shared
-    experts'). Split over fsdp along that minor dimension, their gradients are not reduce-scattered: libtpu
+    experts'). Split over fsdp along that minor dimension, their gradients are not reduce-scattered on TPU: libtpu
     all-reduces each whole, synchronously, and keeps its slice (Llama 3 70B on v6e-256, data=4,fsdp=64: the
     [28672, 8192] and [64, 128, 8192] gradients of every layer, 0.35 s of its 0.60 s exposed on fsdp)."""
     s = mesh.sizes
@@ -598,18 +598,18 @@ def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
     (layers of a stage, the kind's model, its `_Layer`).
 
     Where the scheduler `overlaps` (see `_overlaps`), the gathers overlap that layer's compute, and so does the
-    gradient's reduce-scatter, else every one of them waits. But a gradient split along its minor dimension
+    gradient's reduce-scatter, else every one of them waits. But on TPU a gradient split along its minor dimension
     (`_embed_minor`) is all-reduced whole, synchronously, and so is every gradient over all the chips of a slice:
     exposed whole; across slices the reduce-scatter within each slice waits too (the DCN tier's all-reduce of the
     shard runs asynchronously). The vocabulary tables are gathered once each (the loss's chunks share the
     unembedding) and their gradients all-reduced once, exposed: the unembedding's leaves the chunk loop as partial
-    sums, the embedding [vocab, embed] is split along its minor dimension."""
-    model = problem.model
+    sums, and on TPU the embedding [vocab, embed] is split along its minor dimension too."""
+    model, on_tpu = problem.model, bool(problem.chip.torus_dims)
     whole = _whole_slice(problem, link)
     collectives = moved = seconds = exposed = 0.0
     for n, kind, layer in kinds:
         each = [PARAM_BYTES * w for w in _layer_weights(kind, layout.mesh)]
-        minor = [PARAM_BYTES * w for w in _embed_minor(kind, layout.mesh)]
+        minor = [PARAM_BYTES * w for w in _embed_minor(kind, layout.mesh)] if on_tpu else []
         scattered = [] if whole else _without(each, minor)
         gather = sum(_seconds("all-gather", w, link) for w in each)
         scatter = sum(_seconds("reduce-scatter", w, link) for w in scattered)
@@ -622,7 +622,8 @@ def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
         hides = (layer.forward_s, layer.backward_s) if overlaps else (0.0, 0.0)
         exposed += per_layer * (max(0.0, gather - hides[0]) + max(0.0, gather + hidden - hides[1]) + reduce - hidden)
     table = PARAM_BYTES * model.vocab * model.embed
-    tables = [("all-gather", table, 2), ("all-reduce", table, 1 if model.tied else 2)]
+    embedding = "all-reduce" if on_tpu or whole else "reduce-scatter"
+    tables = [("all-gather", table, 2), ("all-reduce", table, 1)] + ([] if model.tied else [(embedding, table, 1)])
     tables_s = sum(n * _seconds(kind, size, link) for kind, size, n in tables)
     return AxisCost(
         "fsdp",
