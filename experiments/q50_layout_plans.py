@@ -41,7 +41,7 @@ from lab.predict.spec import parse_model
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
-from lab.targets.devices import topology_shape
+from lab.targets.devices import parse_target, topology_shape
 from lab.targets.hardware import profile
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
@@ -221,11 +221,10 @@ class Observations:
 
 def _problem(model: str, target: str, slices: int, sequences: int, seq: int) -> Problem:
     """The case as `lab plan` poses it, the gathers overlapping where libtpu, with the page's flags, says they do."""
-    topology = target.removeprefix("tpu:")
-    generation = topology.split(":")[0]
+    pod = parse_target(target)
     spec = replace(parse_model(model), seq=seq, attention="flash")
-    shape = topology_shape(topology)
-    return Problem(spec, sequences, profile(generation), shape, topology, slices, overlaps(generation))
+    chip, shape = profile(pod.generation), topology_shape(pod.topology)
+    return Problem(spec, sequences, chip, shape, pod.topology, slices, overlaps(pod.generation))
 
 
 def _compiled(problem: Problem, layouts, plan) -> tuple[list[Compiled], list[str]]:
@@ -302,7 +301,7 @@ def measure(config: Config) -> Observations:
                 tuple(skipped),
             )
         )
-    generations = dict.fromkeys(c.target.removeprefix("tpu:").split(":")[0] for c in config.cases)
+    generations = dict.fromkeys(parse_target(c.target).generation for c in config.cases)
     overlapped = tuple((g, overlaps(g)) for g in generations)
     return Observations(Setup("compile-only TPU pods", "", "enumerated"), tuple(planned), overlapped)
 

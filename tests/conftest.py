@@ -24,6 +24,11 @@ import jax
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
 
+# rich reads these to override what a terminal is: a CI that exports TTY_INTERACTIVE=0 has it draw a bar only when the
+# sweep is over, and the tests that drive `lab` on a pseudo-terminal would never see one mid-sweep
+for name in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "FORCE_COLOR"):
+    os.environ.pop(name, None)
+
 # imported only after the environment and JAX's config above are set, on purpose: they must come before anything else
 import pytest  # noqa: E402
 

@@ -139,7 +139,7 @@ def make_plan(command: Plan) -> Ranking:
         xla_flags.prepare(command.xla_flags)
     elif problem.chip.torus_dims:
         libtpu.prepare(command.libtpu_flags)
-        problem = replace(problem, overlaps=overlap.overlaps(problem.topology.split(":")[0]))
+        problem = replace(problem, overlaps=overlap.overlaps(problem.generation))
     plan = closed_form_plan(problem)
     if command.compile_top and plan.candidates:
         # local: compiling imports the training step (flax, optax); a closed-form plan never needs it
@@ -309,7 +309,7 @@ def show(result: Ranking, console: Console, rows: int = 10) -> None:
         highlight=False,
     )
     if p.chip.torus_dims and not p.overlaps:
-        console.print(synchronous_note(p.topology.split(":")[0]), highlight=False)
+        console.print(synchronous_note(p.generation), highlight=False)
     if not result.candidates:
         console.print(nothing_fits(result), highlight=False)
         return

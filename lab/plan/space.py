@@ -64,10 +64,15 @@ class Problem:
         return self.sequences * self.model.seq
 
     @property
+    def generation(self) -> str:
+        """The TPU generation ("v5e"), the calibration's and libtpu's name for the chip."""
+        return self.topology.split(":")[0]
+
+    @property
     def efficiency(self) -> Efficiency:
         """The fractions of the chip's peaks that its matmuls and HBM reach: `lab predict`'s constants, the chip's
         own (`lab.predict.calibration`), which both the closed form and the compiled prediction price with."""
-        return calibration.efficiency(self.topology.split(":")[0])
+        return calibration.efficiency(self.generation)
 
 
 @dataclass(frozen=True)
