@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lab.errors import LabError
 from lab.mesh import AXES, MeshSpec
 from lab.model import ModelConfig
+from lab.plan.overlap import Overlap
 from lab.predict import calibration
 from lab.predict.ops import Efficiency
 from lab.targets.hardware import ChipProfile
@@ -51,7 +52,9 @@ class Problem:
     torus: tuple[int, ...]  # one slice's chips along each torus dimension
     topology: str  # "v5e:16x16", one slice
     slices: int = 1
-    overlaps: bool = True  # on TPU, whether libtpu runs the layers' gathers asynchronously (`lab.plan.overlap`)
+    overlap: Overlap = field(
+        default_factory=Overlap
+    )  # on TPU, which FSDP collectives libtpu runs asynchronously (`lab.plan.overlap`)
 
     @property
     def chips(self) -> int:
