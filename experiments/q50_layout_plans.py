@@ -215,7 +215,7 @@ class Planned:
 class Observations:
     setup: Setup
     cases: tuple[Planned, ...]
-    overlapped: tuple[tuple[str, Overlap], ...] = ()  # per generation: what libtpu runs asynchronously
+    overlapped: tuple[tuple[str, bool, bool], ...] = ()  # per generation: libtpu runs the gathers, the scatters async
 
 
 # --------------------------------------------------------------------------- measure
@@ -304,7 +304,7 @@ def measure(config: Config) -> Observations:
             )
         )
     generations = dict.fromkeys(parse_target(c.target).generation for c in config.cases)
-    overlapped = tuple((g, overlaps(g)) for g in generations)
+    overlapped = tuple((g, overlaps(g).gathers, overlaps(g).scatters) for g in generations)
     return Observations(Setup("compile-only TPU pods", "", "enumerated"), tuple(planned), overlapped)
 
 
@@ -734,7 +734,7 @@ def _notes(obs: Observations, config: Config) -> list[str]:
         + (", ".join(f"{p.case} {len(p.full_size)}" for p in obs.cases) if config.full_size else "none")
         + f"; every compile with libtpu flags {config.libtpu_flags} (MaxText's DATA_PARALLEL_OVERLAP and "
         "CF_FOR_ALL_GATHER; `lab plan --libtpu-flags` passes a recipe's own). With them libtpu runs "
-        + "; ".join(f"on {g} {_asynchronous(o)}" for g, o in obs.overlapped)
+        + "; ".join(f"on {g} {_asynchronous(Overlap(*o))}" for g, *o in obs.overlapped)
         + " (`lab.plan.overlap`'s probe compile), and the closed form hides those under compute, nothing else."
     )
     return notes
