@@ -17,7 +17,9 @@ than 2% (what `lab plan` needs of a closed form that prunes before it
 compiles). Every compile passes MaxText's collective-overlap flags (its
 recipes' ``DATA_PARALLEL_OVERLAP`` and ``CF_FOR_ALL_GATHER``): under
 libtpu's defaults v6e runs the FSDP gathers synchronously, a schedule no
-recipe asks for. A wider spread of layouts, pipelines among them, is
+recipe asks for. The gradients' reduce-scatters stay synchronous with them,
+except on TPU7x; the closed form hides what libtpu's probe compile
+(`lab.plan.overlap`) says it runs asynchronously, and nothing else. A wider spread of layouts, pipelines among them, is
 compiled on a *proxy*: the same chip generation and slice count, an 8-chip
 pod, and the model shrunk (its width, depth and vocabulary, keeping its GQA
 ratio and gated MLP) until one compile takes seconds; the closed form is
@@ -33,7 +35,7 @@ from functools import partial
 from matplotlib.figure import Figure
 
 from lab.plan.closed_form import Estimate
-from lab.plan.overlap import overlaps
+from lab.plan.overlap import Overlap, overlaps
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman, spread
 from lab.plan.space import Problem
 from lab.predict import calibration
@@ -41,7 +43,7 @@ from lab.predict.spec import parse_model
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
-from lab.targets.devices import topology_shape
+from lab.targets.devices import parse_target, topology_shape
 from lab.targets.hardware import profile
 from lab.units import format_bytes
 from lab.verdict import Check, Claim, check
@@ -213,19 +215,18 @@ class Planned:
 class Observations:
     setup: Setup
     cases: tuple[Planned, ...]
-    overlapped: tuple[tuple[str, bool], ...] = ()  # per generation: libtpu runs the gathers asynchronously
+    overlapped: tuple[tuple[str, bool, bool], ...] = ()  # per generation: libtpu runs the gathers, the scatters async
 
 
 # --------------------------------------------------------------------------- measure
 
 
 def _problem(model: str, target: str, slices: int, sequences: int, seq: int) -> Problem:
-    """The case as `lab plan` poses it, the gathers overlapping where libtpu, with the page's flags, says they do."""
-    topology = target.removeprefix("tpu:")
-    generation = topology.split(":")[0]
+    """The case as `lab plan` poses it, FSDP's collectives overlapping where libtpu, with the page's flags, says."""
+    pod = parse_target(target)
     spec = replace(parse_model(model), seq=seq, attention="flash")
-    shape = topology_shape(topology)
-    return Problem(spec, sequences, profile(generation), shape, topology, slices, overlaps(generation))
+    chip, shape = profile(pod.generation), topology_shape(pod.topology)
+    return Problem(spec, sequences, chip, shape, pod.topology, slices, overlaps(pod.generation))
 
 
 def _compiled(problem: Problem, layouts, plan) -> tuple[list[Compiled], list[str]]:
@@ -302,8 +303,8 @@ def measure(config: Config) -> Observations:
                 tuple(skipped),
             )
         )
-    generations = dict.fromkeys(c.target.removeprefix("tpu:").split(":")[0] for c in config.cases)
-    overlapped = tuple((g, overlaps(g)) for g in generations)
+    generations = dict.fromkeys(parse_target(c.target).generation for c in config.cases)
+    overlapped = tuple((g, overlaps(g).gathers, overlaps(g).scatters) for g in generations)
     return Observations(Setup("compile-only TPU pods", "", "enumerated"), tuple(planned), overlapped)
 
 
@@ -343,9 +344,10 @@ pipeline's micro-batches M and a remat policy. Per chip (`lab.plan.closed_form`)
   and stage device) and the HBM-bound ops (norms, residual adds, rotary, the activation,
   XLA attention's softmax, the saved activations written and read back, the loss's fp32 logits, and AdamW reading
   and writing 16 bytes of state per stored parameter). Exposed communication: fsdp's per-layer gathers and
-  reduce-scatters beyond the layer's compute (but over every chip of a slice libtpu compiles a reduce-scatter as
-  a synchronous all-reduce of the whole gradient, and across slices the reduce-scatter within a slice waits:
-  exposed whole), the vocabulary tables' gathers and reductions, data's gradient all-reduce, tensor's four (six with
+  reduce-scatters beyond the layer's compute where libtpu runs them asynchronously, else whole (and over every
+  chip of a slice libtpu compiles a reduce-scatter as a synchronous all-reduce of the whole gradient, and across
+  slices the reduce-scatter within a slice waits: exposed whole), the vocabulary tables' gathers and reductions,
+  data's gradient all-reduce, tensor's four (six with
   `full`) activation all-reduces per layer, stage's permutes, expert's all-to-alls, each priced on its torus links
   (`lab.targets.topology`) and, across slices, on DCN.
 
@@ -731,8 +733,15 @@ def _notes(obs: Observations, config: Config) -> list[str]:
         "Full-size compiles: "
         + (", ".join(f"{p.case} {len(p.full_size)}" for p in obs.cases) if config.full_size else "none")
         + f"; every compile with libtpu flags {config.libtpu_flags} (MaxText's DATA_PARALLEL_OVERLAP and "
-        "CF_FOR_ALL_GATHER; `lab plan --libtpu-flags` passes a recipe's own). With them libtpu runs the gathers "
-        + ", ".join(f"on {g} {'asynchronously' if on else 'synchronously'}" for g, on in obs.overlapped)
-        + " (`lab.plan.overlap`'s probe compile), and the closed form hides them under compute there alone."
+        "CF_FOR_ALL_GATHER; `lab plan --libtpu-flags` passes a recipe's own). With them libtpu runs "
+        + "; ".join(f"on {g} {_asynchronous(Overlap(*o))}" for g, *o in obs.overlapped)
+        + " (`lab.plan.overlap`'s probe compile), and the closed form hides those under compute, nothing else."
     )
     return notes
+
+
+def _asynchronous(overlap: Overlap) -> str:
+    return ", ".join(
+        f"the {name} {'asynchronously' if on else 'synchronously'}"
+        for name, on in (("gathers", overlap.gathers), ("reduce-scatters", overlap.scatters))
+    )

@@ -327,19 +327,23 @@ def _bounds(schedule: ScheduledModule, collective: Collective) -> tuple[str, str
         return collective.computation, collective.name, collective.done
     if collective.is_async:
         return collective.computation, collective.name, _done_of(schedule, collective.computation, collective.name)
-    if collective.fused:  # a synchronous collective inside a fusion (the TPU's reduce-scatter): the fusion is the step
-        caller, fusion = (
-            _caller(schedule, collective.computation)
-            if collective.computation in _callees(schedule)
-            else (collective.computation, None)
-        )
-        name = fusion.name if fusion is not None else collective.name
-        return caller, name, name
+    if collective.fused:  # a synchronous collective inside a fusion: the fusion is the step
+        computation, name = _fusion_of(schedule, collective)
+        return computation, name, name
     return collective.computation, collective.name, collective.name
 
 
-def _callees(schedule: ScheduledModule) -> set[str]:
-    return {c for body in schedule.computations.values() for i in body for c in i.callees}
+def _fusion_of(schedule: ScheduledModule, collective: Collective) -> tuple[str, str]:
+    """(computation, instruction) that runs a fused synchronous collective: the fusion around it.
+
+    lab.hlo names the TPU's reduce-scatter by its fusion already, in the entry or in a loop body (which runs it once
+    a trip, not once a step); any other fused collective by the instruction inside the fusion's computation.
+    """
+    for computation, body in schedule.computations.items():
+        for instruction in body:
+            if instruction.opcode == "fusion" and collective.computation in instruction.callees:
+                return computation, instruction.name
+    return collective.computation, collective.name
 
 
 def _caller(schedule: ScheduledModule, callee: str) -> tuple[str, Instruction]:

@@ -45,12 +45,14 @@ closed form and the compiled prediction price alike):
     backward, its gradient reduce-scattered (ZeRO paper, Section 7.2.2), one
     collective per weight as XLA emits them (each pays its latency);
     where the compiler runs them asynchronously they overlap the layer's compute, so only what exceeds it is
-    exposed (on TPU as libtpu answers `lab.plan.overlap`'s probe for the generation and flags, on GPU within its
-    scheduler's memory limit), else the step waits for them all;
+    exposed (on TPU as libtpu answers `lab.plan.overlap`'s probe for the generation and flags, the gathers and the
+    reduce-scatters each; on GPU within its scheduler's memory limit), else the step waits for them;
     but over every chip of a slice libtpu compiles the reduce-scatter as a
     synchronous all-reduce of the whole gradient (twice the bytes, none
     hidden), and an axis across slices waits for its reduce-scatter within
-    each slice; the vocabulary tables gathered once and reduced once;
+    each slice, and rewrites each gathered weight and gradient in HBM, on the
+    compute stream (`_relayout_s`); the vocabulary tables gathered once and
+    reduced once;
   * ``data``: one all-reduce of each chip's gradient shard per step, exposed
     (across slices XLA compiles it as a reduce-scatter within each slice, the
     shard's all-reduce on DCN by libtpu's megascale runtime, an all-gather);
@@ -85,6 +87,7 @@ from dataclasses import dataclass, replace
 from lab import theory
 from lab.mesh import AXES, MeshSpec
 from lab.model import FLASH_BLOCK, flash_head_width
+from lab.plan.overlap import Overlap
 from lab.plan.space import Layout, Problem
 from lab.predict.spec import model_flops
 from lab.ragged import GMM_TILING, row_tile
@@ -523,6 +526,19 @@ def _vocab_s(problem: Problem, layout: Layout, tokens: float) -> tuple[float, fl
     return dots, 4 * 4 * tokens * model.vocab / roof.bytes_per_s
 
 
+def _relayout_s(problem: Problem, layout: Layout, link, ticks: int, kinds) -> float:
+    """HBM seconds that an fsdp axis across TPU slices adds to the compute stream. libtpu gathers a weight in two
+    tiers, within each slice and across the slices, and what arrives is in the tiers' order, not the mesh's: each
+    gathered weight is rewritten whole (its ``reshard`` fusions read and write it once a gather, forward and
+    backward), and each gradient once before its two-tier reduction (Llama 3 8B on 4 slices of 256 v5e, read from
+    the compiled steps: at fsdp=1024 across the slices 82 ms of reshard fusions and 54 ms of dynamic-update-slice
+    and reduce fusions a step, at data=4, fsdp=256 6 ms and 15 ms: 76 ms and 40 ms more; this prices 76 and 38)."""
+    if link.dcn == 1 or not problem.chip.torus_dims:
+        return 0.0
+    weights = sum(ticks * n * PARAM_BYTES * sum(_layer_weights(kind, layout.mesh)) for n, kind, _ in kinds)
+    return (2 * 2 + 2) * weights / _roofline(problem).bytes_per_s  # two gathers and one gradient, each read + written
+
+
 def _optimizer_s(problem: Problem, layout: Layout) -> float:
     """AdamW reads and writes every byte of each stored parameter's state (2 + 2 + 12 bytes): HBM-bound."""
     state = PARAM_BYTES + GRAD_BYTES + OPTIMIZER_BYTES
@@ -547,7 +563,6 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     vocab_dots, vocab_moved = _vocab_s(problem, layout, shard_tokens)
     optimizer_s = _optimizer_s(problem, layout)
     matmul_s = m * sum(n * (layer.forward[0] + layer.backward[0]) for n, _, layer in kinds) + vocab_dots
-    hbm_s = m * sum(n * (layer.forward[1] + layer.backward[1]) for n, _, layer in kinds) + vocab_moved + optimizer_s
     flops = shard_tokens * sum(
         n * (3 * _block_forward_flops(kind, t) + _kernel_backward_flops(kind, t) + _recompute(kind, layout.remat, t))
         for n, kind, _ in kinds
@@ -557,9 +572,12 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     bubble_s = theory.pipeline_step_time(p, m, forward_s, backward_s) - m * (forward_s + backward_s) if p > 1 else 0.0
     costs = []
     links = _links(problem, layout)
+    hbm_s = m * sum(n * (layer.forward[1] + layer.backward[1]) for n, _, layer in kinds) + vocab_moved + optimizer_s
+    if s["fsdp"] > 1:
+        hbm_s += _relayout_s(problem, layout, links["fsdp"], ticks, kinds)
     bytes_per_chip = memory(problem, layout)
     if s["fsdp"] > 1:
-        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, kinds, _overlaps(problem, bytes_per_chip)))
+        costs.append(_fsdp(problem, layout, links["fsdp"], ticks, kinds, _overlap(problem, bytes_per_chip)))
     if s["data"] > 1:
         grads = GRAD_BYTES * params_per_chip(model, mesh)
         costs.append(_priced("data", links["data"], _gradient_all_reduce(grads, links["data"])))
@@ -593,12 +611,12 @@ def estimate(problem: Problem, layout: Layout) -> Estimate:
     )
 
 
-def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
+def _fsdp(problem, layout, link, ticks, kinds, overlap: Overlap) -> AxisCost:
     """ZeRO-3 over fsdp: per layer and tick, gather forward, gather and reduce the gradient backward; `kinds`:
     (layers of a stage, the kind's model, its `_Layer`).
 
-    Where the scheduler `overlaps` (see `_overlaps`), the gathers overlap that layer's compute, and so does the
-    gradient's reduce-scatter, else every one of them waits. But on TPU a gradient split along its minor dimension
+    What the scheduler `overlap`s (see `_overlap`) of the gathers and of the gradients' reduce-scatters overlaps
+    that layer's compute, the rest waits. But on TPU a gradient split along its minor dimension
     (`_embed_minor`) is all-reduced whole, synchronously, and so is every gradient over all the chips of a slice:
     exposed whole; across slices the reduce-scatter within each slice waits too (the DCN tier's all-reduce of the
     shard runs asynchronously). The vocabulary tables are gathered once each (the loss's chunks share the
@@ -614,12 +632,12 @@ def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
         gather = sum(_seconds("all-gather", w, link) for w in each)
         scatter = sum(_seconds("reduce-scatter", w, link) for w in scattered)
         reduce = scatter + sum(_seconds("all-reduce", w, link) for w in (each if whole else minor))
-        hidden = scatter if overlaps and link.dcn == 1 else 0.0  # the reduce-scatters overlap the backward
+        hidden = scatter if overlap.scatters and link.dcn == 1 else 0.0  # the reduce-scatters overlap the backward
         per_layer = ticks * n
         collectives += 3 * per_layer * len(each)
         moved += 3 * per_layer * sum(each)
         seconds += per_layer * (2 * gather + reduce)
-        hides = (layer.forward_s, layer.backward_s) if overlaps else (0.0, 0.0)
+        hides = (layer.forward_s, layer.backward_s) if overlap.gathers else (0.0, 0.0)
         exposed += per_layer * (max(0.0, gather - hides[0]) + max(0.0, gather + hidden - hides[1]) + reduce - hidden)
     table = PARAM_BYTES * model.vocab * model.embed
     embedding = "all-reduce" if on_tpu or whole else "reduce-scatter"
@@ -641,17 +659,18 @@ def _fsdp(problem, layout, link, ticks, kinds, overlaps: bool) -> AxisCost:
 GPU_SCHEDULER_SHARE, GPU_SLOP = 0.8, 0.95
 
 
-def _overlaps(problem: Problem, bytes_per_chip: Memory) -> bool:
-    """Whether the compiler's scheduler may start a layer's collectives early, to overlap compute. On TPU, where libtpu
-    makes the gathers asynchronous (`Problem.overlaps`: by generation and flags, asked of libtpu by
-    `lab.plan.overlap`). XLA:GPU's does so only within its memory limit (`GPU_SCHEDULER_SHARE`): a step whose
-    buffers beyond its inputs and outputs (the parameters and optimizer state, donated) exceed it is scheduled for
-    memory, and every collective waits (Llama 3 70B on 32 nodes of H100: at 70 of 75 GiB all 1.0 s of its FSDP
+def _overlap(problem: Problem, bytes_per_chip: Memory) -> Overlap:
+    """What the compiler's scheduler may start early of a layer's collectives, to overlap compute. On TPU, what
+    libtpu makes asynchronous (`Problem.overlap`: by generation and flags, asked of libtpu by `lab.plan.overlap`).
+    XLA:GPU's overlaps them all, but only within its memory limit (`GPU_SCHEDULER_SHARE`): a step whose buffers
+    beyond its inputs and outputs (the parameters and optimizer state, donated) exceed it is scheduled for memory,
+    and every collective waits (Llama 3 70B on 32 nodes of H100: at 70 of 75 GiB all 1.0 s of its FSDP
     collectives exposed; under remat ``full``, at 26 GiB, 0.42 s)."""
     if problem.chip.torus_dims:
-        return problem.overlaps
+        return problem.overlap
     io = bytes_per_chip.params + bytes_per_chip.optimizer
-    return bytes_per_chip.total - io <= (GPU_SCHEDULER_SHARE * problem.chip.hbm_bytes - io) * GPU_SLOP
+    fits = bytes_per_chip.total - io <= (GPU_SCHEDULER_SHARE * problem.chip.hbm_bytes - io) * GPU_SLOP
+    return Overlap(fits, fits)
 
 
 def _without(sizes: list[float], taken: list[float]) -> list[float]:

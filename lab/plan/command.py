@@ -139,7 +139,7 @@ def make_plan(command: Plan) -> Ranking:
         xla_flags.prepare(command.xla_flags)
     elif problem.chip.torus_dims:
         libtpu.prepare(command.libtpu_flags)
-        problem = replace(problem, overlaps=overlap.overlaps(problem.topology.split(":")[0]))
+        problem = replace(problem, overlap=overlap.overlaps(problem.generation))
     plan = closed_form_plan(problem)
     if command.compile_top and plan.candidates:
         # local: compiling imports the training step (flax, optax); a closed-form plan never needs it
@@ -216,7 +216,8 @@ def to_json(result: Ranking) -> dict:
         "ranked_s": result.ranked_s,
         "rank_correlation": result.rank_correlation,
         "fits": bool(result.candidates),
-        "gathers_overlap": result.problem.overlaps if result.problem.chip.torus_dims else None,
+        "gathers_overlap": result.problem.overlap.gathers if result.problem.chip.torus_dims else None,
+        "scatters_overlap": result.problem.overlap.scatters if result.problem.chip.torus_dims else None,
         "candidates": [candidate_json(c) for c in result.candidates],
     }
     if result.closest is not None:
@@ -288,13 +289,19 @@ def why_table(result: Ranking) -> tuple[list[str], list[list]]:
     return ["against", "term", f"winner ({winner.layout}, {winner.layout.remat})", "other"], body
 
 
-def synchronous_note(generation: str) -> str:
-    """Why every gather is priced exposed on this target, and the flags that would overlap them."""
-    return (
-        f"libtpu, with these flags, runs the gathers on {generation} synchronously (asked of it by a probe compile, "
-        "lab.plan.overlap): none hides behind compute, and the plan prices them so; MaxText's recipes overlap them "
-        f'with --libtpu-flags "{calibration.CF_FOR_ALL_GATHER}"'
+def synchronous_note(generation: str, overlap: overlap.Overlap) -> str:
+    """What the plan prices exposed on this target because libtpu runs it synchronously, and the flags that would
+    overlap the gathers."""
+    waits = [
+        name for name, hidden in (("gathers", overlap.gathers), ("reduce-scatters", overlap.scatters)) if not hidden
+    ]
+    note = (
+        f"libtpu, with these flags, runs the FSDP {' and '.join(waits)} on {generation} synchronously (asked of it by "
+        "a probe compile, lab.plan.overlap): none hides behind compute, and the plan prices them so"
     )
+    if not overlap.gathers:
+        note += f'; MaxText\'s recipes overlap the gathers with --libtpu-flags "{calibration.CF_FOR_ALL_GATHER}"'
+    return note
 
 
 def show(result: Ranking, console: Console, rows: int = 10) -> None:
@@ -308,8 +315,8 @@ def show(result: Ranking, console: Console, rows: int = 10) -> None:
         f"fit, ranked in {result.ranked_s:.2f} s",
         highlight=False,
     )
-    if p.chip.torus_dims and not p.overlaps:
-        console.print(synchronous_note(p.topology.split(":")[0]), highlight=False)
+    if p.chip.torus_dims and not (p.overlap.gathers and p.overlap.scatters):
+        console.print(synchronous_note(p.generation, p.overlap), highlight=False)
     if not result.candidates:
         console.print(nothing_fits(result), highlight=False)
         return

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lab.errors import LabError
 from lab.mesh import AXES, MeshSpec
 from lab.model import ModelConfig
+from lab.plan.overlap import Overlap
 from lab.predict import calibration
 from lab.predict.ops import Efficiency
 from lab.targets.hardware import ChipProfile
@@ -51,7 +52,9 @@ class Problem:
     torus: tuple[int, ...]  # one slice's chips along each torus dimension
     topology: str  # "v5e:16x16", one slice
     slices: int = 1
-    overlaps: bool = True  # on TPU, whether libtpu runs the layers' gathers asynchronously (`lab.plan.overlap`)
+    overlap: Overlap = field(
+        default_factory=Overlap
+    )  # on TPU, which FSDP collectives libtpu runs asynchronously (`lab.plan.overlap`)
 
     @property
     def chips(self) -> int:
@@ -64,10 +67,15 @@ class Problem:
         return self.sequences * self.model.seq
 
     @property
+    def generation(self) -> str:
+        """The TPU generation ("v5e"), the calibration's and libtpu's name for the chip."""
+        return self.topology.split(":")[0]
+
+    @property
     def efficiency(self) -> Efficiency:
         """The fractions of the chip's peaks that its matmuls and HBM reach: `lab predict`'s constants, the chip's
         own (`lab.predict.calibration`), which both the closed form and the compiled prediction price with."""
-        return calibration.efficiency(self.topology.split(":")[0])
+        return calibration.efficiency(self.generation)
 
 
 @dataclass(frozen=True)

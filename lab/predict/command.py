@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from rich.console import Console
@@ -164,6 +164,7 @@ class Prediction:
     host_bytes: int = 0  # per chip, in host memory: what an offloading remat sends there (its transfers: hidden)
     devices_per_chip: int = 1  # 2 on TPU7x: `chips` then counts devices, and every per-chip figure is per device
     disabled_passes: tuple[str, ...] = ()  # compiler passes the step compiled without, after one crashed on it
+    synchronous_s: dict[str, float] = field(default_factory=dict)  # FSDP collectives of a kind never run async: exposed
 
     @property
     def step_with_flash_s(self) -> float:
@@ -335,7 +336,16 @@ def price(reading: Reading, efficiency=None) -> Prediction:
         host_bytes=int(reading.compiled.memory.get("host_temp_size", 0)),
         devices_per_chip=chip.devices_per_chip,
         disabled_passes=reading.compiled.disabled_passes,
+        synchronous_s=_synchronous(step.comms),
     )
+
+
+def _synchronous(comms) -> dict[str, float]:
+    """Exposed seconds of each kind of FSDP collective that the compiler ran synchronously every time (libtpu's
+    defaults on v4, v5p and v6e for the gathers; its ``%all-reduce-scatter`` fusions): none of it hides."""
+    fsdp = [c for c in comms if "fsdp" in c.axes and c.kind in ("all-gather", "reduce-scatter")]
+    kinds = {c.kind for c in fsdp} - {c.kind for c in fsdp if c.is_async}
+    return {kind: sum(c.exposed_s for c in fsdp if c.kind == kind) for kind in sorted(kinds)}
 
 
 def _chips(target, slices: int) -> int:

@@ -77,6 +77,64 @@ def test_window_flops_and_flops_in_flight_count_the_matmuls_under_a_transfer_onc
     assert flops_in_flight(schedule, [gather, gather, reduce]) == 2 * 256 * 512 * 1024
 
 
+LOOPED_SCATTER = """HloModule m, is_scheduled=true, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.1 (input: f32[1024,512]) -> f32[256,512] {
+  %input = f32[1024,512]{1,0} parameter(0)
+  %ar = f32[1024,512]{1,0} all-reduce(%input), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add
+  %pid = u32[] partition-id()
+  %rows = u32[] constant(256)
+  %offset = u32[] multiply(%pid, %rows)
+  %zero = u32[] constant(0)
+  ROOT %ds = f32[256,512]{1,0} dynamic-slice(%ar, %offset, %zero), dynamic_slice_sizes={256,512}
+}
+
+%body (state: (s32[], f32[1024,512])) -> (s32[], f32[1024,512]) {
+  %state = (s32[], f32[1024,512]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = f32[1024,512]{1,0} get-tuple-element(%state), index=1
+  %scatter = f32[256,512]{1,0} fusion(%x), kind=kCustom, calls=%all-reduce-scatter.1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[1024,512]{1,0}) tuple(%next, %x)
+}
+
+%cond (state: (s32[], f32[1024,512])) -> pred[] {
+  %state = (s32[], f32[1024,512]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %n = s32[] constant(6)
+  ROOT %less = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (p: f32[1024,512]) -> (s32[], f32[1024,512]) {
+  %p = f32[1024,512]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024,512]{1,0}) tuple(%zero, %p)
+  ROOT %loop = (s32[], f32[1024,512]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+}
+"""  # noqa: E501
+
+
+def test_a_reduce_scatter_fusion_in_a_loop_body_is_a_step_of_the_body_run_every_trip(devices):
+    """libtpu's in-loop %all-reduce-scatter fusion: priced per layer, not once at the while (as it once was)."""
+    from lab.predict.ops import Efficiency, predict_step
+
+    chip = profile("v5p")
+    (window,) = overlap_report(LOOPED_SCATTER, chip, (4,), (1, 4, 1, 1, 1)).windows
+    assert (window.computation, window.start, window.done) == ("body", "scatter", "scatter")
+    assert window.collective.kind == "reduce-scatter" and window.runs == 6
+
+    mesh = MeshSpec(fsdp=4).build(devices[:4])
+    (priced,) = predict_step(LOOPED_SCATTER, mesh, chip, Efficiency()).comms
+    assert (priced.name, priced.runs) == ("scatter", 6)  # once a trip, not once a step
+
+
 TPU_SHAPE = (8192, 4096, 65536)  # the overlap page's TPU shape: each block product longer than its transfer
 
 

@@ -13,11 +13,14 @@ from lab.plan.closed_form import (
     _embed_minor,
     _layer_weights,
     _links,
+    _roofline,
     _seconds,
+    _without,
     estimate,
     layer_kinds,
     params_per_chip,
 )
+from lab.plan.overlap import Overlap
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman
 from lab.plan.space import Layout
 from lab.predict.spec import parse_model
@@ -102,6 +105,36 @@ def test_a_gradient_split_along_its_minor_dimension_waits_for_its_all_reduce():
     all_reduced = sum(_seconds("all-reduce", PARAM_BYTES * w, link) for w in _embed_minor(model, layout.mesh))
     fsdp = next(a for a in estimate(case, layout).axes if a.axis == "fsdp")
     assert all_reduced > 0 and fsdp.exposed_s >= model.layers * all_reduced
+
+
+def test_a_layers_reduce_scatters_hide_only_where_libtpu_runs_them_asynchronously():
+    """libtpu's ``%all-reduce-scatter`` fusions are synchronous on every generation but TPU7x (`lab.plan.overlap`):
+    there each layer's reduce-scatters are exposed whole, the major-dimension weights' (the minor ones' all-reduces
+    wait either way)."""
+    model = replace(parse_model("llama3-8b"), vocab=512, layers=4, seq=4096)
+    case, layout = problem(model, sequences=16), Layout(MeshSpec(data=2, fsdp=4), None, "full")
+    link = _links(case, layout)["fsdp"]
+    scattered = _without(list(_layer_weights(model, layout.mesh)), list(_embed_minor(model, layout.mesh)))
+    scatter_s = sum(_seconds("reduce-scatter", PARAM_BYTES * w, link) for w in scattered)
+
+    def fsdp_exposed(overlap: Overlap) -> float:
+        return next(a for a in estimate(replace(case, overlap=overlap), layout).axes if a.axis == "fsdp").exposed_s
+
+    waited = fsdp_exposed(Overlap(gathers=True, scatters=False)) - fsdp_exposed(Overlap(gathers=True, scatters=True))
+    assert scatter_s > 0 and waited == pytest.approx(model.layers * scatter_s)
+
+
+def test_an_fsdp_axis_across_slices_rewrites_every_gathered_weight_and_gradient():
+    """libtpu gathers across slices in two tiers and rewrites what arrives in the mesh's order (the ``reshard``
+    fusions, results/layout_plans): HBM time that fsdp=8 within one slice does not spend, two gathers and a
+    gradient per layer, each read and written."""
+    model = replace(parse_model("llama3-8b"), vocab=512, layers=4, seq=4096)
+    mesh = MeshSpec(fsdp=8)
+    across = estimate(problem(model, sequences=32, torus=(2, 2), slices=2), Layout(mesh, "fsdp", "minimal"))
+    within = estimate(problem(model, sequences=32, torus=(2, 4)), Layout(mesh, None, "minimal"))
+    weights = model.layers * PARAM_BYTES * sum(_layer_weights(model, mesh))
+    rewritten = (2 * 2 + 2) * weights / _roofline(problem(model)).bytes_per_s
+    assert rewritten > 0 and across.hbm_s - within.hbm_s == pytest.approx(rewritten)
 
 
 def test_the_experts_rows_follow_the_capacity_and_a_dropless_layer_its_row_tiles():

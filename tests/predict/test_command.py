@@ -1,6 +1,8 @@
 """``lab predict`` end to end on small topologies, its bad inputs, and the op-by-op pricing's parts."""
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
@@ -197,6 +199,20 @@ def test_flags_libtpu_knows_pass_its_check():
     from lab.targets import libtpu
 
     libtpu.check(("--xla_tpu_enable_async_collective_fusion=true", "--xla_tpu_no_crash_on_oom=true"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "waits"), [((), ["all-gather", "reduce-scatter"]), (calibration.CF_FOR_ALL_GATHER, ["reduce-scatter"])]
+)
+def test_fsdp_collectives_libtpu_runs_synchronously_are_named_with_what_they_cost(flags, waits):
+    """On v6e libtpu's defaults run every FSDP gather synchronously and MaxText's collective-fusion flags make them
+    asynchronous; the gradients' reduce-scatters wait either way. `lab predict` says which, each a fresh process."""
+    argv = ["predict", "--model", SMALL, "--target", "tpu:v6e:2x4", "--mesh", "data=2,fsdp=4", "--seq", "128"]
+    argv += ["--libtpu-flags", flags] if flags else []
+    assert sorted(run_lab_json(argv)["synchronous_s"]) == waits
+    if not flags:
+        shown = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, check=True).stdout
+        assert "every FSDP all-gather" in " ".join(shown.split()) and "fuse_all_gather=true" in shown
 
 
 CONVOLUTIONS = """HloModule m, is_scheduled=true
