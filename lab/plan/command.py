@@ -289,17 +289,19 @@ def why_table(result: Ranking) -> tuple[list[str], list[list]]:
     return ["against", "term", f"winner ({winner.layout}, {winner.layout.remat})", "other"], body
 
 
-def synchronous_note(generation: str, overlap: overlap.Overlap) -> str:
+def synchronous_note(generation: str, runs_async: overlap.Overlap) -> str:
     """What the plan prices exposed on this target because libtpu runs it synchronously, and the flags that would
     overlap the gathers."""
     waits = [
-        name for name, hidden in (("gathers", overlap.gathers), ("reduce-scatters", overlap.scatters)) if not hidden
+        name
+        for name, hidden in (("gathers", runs_async.gathers), ("reduce-scatters", runs_async.scatters))
+        if not hidden
     ]
     note = (
         f"libtpu, with these flags, runs the FSDP {' and '.join(waits)} on {generation} synchronously (asked of it by "
         "a probe compile, lab.plan.overlap): none hides behind compute, and the plan prices them so"
     )
-    if not overlap.gathers:
+    if not runs_async.gathers:
         note += f'; MaxText\'s recipes overlap the gathers with --libtpu-flags "{calibration.CF_FOR_ALL_GATHER}"'
     return note
 

@@ -51,12 +51,10 @@ carries across chips). v5p's run (remat ``minimal``) could set none while the
 lab's ``minimal`` saved every dot's output, its norms' scale einsums among them:
 the program then needed 114 GiB of the chip's 95, XLA's rematerialization pass
 recomputed the MLP's matmuls to fit, and the step with every matmul at the peak
-(10.07 s) was longer than the published 10.03 s. Compiled as MaxText's
-``minimal`` (the dots without batch dimensions) it fits in 89 GiB and solved
-0.8311 while the lab priced its in-loop reduce-scatters (libtpu's synchronous
-``%all-reduce-scatter`` fusions in the layers' loop body) once a step instead
-of once a layer (`lab.hlo.schedule`); priced per layer, 0.58 s more of the step
-is exposed communication and the run solves 0.8892.
+(10.07 s) was longer than the published 10.03 s. Compiled as MaxText's ``minimal``
+(the dots without batch dimensions) it fits in 89 GiB; it solved 0.8311 with
+libtpu's synchronous in-loop ``%all-reduce-scatter`` fusions priced once a step,
+0.8892 priced once a layer (`lab.hlo.schedule`).
 
 NVIDIA H100 has its own, from MaxText's Llama 2 7B on one node of 8 H100s
 (NVIDIA's JAX-Toolbox table: 0.721 s), solved the same way with XLA's
@@ -78,14 +76,11 @@ left 0.104 s of gathers exposed, and that wait was absorbed into a constant of
 0.5934, the 32-node run +8.5%. Other GPUs borrow H100's.
 
 Every one of these programs casts each weight's shard to bf16 before its FSDP
-gather (`lab.parallel.layout.Layout.use`), as MaxText's layers do, so the
-gathers and the gradients' reductions move bf16; and its chunked loss gathers
-the unembedding once for all chunks and reduces its gradient once. Until the
-lab cast after the gather and gathered per chunk, its programs moved fp32,
-twice the bytes, mostly exposed (libtpu compiles a reduce-scatter over every
-chip of a slice as a synchronous all-reduce of the whole gradient and a slice
-of it), and the constants absorbed that wait: v6e 0.7406, v5e 0.9639, v5p
-0.8250, v4 0.8538, TPU7x 0.7335, H100 0.4292.
+gather (`lab.parallel.layout.Layout.use`), as MaxText's layers do, and its chunked
+loss gathers the unembedding once for all chunks and reduces its gradient once.
+Until then its programs moved fp32, twice the bytes, mostly exposed, and the
+constants absorbed that wait: v6e 0.7406, v5e 0.9639, v5p 0.8250, v4 0.8538, TPU7x
+0.7335, H100 0.4292.
 """
 
 from __future__ import annotations
