@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+from lab.entry import libtpu_logs_off_disk
+
 os.environ["JAX_PLATFORMS"] = "cpu"
 # The tests check what XLA's passes decide (collectives, shardings, buffers, schedules) and the numbers programs
 # compute, never how fast the machine code runs. JAX's switch for LLVM's optimizations of that code leaves the
@@ -17,9 +19,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 # examples, a GPU and a TPU compile, checked) and takes about 40% off every CPU compile. An environment variable,
 # so the `lab` subprocesses the tests start inherit it. `lab report`, whose pages time programs, leaves it off.
 os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
-os.environ.setdefault("TPU_LOG_DIR", "disabled")  # as the `lab` command sets it (lab.entry): no /tmp/tpu_logs
+libtpu_logs_off_disk(os.environ)  # as the `lab` command does: no libtpu log files in /tmp
 
-import jax
+import jax  # noqa: E402 (after the environment above, which JAX reads when it starts)
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)

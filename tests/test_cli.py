@@ -197,20 +197,23 @@ def test_no_libtpu_noise_reaches_the_user_without_jax_platforms_set():
         assert "all-" in done.stdout
 
 
-def test_a_tpu_compile_leaves_no_libtpu_log_files():
-    """libtpu's driver logs to /tmp/tpu_logs in every process that starts it; the `lab` command turns that off
-    (TPU_LOG_DIR=disabled, `lab.entry`) unless the user names a directory."""
+def test_a_tpu_compile_leaves_no_libtpu_log_files(tmp_path):
+    """libtpu's driver logs to /tmp/tpu_logs, or with TPU_LOG_DIR=disabled to $TMPDIR itself, in every process that
+    starts it; the `lab` command keeps both empty (`lab.entry.libtpu_logs_off_disk`) unless the user names a
+    directory. The child gets a $TMPDIR of its own, which glog falls back to, so other tests' files are not counted."""
     import os
     import subprocess
     import sys
 
     logs = Path("/tmp/tpu_logs")
     before = set(logs.iterdir()) if logs.exists() else set()
-    env = {k: v for k, v in os.environ.items() if k != "TPU_LOG_DIR"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TPU_LOG_DIR", "TPU_MIN_LOG_LEVEL")}
+    env["TMPDIR"] = str(tmp_path)
     argv = ["inspect", "--axes", "fsdp", "--mesh", "fsdp=4", "--target", "tpu:v5e:2x2"]
     done = subprocess.run([sys.executable, "-m", "lab", *argv], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     assert (set(logs.iterdir()) if logs.exists() else set()) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("tpu_")) == []
 
 
 def test_version(capsys):
