@@ -20,6 +20,12 @@ published TFLOP/s per chip times the step) against the lab's count of the
 program it compiled, and the matmul FLOPs that program runs (remat's
 recompute, the one-hot embedding, the loss's head again). A prediction that
 misses with the FLOPs in parity misses in the price, not in the program.
+
+And a second opinion that needs no constant: libtpu's own cost model, as its
+latency-hiding scheduler priced each op it placed (`lab.predict.xla_estimate`).
+Its schedule names the ops libtpu had formed by then; on those, its seconds
+replace the lab's (at v6e's constant) in the held-out step, the rest kept,
+and that step is held against the published one like the lab's.
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ class Row:
     hbm_bytes: int
     compile_s: float
     differs: str
+    libtpu_s: float = 0.0  # libtpu's scheduler's seconds for the ops its schedule names (`lab.predict.xla_estimate`)
+    libtpu_base_s: float = 0.0  # the lab's seconds for those same ops, at v6e's constant
+    libtpu_unpriced: int = 0  # the lab's ops its schedule does not name (formed after it scheduled)
 
 
 @dataclass(frozen=True)
@@ -159,7 +168,15 @@ def _row(run) -> Row:
         hbm_bytes=own.hbm_bytes,
         compile_s=own.compile_s,
         differs=run.differs,
+        libtpu_s=at_borrowed.xla_compute_s or 0.0,
+        libtpu_base_s=at_borrowed.xla_base_s or 0.0,
+        libtpu_unpriced=at_borrowed.xla_unpriced,
     )
+
+
+def _libtpu_step(r: Row) -> float:
+    """The held-out step with the ops libtpu's schedule names at libtpu's seconds instead of the lab's."""
+    return r.borrowed_step_s - r.libtpu_base_s + r.libtpu_s
 
 
 def _lab_count(r: Row) -> float:
@@ -200,7 +217,7 @@ def judge(obs: Observations, config: Config) -> Result:
     return Result(
         summary=_summary(obs),
         theory=THEORY,
-        tables=[_scoreboard(obs), _parity_table(obs), _breakdown_table(obs)],
+        tables=[_scoreboard(obs), _parity_table(obs), _breakdown_table(obs), _libtpu_table(obs)],
         checks=_checks(obs),
         claims=_claims(obs),
         notes=_notes(obs),
@@ -275,6 +292,9 @@ def _claims(obs: Observations) -> list[Claim]:
     errors = [_rel(r.borrowed_step_s, r.published_step_s) for r in obs.rows]
     within = sum(abs(e) <= PUBLISHED_RTOL for e in errors)
     status = "confirmed" if within == len(errors) else ("refuted" if within == 0 else "refined")
+    theirs = [_rel(_libtpu_step(r), r.published_step_s) for r in obs.rows]
+    closer = sum(abs(t) < abs(e) for t, e in zip(theirs, errors, strict=True))
+    better = "confirmed" if closer == len(obs.rows) else ("refuted" if closer == 0 else "refined")
     return [
         Claim(
             "One matmul efficiency, calibrated on one TPU generation, predicts the others' published steps",
@@ -284,8 +304,22 @@ def _claims(obs: Observations) -> list[Claim]:
             )
             + "; the constants these runs solve: "
             + ", ".join(f"{r.chip} {_solved(r)}" for r in obs.rows),
-        )
+        ),
+        Claim(
+            "The TPU compiler's own cost model (its latency-hiding scheduler's), where it prices an op, predicts a "
+            "published step better than the lab's borrowed constant",
+            better,
+            "; ".join(
+                f"{r.name}: {t:+.1%} at libtpu's prices ({_ratio(r)} the lab's seconds on the ops it names), "
+                f"{e:+.1%} the lab's"
+                for r, t, e in zip(obs.rows, theirs, errors, strict=True)
+            ),
+        ),
     ]
+
+
+def _ratio(r: Row) -> str:
+    return f"{r.libtpu_s / r.libtpu_base_s:.2f}x" if r.libtpu_base_s else "-"
 
 
 def _scoreboard(obs: Observations) -> Table:
@@ -374,6 +408,39 @@ def _breakdown_table(obs: Observations) -> Table:
             ]
             for r in obs.rows
         ],
+    )
+
+
+def _libtpu_table(obs: Observations) -> Table:
+    return Table(
+        "A second opinion: libtpu's own cost model on the same program (no constant of the lab's in it)",
+        [
+            "run",
+            "ops its schedule names: the lab's s (v6e's constant)",
+            "libtpu's s",
+            "libtpu / the lab",
+            "ops it does not name",
+            "held-out step, those ops at libtpu's s",
+            "error",
+            "the lab's held-out error",
+        ],
+        [
+            [
+                r.name,
+                f"{r.libtpu_base_s:.3f} s",
+                f"{r.libtpu_s:.3f} s",
+                _ratio(r),
+                str(r.libtpu_unpriced),
+                f"{_libtpu_step(r):.3f} s",
+                f"{_rel(_libtpu_step(r), r.published_step_s):+.1%}",
+                f"{_rel(r.borrowed_step_s, r.published_step_s):+.1%}",
+            ]
+            for r in obs.rows
+        ],
+        note="libtpu's seconds are its latency-hiding scheduler's, each op's end less its start in the schedule it "
+        "dumps (xla_dump_latency_hiding_schedule), times the op's runs; the ops it forms after scheduling are not "
+        "in that schedule and keep the lab's price. Nothing is fitted: this is how far libtpu's own model, where it "
+        "speaks, carries to a published step.",
     )
 
 

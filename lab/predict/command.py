@@ -159,8 +159,10 @@ class Prediction:
     calibrated_on: str  # the chip whose published run set the constants (another one's when not `calibrated`)
     attention_xla_s: float  # with --attention xla: the step's seconds in ops on an [.., S, S] array (else 0)
     attention_flash_s: float  # ... and a flash kernel's estimate for the same attention (`lab.predict.attention`)
-    xla_compute_s: float | None = None  # on GPU: XLA's own estimate of the same compute (`lab.predict.xla_estimate`)
+    xla_compute_s: float | None = None  # the compiler's own estimate of the same compute (`lab.predict.xla_estimate`)
     xla_comm_s: float | None = None  # ... and of the same collectives, each whole
+    xla_base_s: float | None = None  # the lab's own compute over the ops the compiler priced (like for like)
+    xla_unpriced: int = 0  # the lab's ops the compiler gave no time
     host_bytes: int = 0  # per chip, in host memory: what an offloading remat sends there (its transfers: hidden)
     devices_per_chip: int = 1  # 2 on TPU7x: `chips` then counts devices, and every per-chip figure is per device
     disabled_passes: tuple[str, ...] = ()  # compiler passes the step compiled without, after one crashed on it
@@ -272,7 +274,7 @@ def price(reading: Reading, efficiency=None) -> Prediction:
     efficiency = efficiency or calibration.efficiency(chip.name)
     step = reading.read.predict(efficiency, command.matmul_precision)
     attention_s = attention_terms(reading.read, step, model, command.batch_per_device, command.remat, chip, efficiency)
-    xla = xla_estimate.estimate(reading.compiled.hlo, step) if reading.on_gpu else None
+    xla = xla_estimate.estimate(reading.compiled.xla_times, step) if reading.compiled.xla_times else None
     chips = mesh.devices.size
     tokens = command.batch_per_device * chips * command.seq
     flops = model_flops(model, tokens)
@@ -333,6 +335,8 @@ def price(reading: Reading, efficiency=None) -> Prediction:
         attention_flash_s=attention_s[1],
         xla_compute_s=xla.compute_s if xla else None,
         xla_comm_s=xla.comm_s if xla else None,
+        xla_base_s=xla.lab_compute_s if xla else None,
+        xla_unpriced=xla.unpriced if xla else 0,
         host_bytes=int(reading.compiled.memory.get("host_temp_size", 0)),
         devices_per_chip=chip.devices_per_chip,
         disabled_passes=reading.compiled.disabled_passes,

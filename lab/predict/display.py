@@ -53,15 +53,7 @@ def show(p, console: Console) -> None:
             if p.attention == "xla"
             else []
         ),
-        *(
-            [
-                f"XLA's own       compute {p.xla_compute_s:.3f} s, collectives {p.xla_comm_s:.3f} s (its GPU cost "
-                f"model per fusion, speed of light per collective, each whole), beside the lab's {p.compute_s:.3f} s "
-                f"and {p.comm_s:.3f} s"
-            ]
-            if p.xla_compute_s is not None
-            else []
-        ),
+        *([_compilers_own(p)] if p.xla_compute_s is not None else []),
         *([_synchronous(p.synchronous_s)] if p.synchronous_s and not p.target.startswith("gpu:") else []),
         *(
             [
@@ -85,7 +77,7 @@ def show(p, console: Console) -> None:
     console.print(links)
     ops = Table(title="ten most expensive ops")
     xla = p.xla_compute_s is not None
-    for column in ("op", "runs", "seconds", *(["XLA's s"] if xla else []), "bound", "TFLOP/run", "GB/run"):
+    for column in ("op", "runs", "seconds", *(["compiler's s"] if xla else []), "bound", "TFLOP/run", "GB/run"):
         ops.add_column(column)
     for o in p.top_ops:
         theirs = [f"{o['xla_seconds']:.4f}" if o["xla_seconds"] is not None else "-"] if xla else []
@@ -99,6 +91,23 @@ def show(p, console: Console) -> None:
             f"{o['bytes'] / 1e9:.2f}",
         )
     console.print(ops)
+
+
+def _compilers_own(p) -> str:
+    """The compiler's own estimate of the same ops (`lab.predict.xla_estimate`), beside the lab's."""
+    if p.target.startswith("gpu:"):
+        return (
+            f"XLA's own       compute {p.xla_compute_s:.3f} s, collectives {p.xla_comm_s:.3f} s (its GPU cost "
+            f"model per fusion, speed of light per collective, each whole), beside the lab's {p.compute_s:.3f} s "
+            f"and {p.comm_s:.3f} s"
+        )
+    if not p.xla_base_s:
+        return "libtpu's own    its schedule names none of the ops the lab priced"
+    return (
+        f"libtpu's own    {p.xla_compute_s:.3f} s for the ops the lab prices at {p.xla_base_s:.3f} s "
+        f"({p.xla_compute_s / p.xla_base_s:.2f}x; {p.xla_unpriced} ops it formed after scheduling unnamed), "
+        f"synchronous collectives {p.xla_comm_s:.3f} s: its latency-hiding scheduler's cost model, op by op"
+    )
 
 
 def _synchronous(exposed: dict[str, float]) -> str:

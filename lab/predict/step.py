@@ -30,8 +30,9 @@ layers under scan and reads that program at the full depth (`lab.predict.depth`)
 
 from __future__ import annotations
 
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,7 @@ class Compiled:
     compile_s: float
     layers: int
     disabled_passes: tuple[str, ...] = ()  # compiler passes this step compiled without (see `_compile`)
+    xla_times: dict[str, float] = field(default_factory=dict)  # the compiler's own seconds per run (`xla_estimate`)
 
 
 def layout_remat(remat: str) -> str:
@@ -160,18 +162,20 @@ def compile_step(
         try:
             # the compiler's C++ log (libtpu's rematerialization warnings on a step over HBM) is not the user's:
             # the prediction says what does not fit, and by how much
-            with quiet_native_stderr():
-                compiled, disabled = _compile(lowered, xla_estimate.COMPILER_OPTIONS if _on_gpu(mesh) else {})
+            with quiet_native_stderr(), tempfile.TemporaryDirectory(prefix="lab-schedule-") as dumped:
+                compiled, disabled = _compile(lowered, _estimate_options(mesh, dumped))
+                elapsed = time.perf_counter() - started
+                hlo = compiled.as_text()
+                times = _estimate_times(mesh, hlo, dumped)
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
                 raise
             raise DoesNotFit(str(err).splitlines()[0][:200]) from None
-    elapsed = time.perf_counter() - started
     stats = compiled.memory_analysis()
     memory = {name[: -len("_in_bytes")]: int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")}
     cost = compiled.cost_analysis()
     cost = {k: float(v) for k, v in (cost or {}).items() if "{" not in k}
-    return Compiled(compiled.as_text(), memory, cost, elapsed, model.layers, disabled)
+    return Compiled(hlo, memory, cost, elapsed, model.layers, disabled, times)
 
 
 # libtpu 0.0.42's pass that hoists a loop's all-reduces out of it fails a RET_CHECK on some steps whose weights are
@@ -189,6 +193,16 @@ def _compile(lowered, options: dict) -> tuple[object, tuple[str, ...]]:
         return lowered.compile({**options, "xla_disable_hlo_passes": _CRASHING_PASS}), (_CRASHING_PASS,)
 
 
-def _on_gpu(mesh) -> bool:
-    """XLA:GPU then writes its own cost estimates into the program (`lab.predict.xla_estimate`)."""
-    return mesh.devices.flat[0].platform == "gpu"
+def _estimate_options(mesh, dumped: str) -> dict:
+    """The compiler's own estimate, asked for (`lab.predict.xla_estimate`): XLA:GPU writes it into the program,
+    libtpu its schedule into `dumped`; XLA:CPU has none."""
+    platform = mesh.devices.flat[0].platform
+    return {"gpu": xla_estimate.COMPILER_OPTIONS, "tpu": xla_estimate.tpu_options(dumped)}.get(platform, {})
+
+
+def _estimate_times(mesh, hlo: str, dumped: str) -> dict[str, float]:
+    """The compiler's seconds per run of each instruction it priced (empty on CPU)."""
+    platform = mesh.devices.flat[0].platform
+    if platform == "gpu":
+        return xla_estimate.xla_times(hlo)
+    return xla_estimate.schedule_times(dumped) if platform == "tpu" else {}

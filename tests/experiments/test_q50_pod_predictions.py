@@ -68,3 +68,14 @@ def test_each_check_can_fail(index, perturb):
 def test_the_plot_draws():
     figure = page.judge(_observations(), page.Config()).plots["dcn_slices"]()
     assert figure.axes
+
+
+def test_libtpus_own_prices_are_held_against_the_held_out_steps():
+    obs = _observations()  # the 70B at 41.9 s and Mixtral at 13.9 s, against 42.656 s and 13.484 s published
+    nearer = replace(obs.held_out_70b, libtpu_base_s=10.0, libtpu_s=10.5)  # 41.9 -> 42.4 s: nearer 42.656
+    further = replace(obs.held_out_moe, libtpu_base_s=5.0, libtpu_s=6.0)  # 13.9 -> 14.9 s: further from 13.484
+    claim = page.judge(replace(obs, held_out_70b=nearer, held_out_moe=further), page.Config()).claims[0]
+    assert claim.status == "refined" and "10.500 s where the lab says 10.000 s" in claim.numbers
+    both = replace(obs, held_out_70b=nearer, held_out_moe=replace(further, libtpu_s=4.8))  # 13.7 s: nearer too
+    assert page.judge(both, page.Config()).claims[0].status == "confirmed"
+    assert page.judge(obs, page.Config()).claims[0].status == "refuted"  # unnamed everywhere: no nearer

@@ -87,3 +87,15 @@ def test_a_run_whose_formula_halved_the_attention_is_counted_so():
     halved = replace(whole, model_flops_per_chip=whole.model_flops_per_chip + whole.attention_flops_per_chip / 2)
     assert _verdicts(_observations(halved))[1] == "differs"  # 6% more than MaxText's, counted in full
     assert _verdicts(_observations(replace(halved, causal_flops=True)))[1] == "agrees"
+
+
+def test_libtpus_second_opinion_is_held_against_the_published_step_like_the_lab():
+    run = page.RUNS[0]
+    lab_miss = _row(run, run.step_s * 1.2)  # the lab +20% with v6e's constant
+    # on ops the lab prices at 5 s, libtpu says 3 s: the held-out step 2 s shorter
+    closer = replace(lab_miss, libtpu_base_s=5.0, libtpu_s=3.0)
+    claim = page.judge(_observations(closer), page.Config()).claims[1]
+    assert page._libtpu_step(closer) == pytest.approx(run.step_s * 1.2 - 2.0)
+    assert claim.status == "confirmed" and "0.60x" in claim.numbers
+    further = replace(lab_miss, libtpu_base_s=5.0, libtpu_s=15.0)
+    assert page.judge(_observations(further), page.Config()).claims[1].status == "refuted"
