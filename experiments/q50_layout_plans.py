@@ -29,13 +29,13 @@ program, and at that size fixed costs the closed form leaves out weigh more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from functools import partial
 
 from matplotlib.figure import Figure
 
 from lab.plan.closed_form import Estimate
-from lab.plan.overlap import Overlap, overlaps
+from lab.plan.overlap import overlaps
 from lab.plan.rank import closed_form_plan, differing_terms, frontier, spearman, spread
 from lab.plan.space import Problem
 from lab.predict import calibration
@@ -304,7 +304,7 @@ def measure(config: Config) -> Observations:
             )
         )
     generations = dict.fromkeys(parse_target(c.target).generation for c in config.cases)
-    overlapped = tuple((g, overlaps(g).gathers, overlaps(g).scatters) for g in generations)
+    overlapped = tuple((g, *astuple(overlaps(g))) for g in generations)
     return Observations(Setup("compile-only TPU pods", "", "enumerated"), tuple(planned), overlapped)
 
 
@@ -734,14 +734,14 @@ def _notes(obs: Observations, config: Config) -> list[str]:
         + (", ".join(f"{p.case} {len(p.full_size)}" for p in obs.cases) if config.full_size else "none")
         + f"; every compile with libtpu flags {config.libtpu_flags} (MaxText's DATA_PARALLEL_OVERLAP and "
         "CF_FOR_ALL_GATHER; `lab plan --libtpu-flags` passes a recipe's own). With them libtpu runs "
-        + "; ".join(f"on {g} {_asynchronous(Overlap(*o))}" for g, *o in obs.overlapped)
+        + "; ".join(f"on {g} {_asynchronous(gathers, scatters)}" for g, gathers, scatters in obs.overlapped)
         + " (`lab.plan.overlap`'s probe compile), and the closed form hides those under compute, nothing else."
     )
     return notes
 
 
-def _asynchronous(overlap: Overlap) -> str:
+def _asynchronous(gathers: bool, scatters: bool) -> str:
     return ", ".join(
         f"the {name} {'asynchronously' if on else 'synchronously'}"
-        for name, on in (("gathers", overlap.gathers), ("reduce-scatters", overlap.scatters))
+        for name, on in (("gathers", gathers), ("reduce-scatters", scatters))
     )
