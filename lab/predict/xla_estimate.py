@@ -81,8 +81,10 @@ class XlaEstimate:
 
 
 def tpu_options(directory: str | Path) -> dict:
-    """Compile options that have libtpu write its latency-hiding schedule (and its usual dumps) into `directory`."""
-    return {"xla_dump_to": str(directory), "xla_dump_latency_hiding_schedule": True}
+    """Compile options that have libtpu write its latency-hiding schedule into `directory`, and not the module's
+    text before and after its passes (no module name matches ``^$``): with those, DeepSeek-V3's compile took 145 s
+    on this lab's 2-core machine where it takes 110 s without."""
+    return {"xla_dump_to": str(directory), "xla_dump_latency_hiding_schedule": True, "xla_dump_hlo_module_re": "^$"}
 
 
 def schedule_times(directory: str | Path) -> dict[str, float]:
