@@ -523,8 +523,9 @@ def _terms_table(obs: Observations) -> Table:
                 links or "none",
                 f"{rest:.3f} s",
                 f"{p.comm_s:.3f} s",
-                f"{p.libtpu_s:.3f} s on ops the lab prices at {p.libtpu_base_s:.3f} s "
-                f"({p.libtpu_unpriced} ops unnamed)",
+                f"{p.libtpu_s:.3f} s on ops the lab prices at {p.libtpu_base_s:.3f} s ({p.libtpu_unpriced} ops unnamed)"
+                if p.libtpu_base_s
+                else "libtpu dumped no schedule for this program",
             ]
         )
     return Table(
@@ -637,7 +638,7 @@ def _gpu_table() -> Table:
 
 
 def _claims(obs: Observations) -> list[Claim]:
-    claims = [_libtpu_claim(obs)]
+    claims = _libtpu_claim(obs)
     if len(obs.dcn) >= 2:
         first, last = obs.dcn[0], obs.dcn[-1]
         growth = last.step_s / first.step_s - 1
@@ -672,21 +673,26 @@ def _claims(obs: Observations) -> list[Claim]:
     return claims
 
 
-def _libtpu_claim(obs: Observations) -> Claim:
-    """Whether libtpu's own prices, on the ops its schedule names, bring the held-out runs nearer their steps."""
-    rows = [(HELD_OUT, obs.held_out_70b), (HELD_OUT_MOE, obs.held_out_moe)]
+def _libtpu_claim(obs: Observations) -> list[Claim]:
+    """Whether libtpu's own prices, on the ops its schedule names, bring the held-out runs nearer their steps
+    (over the runs whose schedule libtpu dumped: on v6e it writes none for some programs)."""
+    rows = [(run, p) for run, p in ((HELD_OUT, obs.held_out_70b), (HELD_OUT_MOE, obs.held_out_moe)) if p.libtpu_base_s]
+    if not rows:
+        return []
     errors = [(_rel(_libtpu_step(p), run.step_s), _rel(p.step_s, run.step_s)) for run, p in rows]
     closer = sum(abs(theirs) < abs(ours) for theirs, ours in errors)
-    return Claim(
-        "The TPU compiler's own cost model (its latency-hiding scheduler's), where it prices an op, predicts a "
-        "held-out published step better than the lab's calibrated one",
-        "confirmed" if closer == len(rows) else ("refuted" if closer == 0 else "refined"),
-        "; ".join(
-            f"{run.name}: {theirs:+.1%} at libtpu's prices ({p.libtpu_s:.3f} s where the lab says "
-            f"{p.libtpu_base_s:.3f} s), {ours:+.1%} the lab's"
-            for (run, p), (theirs, ours) in zip(rows, errors, strict=True)
-        ),
-    )
+    return [
+        Claim(
+            "The TPU compiler's own cost model (its latency-hiding scheduler's), where it prices an op, predicts a "
+            "held-out published step better than the lab's calibrated one",
+            "confirmed" if closer == len(rows) else ("refuted" if closer == 0 else "refined"),
+            "; ".join(
+                f"{run.name}: {theirs:+.1%} at libtpu's prices ({p.libtpu_s:.3f} s where the lab says "
+                f"{p.libtpu_base_s:.3f} s), {ours:+.1%} the lab's"
+                for (run, p), (theirs, ours) in zip(rows, errors, strict=True)
+            ),
+        )
+    ]
 
 
 def _plot(obs: Observations, config: Config) -> Figure:

@@ -23,7 +23,10 @@ or host transfer is a start and a done of no time each, its latency only the
 gap the scheduler leaves between them, which also holds whatever compute it
 overlaps: so on TPU the estimate covers the ops that take time themselves
 (fusions, kernels, synchronous collectives), not the asynchronous ones.
-The options write files only; the program is the same.
+The options write files only; the program is the same. libtpu writes a schedule
+only where that scheduler runs: for every v5e, v4 and TPU7x program tried
+here, for some on v6e and v5p (one with host offload, not a sharded matmul, nor
+Llama 3.1 405B on 2048 v5p); where it writes none there is no estimate.
 
 `estimate` lays those numbers over the ops the lab priced (`lab.predict.ops`):
 each op's runs times the compiler's time for one run, summed as compute (fusions,

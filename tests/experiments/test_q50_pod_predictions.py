@@ -78,4 +78,5 @@ def test_libtpus_own_prices_are_held_against_the_held_out_steps():
     assert claim.status == "refined" and "10.500 s where the lab says 10.000 s" in claim.numbers
     both = replace(obs, held_out_70b=nearer, held_out_moe=replace(further, libtpu_s=4.8))  # 13.7 s: nearer too
     assert page.judge(both, page.Config()).claims[0].status == "confirmed"
-    assert page.judge(obs, page.Config()).claims[0].status == "refuted"  # unnamed everywhere: no nearer
+    unpriced = page.judge(obs, page.Config()).claims  # no schedule dumped for either: no claim about libtpu
+    assert not any("libtpu" in c.claim for c in unpriced)

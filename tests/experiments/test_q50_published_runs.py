@@ -58,8 +58,9 @@ def test_a_run_within_the_bar_agrees_and_one_past_it_differs():
     # per run: the prediction with v6e's constant, the FLOP parity, then the stored constant (or, where none can
     # be solved, the step at the peak against the published one)
     assert _verdicts(_observations()) == ["agrees", "agrees", "agrees", "differs", "agrees", "differs"]
-    claim = page.judge(_observations(), page.Config()).claims[0]
-    assert claim.status == "refined" and "+40.0%" in claim.numbers and "none: at the peak" in claim.numbers
+    claims = page.judge(_observations(), page.Config()).claims
+    assert len(claims) == 1  # libtpu dumped no schedule in these rows: no claim about its cost model
+    assert claims[0].status == "refined" and "+40.0%" in claims[0].numbers and "none: at the peak" in claims[0].numbers
 
 
 @pytest.mark.parametrize(
@@ -99,3 +100,5 @@ def test_libtpus_second_opinion_is_held_against_the_published_step_like_the_lab(
     assert claim.status == "confirmed" and "0.60x" in claim.numbers
     further = replace(lab_miss, libtpu_base_s=5.0, libtpu_s=15.0)
     assert page.judge(_observations(further), page.Config()).claims[1].status == "refuted"
+    unpriced = page.judge(_observations(closer, lab_miss), page.Config()).claims[1]  # one run without a schedule
+    assert unpriced.status == "confirmed" and "libtpu dumped no schedule" in unpriced.numbers
