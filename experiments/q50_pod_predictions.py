@@ -42,7 +42,7 @@ from functools import partial
 from matplotlib.figure import Figure
 
 from experiments.kit import in_fresh_process
-from lab.predict import calibration
+from lab.predict import calibration, xla_estimate
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
@@ -680,12 +680,11 @@ def _libtpu_claim(obs: Observations) -> list[Claim]:
     if not rows:
         return []
     errors = [(_rel(_libtpu_step(p), run.step_s), _rel(p.step_s, run.step_s)) for run, p in rows]
-    closer = sum(abs(theirs) < abs(ours) for theirs, ours in errors)
     return [
         Claim(
             "The TPU compiler's own cost model (its latency-hiding scheduler's), where it prices an op, predicts a "
             "held-out published step better than the lab's calibrated one",
-            "confirmed" if closer == len(rows) else ("refuted" if closer == 0 else "refined"),
+            xla_estimate.nearer_status(errors),
             "; ".join(
                 f"{run.name}: {theirs:+.1%} at libtpu's prices ({p.libtpu_s:.3f} s where the lab says "
                 f"{p.libtpu_base_s:.3f} s), {ours:+.1%} the lab's"

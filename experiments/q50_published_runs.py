@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from experiments.kit import in_fresh_process
 from lab.errors import LabError
-from lab.predict import calibration
+from lab.predict import calibration, xla_estimate
 from lab.progress import track
 from lab.provenance import Setup
 from lab.report import Result, Table
@@ -312,12 +312,11 @@ def _libtpu_claim(obs: Observations) -> list[Claim]:
     if not priced:
         return []
     errors = [(_rel(_libtpu_step(r), r.published_step_s), _rel(r.borrowed_step_s, r.published_step_s)) for r in priced]
-    closer = sum(abs(theirs) < abs(ours) for theirs, ours in errors)
     return [
         Claim(
             "The TPU compiler's own cost model (its latency-hiding scheduler's), where it prices an op, predicts a "
             "published step better than the lab's borrowed constant",
-            "confirmed" if closer == len(priced) else ("refuted" if closer == 0 else "refined"),
+            xla_estimate.nearer_status(errors),
             "; ".join(
                 f"{r.name}: {theirs:+.1%} at libtpu's prices ({_ratio(r)} the lab's seconds on the ops it names), "
                 f"{ours:+.1%} the lab's"

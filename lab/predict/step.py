@@ -163,10 +163,11 @@ def compile_step(
             # the compiler's C++ log (libtpu's rematerialization warnings on a step over HBM) is not the user's:
             # the prediction says what does not fit, and by how much
             with quiet_native_stderr(), tempfile.TemporaryDirectory(prefix="lab-schedule-") as dumped:
-                compiled, disabled = _compile(lowered, _estimate_options(mesh, dumped))
+                platform = mesh.devices.flat[0].platform
+                compiled, disabled = _compile(lowered, _estimate_options(platform, dumped))
                 elapsed = time.perf_counter() - started
                 hlo = compiled.as_text()
-                times = _estimate_times(mesh, hlo, dumped)
+                times = _estimate_times(platform, hlo, dumped)
         except jax.errors.JaxRuntimeError as err:
             if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
                 raise
@@ -193,16 +194,14 @@ def _compile(lowered, options: dict) -> tuple[object, tuple[str, ...]]:
         return lowered.compile({**options, "xla_disable_hlo_passes": _CRASHING_PASS}), (_CRASHING_PASS,)
 
 
-def _estimate_options(mesh, dumped: str) -> dict:
+def _estimate_options(platform: str, dumped: str) -> dict:
     """The compiler's own estimate, asked for (`lab.predict.xla_estimate`): XLA:GPU writes it into the program,
     libtpu its schedule into `dumped`; XLA:CPU has none."""
-    platform = mesh.devices.flat[0].platform
     return {"gpu": xla_estimate.COMPILER_OPTIONS, "tpu": xla_estimate.tpu_options(dumped)}.get(platform, {})
 
 
-def _estimate_times(mesh, hlo: str, dumped: str) -> dict[str, float]:
+def _estimate_times(platform: str, hlo: str, dumped: str) -> dict[str, float]:
     """The compiler's seconds per run of each instruction it priced (empty on CPU)."""
-    platform = mesh.devices.flat[0].platform
     if platform == "gpu":
         return xla_estimate.xla_times(hlo)
     return xla_estimate.schedule_times(dumped) if platform == "tpu" else {}

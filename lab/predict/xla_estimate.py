@@ -134,3 +134,10 @@ def estimate(times: dict[str, float], step: StepPrediction) -> XlaEstimate:
         unpriced=len(step.ops) - len(priced),
         lab_compute_s=sum(op.seconds for op in priced),
     )
+
+
+def nearer_status(errors: list[tuple[float, float]]) -> str:
+    """Whether the compiler's prices predict published steps better than the lab's, from each run's (error at the
+    compiler's prices, error at the lab's): "confirmed" nearer on every run, "refuted" on none, "refined" between."""
+    nearer = sum(abs(theirs) < abs(ours) for theirs, ours in errors)
+    return "confirmed" if nearer == len(errors) else ("refuted" if nearer == 0 else "refined")

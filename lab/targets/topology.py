@@ -15,7 +15,12 @@ an axis, the groups of devices that differ only along it either
   each of M slices runs in two tiers, one after the other, as the multi-slice
   collectives do: its ICI part within each slice, then the M-slice part on DCN
   of the S / k each chip holds (permutes and all-to-alls are priced flat on DCN);
-* or share a chip (TPU v4's two TensorCores appear as two devices): no link.
+* or share a chip (TPU7x's two chiplets appear as two devices): no link.
+
+A chip's links are the chip's, not its devices': where each group holds one
+of a chip's two devices (``data=2`` inside the chip, ``fsdp`` across chips),
+the sibling groups run the same collective at the same time over the same
+ports, each at half the chip's bandwidth (``Placement.sharers``).
 
 On a GPU cluster (`gpu:<chip>:<nodes>x<gpus>`) the GPUs of a node meet
 through NVSwitches, all one hop apart, and nodes meet over InfiniBand, one NIC
@@ -65,6 +70,7 @@ class Placement:
     extents: tuple[int, ...] = ()  # chips the group spans along each of them
     wraps: tuple[bool, ...] = ()  # whether each is a full ring with wraparound
     nodes: int = 1  # GPU nodes or TPU slices each group spans (M); a TPU group's ICI fields: one slice's part
+    sharers: int = 1  # groups of this collective whose devices share each chip's links (TPU7x: 2 with an axis inside)
 
     @property
     def per_node(self) -> int:
@@ -91,7 +97,8 @@ class Placement:
             f"{DIMENSION_NAMES[d]}:{e}{' ring' if w else ' line'}"
             for d, e, w in zip(self.torus_dims, self.extents, self.wraps)
         ]
-        return "ICI " + " x ".join(spans)
+        shared = f", each chip's links shared by {self.sharers} groups" if self.sharers > 1 else ""
+        return "ICI " + " x ".join(spans) + shared
 
 
 def slice_shape(devices: Sequence) -> tuple[int, ...]:
@@ -117,11 +124,21 @@ def placement(mesh, axes: Sequence[str], chip: ChipProfile | None = None) -> Pla
     if len(slices) > 1:
         local = [d for d in group if _slice(d) == slices[0]]
         within = _torus_part(local, [d for d in flat if _slice(d) == slices[0]], chip)
-        return Placement(axes, n, "dcn", *within, nodes=len(slices))
+        return Placement(axes, n, "dcn", *within, nodes=len(slices), sharers=_sharers(group, flat))
     varying, extents, wraps = _torus_part(group, flat, chip)
     if not varying:
         return Placement(axes, n, "chip")
-    return Placement(axes, n, "ici", varying, extents, wraps)
+    return Placement(axes, n, "ici", varying, extents, wraps, sharers=_sharers(group, flat))
+
+
+def _sharers(group: Sequence, devices: Sequence) -> int:
+    """How many groups run a collective at once on each chip's links: the chip's devices over the group's own."""
+
+    def chip(d) -> tuple:
+        return _slice(d), tuple(d.coords)
+
+    first = chip(group[0])
+    return sum(chip(d) == first for d in devices) // sum(chip(d) == first for d in group)
 
 
 def _slice(device) -> int:
@@ -155,6 +172,9 @@ def predict(kind: str, size_bytes: float, where: Placement, chip: ChipProfile) -
     """Predicted time of a collective of nccl-tests size S placed as `where`; None within one chip or on the host."""
     if where.network in ("chip", "host") or where.devices < 2:
         return None
+    if where.sharers > 1:  # the sibling groups on each chip split its ports and its share of DCN
+        dcn = chip.dcn_bandwidth and chip.dcn_bandwidth / where.sharers
+        chip = replace(chip, link_bandwidth=chip.link_bandwidth / where.sharers, dcn_bandwidth=dcn)
     if where.network == "nvlink":
         return theory.predict_on_switch(kind, size_bytes, chip, where.devices, network="link")
     if where.network == "infiniband":

@@ -152,3 +152,9 @@ def test_libtpu_dumps_its_schedule_per_compile_and_it_names_the_programs_ops(tmp
     assert times and all(t > 0 for t in times.values())
     assert any(n.startswith(("fusion", "convolution")) for n in times)  # the matmuls, priced by libtpu
     assert set(times) & names  # named as the compiled program names them
+
+
+def test_the_compilers_prices_are_nearer_on_every_run_some_or_none():
+    assert xla_estimate.nearer_status([(0.01, 0.05), (-0.02, 0.03)]) == "confirmed"
+    assert xla_estimate.nearer_status([(0.01, 0.05), (0.40, 0.03)]) == "refined"
+    assert xla_estimate.nearer_status([(0.41, 0.05), (-0.30, 0.03)]) == "refuted"

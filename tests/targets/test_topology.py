@@ -129,3 +129,25 @@ def test_a_collective_across_nodes_is_bounded_by_its_slower_tier():
     within = predict("all-reduce", size, Placement(("tensor",), 8, "nvlink"), chip)
     assert within == theory.predict_on_switch("all-reduce", size, chip, 8, network="link")
     assert within.bytes_sent == pytest.approx(2 * 7 / 8 * size)  # NCCL's ring: 2(N-1)/N·S per GPU
+
+
+def test_sibling_groups_on_one_chip_share_its_links():
+    """TPU7x: fsdp across chips with tensor inside each chip runs two fsdp groups at once over every chip's ports,
+    each at half the chip's bandwidth; fsdp over both chiplets of every chip has the ports to itself."""
+    from dataclasses import replace
+
+    from lab.predict.command import build_mesh
+
+    chip = profile("tpu7x")
+    devices = topology_devices("tpu7x:2x2x2")
+    shared = placement(build_mesh("fsdp=8,tensor=2", devices, 1, "data"), ("fsdp",))
+    whole = placement(build_mesh("fsdp=16", devices, 1, "data"), ("fsdp",))
+    assert (shared.sharers, whole.sharers) == (2, 1)
+    assert (shared.extents, shared.wraps) == (whole.extents, whole.wraps) and "shared by 2 groups" in str(shared)
+    size = 64 * 2**20
+    half = replace(chip, link_bandwidth=chip.link_bandwidth / 2)
+    expected = theory.predict_on_rings("all-gather", size, half, shared.extents, shared.wraps)
+    assert predict("all-gather", size, shared, chip).seconds == pytest.approx(expected.seconds)
+    alone = theory.predict_on_rings("all-gather", size, chip, whole.extents, whole.wraps)
+    assert predict("all-gather", size, whole, chip) == alone
+    assert predict("all-gather", size, shared, chip).seconds > 1.5 * alone.seconds
