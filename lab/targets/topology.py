@@ -85,20 +85,20 @@ class Placement:
             return f"InfiniBand across {self.nodes} nodes ({each})"
         if self.network == "host":
             return f"this host's memory ({self.devices} emulated devices)"
-        if self.network == "dcn":
-            within = f", {self._ici()} within each" if self.torus_dims else ""
-            return f"DCN across {self.nodes} slices{within}"
         if self.network == "chip":
             return "within one chip"
-        return self._ici()
+        shared = f", each chip's links shared by {self.sharers} groups" if self.sharers > 1 else ""
+        if self.network == "dcn":
+            within = f", {self._ici()} within each" if self.torus_dims else ""
+            return f"DCN across {self.nodes} slices{within}{shared}"
+        return self._ici() + shared
 
     def _ici(self) -> str:
         spans = [
             f"{DIMENSION_NAMES[d]}:{e}{' ring' if w else ' line'}"
             for d, e, w in zip(self.torus_dims, self.extents, self.wraps)
         ]
-        shared = f", each chip's links shared by {self.sharers} groups" if self.sharers > 1 else ""
-        return "ICI " + " x ".join(spans) + shared
+        return "ICI " + " x ".join(spans)
 
 
 def slice_shape(devices: Sequence) -> tuple[int, ...]:
