@@ -15,13 +15,17 @@ handler per subcommand; the work itself is in the modules each handler calls.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -202,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         command = _parse(argv)
-        return _dispatch(command)
+        with _scratch():
+            return _dispatch(command)
     except LabError as err:
         _err.print(f"lab: error: {err}", highlight=False, soft_wrap=True)
         return 2
@@ -219,6 +224,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (KeyboardInterrupt, interrupts.Terminated) as stop:
         interrupts.exit_now(stop)
+
+
+@contextlib.contextmanager
+def _scratch() -> Iterator[None]:
+    """The command's temporary files (libtpu's schedule, Shardy's record, the doctor's runs) in one folder of its
+    own, removed when the command ends however it ends: a signal that stops a compile ends the process without
+    unwinding (`lab.interrupts`), so the folder is also registered with `lab.interrupts.on_leave`."""
+    previous, folder = tempfile.tempdir, tempfile.mkdtemp(prefix="lab-")
+    remove = functools.partial(shutil.rmtree, folder, ignore_errors=True)
+    interrupts.on_leave(remove)
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        remove()
 
 
 def _parse(argv: list[str]):

@@ -14,7 +14,9 @@ signal's number to a pipe (`signal.set_wakeup_fd`, done at once, whatever the
 main thread is doing) and a watcher thread read it: when the main thread's
 handler has not run `GRACE_S` seconds after the signal, the main thread is held
 by native code, and the watcher prints the line and ends the process itself.
-The compiler releases Python's lock while it works, so the watcher runs.
+The compiler releases Python's lock while it works, so the watcher runs. A
+TPU or GPU compile runs with descriptor 2 pointed at a sink (its C++ log is not
+the user's), so the line goes to where stderr was when `install` ran.
 
 A handler that runs inside a finalizer or a garbage-collector callback (jax
 registers one) raises where Python cannot propagate: the exception is printed
@@ -22,7 +24,9 @@ as "Exception ignored in ..." and the command would go on. `install` therefore
 also hooks `sys.unraisablehook`: a swallowed ``KeyboardInterrupt`` or
 `Terminated` ends the process there, with its line.
 Nothing half-written is left by ending there: pages and checkpoints are
-written whole and renamed into place.
+written whole and renamed into place. Ending there skips ``finally`` blocks
+and ``atexit``, so what must go however the process ends (the command's
+scratch folder, `lab.cli`) is registered with `on_leave` and removed first.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 128 + signal.SIGTERM}  # the shell's 128 + signal number
@@ -44,6 +49,8 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
 
 
+_on_leave: list[Callable[[], object]] = []  # run by `_leave`, last registered first
+_terminal = [2]  # the descriptor the user's stderr was at `install` (a compile may point 2 at a sink meanwhile)
 _answered = [0]  # signals the main thread's handlers have run for (the watcher compares with those it read)
 _installed = False
 
@@ -61,6 +68,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    _terminal[0] = os.dup(2)
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -70,6 +78,11 @@ def install() -> None:
             signal.set_wakeup_fd(theirs)
             return
         threading.Thread(target=_watch, args=(read,), name="lab-signal-watcher", daemon=True).start()
+
+
+def on_leave(cleanup: Callable[[], object]) -> None:
+    """Have `cleanup` run when a signal ends the process here, where ``finally`` blocks and ``atexit`` do not."""
+    _on_leave.append(cleanup)
 
 
 def exit_now(stop: BaseException) -> NoReturn:
@@ -122,6 +135,9 @@ _leaving = threading.Lock()  # the watcher and the main thread may both decide t
 
 def _leave(signum: int) -> NoReturn:
     _leaving.acquire()  # the second caller waits here for the first one's os._exit
-    sys.stderr.write(MESSAGES[signum] + "\n")
     sys.stderr.flush()
+    os.write(_terminal[0], (MESSAGES[signum] + "\n").encode())
+    for cleanup in reversed(_on_leave):
+        with contextlib.suppress(Exception):
+            cleanup()
     os._exit(EXIT_CODES[signum])

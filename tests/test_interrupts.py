@@ -100,14 +100,23 @@ def chain(mesh):
 
 
 @pytest.mark.parametrize(
-    "signum, code, line", [(signal.SIGINT, 130, "lab: interrupted"), (signal.SIGTERM, 143, "lab: terminated")]
+    "signum, code, line, target",
+    [
+        (signal.SIGINT, 130, "lab: interrupted", "cpu:8"),
+        (signal.SIGTERM, 143, "lab: terminated", "cpu:8"),
+        (signal.SIGTERM, 143, "lab: terminated", "tpu:v5e:2x4"),  # libtpu compiles with descriptor 2 in a sink
+    ],
 )
-def test_a_signal_during_a_compile_ends_the_process_within_seconds(tmp_path, signum, code, line):
+def test_a_signal_during_a_compile_ends_the_process_within_seconds(tmp_path, signum, code, line, target):
     """XLA compiles in C++ and looks at no signal: the handler would run only when the compile returns, half a
-    minute later. `lab.interrupts`' watcher ends the process when the main thread does not answer."""
+    minute later. `lab.interrupts`' watcher ends the process when the main thread does not answer, says so on the
+    user's stderr, and removes the command's temporary folder."""
     (tmp_path / "chain.py").write_text(LONG_COMPILE)
     argv = [sys.executable, "-m", "lab", "inspect", "--fn", f"{tmp_path / 'chain.py'}:chain", "--mesh", "data=8"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    argv += ["--target", target]
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(scratch)}
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
     assert process.stderr.readline().strip() == "built"
     time.sleep(3)  # tracing takes about one second of it: the rest is XLA's compile
@@ -117,6 +126,7 @@ def test_a_signal_during_a_compile_ends_the_process_within_seconds(tmp_path, sig
     assert process.returncode == code, err[-2000:]
     assert err.strip().splitlines()[-1] == line and "Traceback" not in err, err[-2000:]  # XLA may log before it
     assert time.monotonic() - sent < 10  # the compile alone takes 30 s or more; only a waited-for compile fails it
+    assert not list(scratch.iterdir())  # the compile's temporary folder (Shardy's record) went with the process
 
 
 @pytest.mark.parametrize(
