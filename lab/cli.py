@@ -448,6 +448,7 @@ def _inspect_hlo_file(command: Inspect) -> int:
     """Explain one optimized-HLO text file."""
 
     text = inputs.hlo_text(command.hlo)
+    dumps.refuse_unpartitioned(command.hlo, text)
     explained = _explain_text(command, command.hlo, text, {})
     if command.json:
         _print_json(explained.to_json())

@@ -79,8 +79,11 @@ class Explained:
     @property
     def is_surprise(self) -> bool:
         """Not asked for by the program's layouts: nothing explains it, or an op or annotation forces it on a value
-        that is no parameter or gradient (those move by the layout's design)."""
-        forced = self.cause is not None and self.cause.hint is not None
+        that is no parameter or gradient (those move by the layout's design). One the program asks for by name (a
+        ppermute in shard_map) is never one, whatever the data it moves."""
+        if self.cause is not None and self.cause.hint is None:
+            return False
+        forced = self.cause is not None
         return self.origin.kind == "surprise" or (forced and self.origin.kind not in ("parameter", "gradient"))
 
     @property
@@ -240,7 +243,8 @@ class Explanation:
         for e in self.collectives:
             c = e.collective
             style = "red" if e.is_surprise else None
-            why = f"{e.origin}: {e.origin.why}" if e.cause is None else f"{e.cause.kind}: {e.cause.why} ({e.origin})"
+            why = f"{e.origin}: {e.origin.why}" if e.cause is None else f"{e.cause.kind}: {e.cause.why}"
+            why += f" ({e.origin})" if e.cause is not None and (e.is_surprise or e.origin.kind != "surprise") else ""
             why += f". Hint: {e.hint}" if e.hint else ""
             table.add_row(
                 c.kind,

@@ -146,6 +146,7 @@ class _Member:
     shape: tuple[int, ...]
     moved: int | None  # the entry input it is a moved copy of
     gradient: tuple[int, ...]  # the inputs whose update (or returned gradient) it flows into
+    weight_sized: bool = False  # as many elements as those inputs, shard or whole (one, or all in one buffer)
 
 
 # --------------------------------------------------------------------------- classifying
@@ -165,7 +166,9 @@ def _origin(
     kinds = [_member_kind(m, parameters, batches) for m in members]
     named = [(kind, m) for kind, m in zip(kinds, members) if kind != "scalar"]
     if not named:
-        return Origin("activation", None, f"a scalar reduced over {axes}: the loss or a statistic of the batch")
+        if collective.kind in _REDUCTIONS:
+            return Origin("activation", None, f"a scalar reduced over {axes}: the loss or a statistic of the batch")
+        return Origin("activation", None, f"a scalar moved over {axes}: a counter, a random key or a statistic")
     scalars = len(members) - len(named)
     also = f" (and {scalars} scalar{'s' * (scalars > 1)}: the loss or its statistics)" if scalars else ""
     weight = {kind: sum(math.prod(m.shape) for k, m in named if k == kind) for kind in ORIGINS}
@@ -190,7 +193,8 @@ def _origin(
         return Origin(
             kind,
             names,
-            f"reduces the gradient of {names} over {axes}: the result goes to its update or out of the step, "
+            f"{'reduces' if collective.kind in _REDUCTIONS else 'moves'} the gradient of {names} over {axes}: the "
+            "result goes to its update or out of the step, "
             f"{elements:,} elements per device, the size of the parameter{'s' * (len(targets) > 1)}{also}",
         )
     if kind == "activation":
@@ -214,11 +218,11 @@ def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str])
         return "parameter" if member.moved in parameters else "input"
     if math.prod(member.shape) == 1:
         return "scalar"
+    if member.weight_sized:  # before the batch: a weight's dimension may equal it (8192 wide, 8192 sequences)
+        return "gradient"
     if any(size > 1 and size in member.shape for size in batches):
         return "activation"
-    if member.gradient:
-        return "gradient"
-    return "surprise"
+    return "gradient" if member.gradient else "surprise"
 
 
 def _share(collective: Collective, moved: list[Input]) -> str:
@@ -305,14 +309,25 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
         data = data[:1]  # the in-place form: (input, output buffer, input offsets, output offsets)
     results = _results(graph, instruction, len(data))
     total = sum(math.prod(s) for s in collective.result_shapes)
-    return [
-        _Member(
-            tuple(shapes[k]) if k < len(shapes) else (),
-            _trace_back(graph, instruction.computation, operand, None, 0),
-            _gradient_of(graph, results[k], weights, total) if k < len(results) else (),
-        )
-        for k, operand in enumerate(data)
-    ]
+    members = []
+    for k, operand in enumerate(data):
+        gradient = _gradient_of(graph, results[k], weights, total) if k < len(results) else ()
+        carried = {total, *(math.prod(s[k]) for s in (shapes, collective.result_shapes) if k < len(s))}
+        sized = _weight_sized(graph, gradient, carried)
+        # a reduction flowing into an update is a gradient; what a permute, a gather or an all-to-all moves may
+        # flow into one too (a pipeline's stage-to-stage sends) and is the gradient only when it is that weight's size
+        if not sized and collective.kind not in _REDUCTIONS:
+            gradient = ()
+        moved = _trace_back(graph, instruction.computation, operand, None, 0)
+        members.append(_Member(tuple(shapes[k]) if k < len(shapes) else (), moved, gradient, sized))
+    return members
+
+
+def _weight_sized(graph: Dataflow, gradient: tuple[int, ...], carried: set[int]) -> bool:
+    """As many elements carried as the weights it updates hold: one or all of them (one buffer), shard or whole."""
+    shards = [graph.inputs[i].elements for i in gradient]
+    wholes = [math.prod(graph.inputs[i].global_shape) for i in gradient]
+    return bool(gradient) and bool(carried & {*shards, *wholes, sum(shards), sum(wholes)})
 
 
 def _results(graph: Dataflow, instruction: Instruction, members: int) -> list[list[Instruction]]:

@@ -40,6 +40,11 @@ _PARTITIONS = re.compile(rb"\bnum_partitions=(\d+)")
 _COLLECTIVE = re.compile(  # an instruction of one of the kinds; an async pair is counted at its -start
     rb"\s(?:" + b"|".join(kind.encode() for kind in (*KINDS, "ragged-all-to-all")) + rb")(?:-start)?\("
 )
+# what only a module before SPMD partitioning holds: GSPMD's sharding custom calls and shard_map's boundaries, or
+# Shardy's mesh and shardings (XLA writes them into the module's frontend attributes until the partitioner runs)
+_UNPARTITIONED = re.compile(
+    r'custom_call_target="(?:Sharding|SPMDFullToShardShape|SPMDShardToFullShape)"|\bxla\.sdy\.(?:meshes|sharding)\b'
+)
 MAX_MODULES = 10_000  # a folder with more optimized modules than this is not one program's dump
 
 
@@ -150,3 +155,15 @@ def _scan(path: Path) -> tuple[int, int, int]:
             partitions = int(header[1]) if header else partitions
             collectives += bool(_COLLECTIVE.search(line))
     return lines, partitions, collectives
+
+
+def refuse_unpartitioned(path: Path, text: str) -> None:
+    """Refuse a module from before XLA's optimizations: its shardings are still annotations, not collectives."""
+    marker = _UNPARTITIONED.search(text)
+    if marker:
+        optimized = re.sub(r"before_optimizations", "after_optimizations", path.name)
+        beside = f" ({optimized} beside it)" if optimized != path.name else ""
+        raise LabError(
+            f"{path} is a module before XLA's optimizations ({marker[0]!r}: its shardings are annotations, no "
+            f"collective is placed yet); give the *after_optimizations.txt file of the same dump{beside}"
+        )

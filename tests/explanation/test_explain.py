@@ -90,6 +90,32 @@ def test_what_each_example_communicates_and_why(capsys, devices):
     assert kinds["collective-permute", ("data",)]["source"].endswith(f":{line_of(example, 'ppermute(')}")
 
 
+DOCS = Path(__file__).resolve().parents[1] / "data" / "programs" / "public_docs.py"
+
+
+def test_a_weight_as_wide_as_the_batch_is_reduced_as_a_gradient(capsys, devices):
+    """JAX's data-and-tensor-parallel MLP, its hidden width equal to the batch: the combined all-reduce over data
+    carries every weight's gradient (each of a weight's size), the all-reduces over tensor the activations."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:data_and_tensor_parallel_mlp", "--mesh", "data=4,tensor=2")
+    origins = {(c["kind"], tuple(c["axes"])): c["origin"] for c in found["collectives"]}
+    assert origins["all-reduce", ("data",)]["kind"] == "gradient"
+    assert origins["all-reduce", ("data",)]["why"].startswith("reduces the gradient of params[0][0], params[0][1]")
+    assert origins["all-reduce", ("tensor",)]["kind"] == "activation"
+    assert found["surprises"] == 0
+
+
+def test_a_pipelines_ppermutes_are_asked_for_and_carry_no_gradient(capsys, devices):
+    """The shard_map tutorial's GPipe loop: each stage-to-stage send is asked for by name, so none is a surprise,
+    and none is read as a weight's gradient (only the replicated weights' all-reduce over stage is one)."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:spmd_pipeline", "--mesh", "stage=2,data=4")
+    permutes = [c for c in found["collectives"] if c["kind"] == "collective-permute"]
+    assert len(permutes) > 10 and found["surprises"] == 0
+    assert all(c["cause"]["kind"] == "shard_map" and c["hint"] is None for c in permutes)
+    assert not [c["origin"] for c in permutes if c["origin"]["kind"] == "gradient"]
+    (reduced,) = [c for c in found["collectives"] if c["kind"] == "all-reduce" and c["size_bytes"] > 4]
+    assert reduced["origin"]["kind"] == "gradient" and reduced["axes"] == ["stage"]
+
+
 def test_the_planted_surprise_comes_first_at_its_line_with_a_hint(capsys, devices):
     found = inspect_json(capsys, "--fn", str(EXAMPLES / "optax_train_step.py:train_step"), "--mesh", "data=2,fsdp=4")
     surprises = [c for c in found["collectives"] if c["origin"]["kind"] == "surprise"]

@@ -2,6 +2,11 @@
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from lab.cli import main
 from lab.hlo.dumps import find_modules, pick, why
 
@@ -51,3 +56,16 @@ def test_the_listing_says_which_module_it_explains_and_why(tmp_path, capsys):
     assert main(["inspect", "--dump", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "explained: 0002:jit_train_step, the most partitions (8; next 0001:jit__multi_slice with 1)" in out
+
+
+def test_a_module_before_optimizations_is_refused_with_the_file_to_give(tmp_path, capsys, devices):
+    """A dump's before_optimizations file holds the program's shardings as annotations and no collective: read as
+    the program it would list nothing, so it is refused, naming the optimized file beside it."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    x = jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    unoptimized = tmp_path / "module_0001.jit_step.before_optimizations.txt"
+    unoptimized.write_text(jax.jit(lambda a: a.sum(0)).lower(x).as_text(dialect="hlo"))
+    assert main(["inspect", "--hlo", str(unoptimized), "--mesh", "fsdp=8"]) == 2
+    err = capsys.readouterr().err
+    assert "a module before XLA's optimizations" in err
+    assert "module_0001.jit_step.after_optimizations.txt beside it" in " ".join(err.split())

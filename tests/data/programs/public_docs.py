@@ -1,0 +1,106 @@
+"""Programs from JAX's own documentation, reduced to ``NAME(mesh) -> (fn, args)`` with abstract arguments, as
+`lab inspect --fn` takes them: where the lab's reading of why a collective is there has been wrong before.
+
+Each keeps its source; the meshes use the lab's axes in place of the documents' own names (``stages`` ->
+``stage``), and sizes are scaled to compile in seconds on 8 CPU devices.
+"""
+
+import itertools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _abstract(mesh, shape, spec, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _predict(params, inputs):
+    for W, b in params:
+        outputs = jnp.dot(inputs, W) + b
+        inputs = jnp.maximum(outputs, 0)
+    return outputs
+
+
+def _loss(params, batch):
+    inputs, targets = batch
+    predictions = _predict(params, inputs)
+    return jnp.mean(jnp.sum((predictions - targets) ** 2, axis=-1))
+
+
+# https://docs.jax.dev/en/latest/notebooks/Distributed_arrays_and_automatic_parallelization.html, "4-way batch data
+# parallelism and 2-way model tensor parallelism": layer_sizes = [784, 8192, 8192, 8192, 10] and batch_size = 8192
+# there, the hidden width equal to the batch; 512 both here
+def data_and_tensor_parallel_mlp(mesh):
+    """--mesh data=4,tensor=2: one all-reduce of every gradient over data, the activations' over tensor."""
+    layer_sizes, batch_size = [784, 512, 512, 512, 10], 512
+    specs = [(P(), P()), (P(None, "tensor"), P("tensor")), (P("tensor", None), P()), (P(), P())]
+    params = [
+        (_abstract(mesh, (n_in, n_out), w), _abstract(mesh, (n_out,), b))
+        for (n_in, n_out), (w, b) in zip(itertools.pairwise(layer_sizes), specs)
+    ]
+    batch = (_abstract(mesh, (batch_size, 784), P("data", None)), _abstract(mesh, (batch_size, 10), P("data", None)))
+    return jax.jit(jax.grad(_loss)), (params, batch)
+
+
+_LAYERS, _BATCH = [784, 128, 128, 128, 128, 128, 8], 32
+
+
+# https://docs.jax.dev/en/latest/notebooks/shard_map.html, "SPMD pipeline parallelism (PP)": the GPipe loop of
+# ppermutes, differentiated
+def spmd_pipeline(mesh):
+    """--mesh stage=2,data=4: ppermutes asked for by name, stage to stage, forward and backward."""
+    L = len(_LAYERS) - 1 - 2  # num layers, excluding first and last
+    N = _BATCH
+    F = _LAYERS[1]
+    S, B = mesh.shape["stage"], 8
+    M, ragged = divmod(N, B)
+    assert not ragged
+    K, ragged = divmod(M, S)
+    assert not ragged
+
+    def shift(i, state, inputs, outputs):
+        def sh(x, d):
+            return jax.lax.ppermute(x, "stage", [(i, (i + d) % S) for i in range(S)])
+
+        state = jnp.roll(state, +1, axis=0).at[0].set(sh(state[-1], +1))
+        if (i % K) == (-1 % K):
+            inputs = sh(inputs, +1)
+        if ((i - L + 1) % K) == (-1 % K):
+            outputs = sh(outputs, +1)
+        return state, inputs, outputs
+
+    def spmd_pipeline(fn, stage_params, inputs):
+        stage = jax.lax.axis_index("stage")
+        outputs = jnp.zeros_like(inputs) * jnp.nan
+        state = jnp.zeros((L // S, B, F)) * jnp.nan
+        for i in range(M + L - 1):
+            state = state.at[0].set(jnp.where(stage == 0, inputs[i % K], state[0]))
+            state = jax.vmap(fn)(stage_params, state)
+            outputs = outputs.at[(i - L + 1) % K].set(jnp.where(stage == S - 1, state[-1], outputs[(i - L + 1) % K]))
+            state, inputs, outputs = shift(i, state, inputs, outputs)
+        outputs = jax.lax.ppermute(outputs, "stage", [(i, (i + 1) % S) for i in range(S)])
+        return outputs
+
+    def _predict_pp(params, inputs):
+        (W_first, b_first), inner_params, (W_last, b_last) = params
+        inputs = jax.nn.relu(jnp.dot(inputs, W_first) + b_first)
+        inputs = spmd_pipeline(lambda Wb, x: jax.nn.relu(x @ Wb[0] + Wb[1]), inner_params, inputs)
+        outputs = jnp.dot(inputs, W_last) + b_last
+        return outputs
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=((P(), P("stage"), P()), P("stage")), out_specs=P())
+    def loss_pp(params, batch):
+        inputs, targets = batch
+        predictions = _predict_pp(params, inputs.reshape(K, B, -1)).reshape(K * B, -1)
+        local_loss = jnp.mean(jnp.sum((predictions - targets) ** 2, axis=-1))
+        return jax.lax.pmean(local_loss, "stage")
+
+    first = (_abstract(mesh, (784, F), P()), _abstract(mesh, (F,), P()))
+    stacked = (_abstract(mesh, (L, F, F), P("stage")), _abstract(mesh, (L, F), P("stage")))
+    last = (_abstract(mesh, (F, 8), P()), _abstract(mesh, (8,), P()))
+    batch = (_abstract(mesh, (N, 784), P("stage")), _abstract(mesh, (N, 8), P("stage")))
+    return jax.jit(jax.grad(loss_pp)), ((first, stacked, last), batch)
