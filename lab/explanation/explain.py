@@ -149,7 +149,8 @@ class Explanation:
         return tuple(e for e in self.collectives if e.is_surprise)
 
     def totals(self) -> list[dict[str, Any]]:
-        """Per (axes, kind): collectives, runs per step, bytes per step (S x runs), predicted seconds per step."""
+        """Per (axes, kind): collectives, runs per step, bytes per step (S x runs), predicted seconds per step;
+        not exact (at least these) when a loop's trip count is unknown, its collectives counted once."""
         grouped: dict[tuple, list[Explained]] = defaultdict(list)
         for e in self.collectives:
             grouped[
@@ -166,6 +167,7 @@ class Explanation:
                     "collectives": len(members),
                     "runs": sum(runs),
                     "bytes": sum(e.collective.size_bytes * r for e, r in zip(members, runs)),
+                    "exact": all(e.count is not None for e in members),
                     "predicted_s": None
                     if any(p is None for p in predicted)
                     else sum(p * r for p, r in zip(predicted, runs)),
@@ -266,15 +268,19 @@ class Explanation:
         table = Table(title="per axis and kind, per step")
         for column in ("axes", "kind", "collectives", "runs", "bytes", "predicted"):
             table.add_column(column, justify="left" if column in ("axes", "kind") else "right")
-        for row in self.totals():
+        rows = self.totals()
+        for row in rows:
+            at_least = "" if row["exact"] else ">= "
             table.add_row(
                 "?" if row["axes"] is None else ",".join(row["axes"]) or "-",
                 row["kind"],
                 str(row["collectives"]),
-                str(row["runs"]),
-                format_bytes(row["bytes"]),
-                _seconds(row["predicted_s"]),
+                at_least + str(row["runs"]),
+                at_least + format_bytes(row["bytes"]),
+                at_least + _seconds(row["predicted_s"]) if row["predicted_s"] is not None else _seconds(None),
             )
+        if not all(row["exact"] for row in rows):
+            table.caption = ">= : a loop's trip count is unknown (runs ?): its collectives are counted once"
         return table
 
 

@@ -116,6 +116,29 @@ def test_a_pipelines_ppermutes_are_asked_for_and_carry_no_gradient(capsys, devic
     assert reduced["origin"]["kind"] == "gradient" and reduced["axes"] == ["stage"]
 
 
+UNKNOWN_TRIPS = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def loop(mesh):
+    def f(x, n):  # n iterations, known only when it runs: each all-reduces a sum over fsdp
+        return jax.lax.fori_loop(0, n, lambda i, c: c * 0.5 + (c * x).sum(), jnp.float32(1.0))
+    x = jax.ShapeDtypeStruct((1024,), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    n = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(f), (x, n)
+"""
+
+
+def test_totals_over_a_loop_of_unknown_length_say_they_are_a_floor(capsys, devices, tmp_path):
+    (tmp_path / "loop.py").write_text(UNKNOWN_TRIPS)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'loop.py'}:loop", "--mesh", "fsdp=8")
+    ((collective,), (total,)) = found["collectives"], found["totals"]
+    assert collective["count"] is None and (total["runs"], total["bytes"], total["exact"]) == (1, 4, False)
+    assert main(["inspect", "--fn", f"{tmp_path / 'loop.py'}:loop", "--mesh", "fsdp=8"]) == 0
+    shown = capsys.readouterr().out
+    assert ">= 1 " in shown and "trip count is unknown" in shown
+
+
 def test_the_planted_surprise_comes_first_at_its_line_with_a_hint(capsys, devices):
     found = inspect_json(capsys, "--fn", str(EXAMPLES / "optax_train_step.py:train_step"), "--mesh", "data=2,fsdp=4")
     surprises = [c for c in found["collectives"] if c["origin"]["kind"] == "surprise"]
