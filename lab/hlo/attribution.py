@@ -312,7 +312,8 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
     members = []
     for k, operand in enumerate(data):
         gradient = _gradient_of(graph, results[k], weights, total) if k < len(results) else ()
-        carried = {total, *(math.prod(s[k]) for s in (shapes, collective.result_shapes) if k < len(s))}
+        result = collective.result_shapes
+        carried = {total, math.prod(result[k])} if k < len(result) else {total}
         sized = _weight_sized(graph, gradient, carried)
         # a reduction flowing into an update is a gradient; what a permute, a gather or an all-to-all moves may
         # flow into one too (a pipeline's stage-to-stage sends) and is the gradient only when it is that weight's size
@@ -324,10 +325,12 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
 
 
 def _weight_sized(graph: Dataflow, gradient: tuple[int, ...], carried: set[int]) -> bool:
-    """As many elements carried as the weights it updates hold: one or all of them (one buffer), shard or whole."""
+    """Its result as many elements as the weight it updates (shard or whole), or as all of them together (one
+    buffer of several gradients); the reduced operand, before, may be any multiple of that. One size among
+    several weights' is no evidence: an activation may be as large as one of them."""
     shards = [graph.inputs[i].elements for i in gradient]
     wholes = [math.prod(graph.inputs[i].global_shape) for i in gradient]
-    return bool(gradient) and bool(carried & {*shards, *wholes, sum(shards), sum(wholes)})
+    return bool(gradient) and bool(carried & {sum(shards), sum(wholes)})
 
 
 def _results(graph: Dataflow, instruction: Instruction, members: int) -> list[list[Instruction]]:
