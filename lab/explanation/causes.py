@@ -77,7 +77,18 @@ _OPS = {
         "reshape so the split dimension stays a whole dimension, or reshard before it",
     ),
 }
-_BY_NAME = ("psum", "pmax", "pmin", "pmean", "all_gather", "all_to_all", "ppermute", "pshuffle", "reduce_scatter")
+_BY_NAME = (
+    "psum",
+    "pmax",
+    "pmin",
+    "pmean",
+    "all_gather",
+    "all_to_all",
+    "ragged_all_to_all",
+    "ppermute",
+    "pshuffle",
+    "reduce_scatter",
+)
 _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 
 

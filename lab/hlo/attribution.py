@@ -307,6 +307,8 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
     data = list(instruction.operands)  # all of them: member k of a combined collective is element k of its result
     if base_opcode(instruction.opcode) == "collective-permute" and len(data) == 4:
         data = data[:1]  # the in-place form: (input, output buffer, input offsets, output offsets)
+    if base_opcode(instruction.opcode) == "ragged-all-to-all":
+        data = data[:1]  # (input, output buffer, and four arrays of offsets and sizes)
     results = _results(graph, instruction, len(data))
     total = sum(math.prod(s) for s in collective.result_shapes)
     members = []

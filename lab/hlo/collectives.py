@@ -158,10 +158,10 @@ _MEGASCALE_KINDS = {
     "REDUCE_SCATTER": "reduce-scatter",
     "ALL_TO_ALL": "all-to-all",
 }
-_UNMODELLED = {
-    "ragged-all-to-all": "ragged-all-to-all: its sizes depend on offsets known only at run time",
-    "collective-broadcast": "collective-broadcast is not one of the modelled kinds",
-}
+_UNMODELLED = {"collective-broadcast": "collective-broadcast is not one of the modelled kinds"}
+# an all-to-all whose sizes are operands known only at run time (jax.lax.ragged_all_to_all: a dropless MoE's
+# dispatch): listed as an all-to-all of its whole input buffer, the most it can send
+_RAGGED = "ragged-all-to-all"
 
 
 @dataclass
@@ -212,7 +212,7 @@ def _scan_line(scan: _Scan, computation: str, number: int, line: str) -> None:
         scan.skipped.append(
             Skipped(number, line.strip()[:240], "a quote, bracket or brace is never closed: the instruction is cut")
         )
-    elif base_opcode(instruction.opcode) in KINDS or instruction.opcode in _UNMODELLED:
+    elif base_opcode(instruction.opcode) in (*KINDS, _RAGGED) or instruction.opcode in _UNMODELLED:
         scan.instructions.append(instruction)
     elif instruction.opcode in ("send", "recv"):
         scan.point_to_point.append(instruction)
@@ -410,6 +410,9 @@ def _build(
     markers = scan.markers
     megascale = instruction.frontend_attributes.get(_MEGASCALE) if instruction.opcode == "send" else None
     kind = "collective-permute" if instruction.opcode == "send" else base_opcode(instruction.opcode)
+    if kind == _RAGGED:
+        kind = "all-to-all"
+        form = f"{form} (its sizes known at run time: S is its input buffer, the most it sends)"
     if megascale is not None:
         if megascale not in _MEGASCALE_KINDS:
             raise _Unreadable(f"a megascale {megascale} transfer is not one of the modelled kinds")

@@ -226,11 +226,16 @@ def _split_dim(full: int, parts: list[tuple[int | None, int | None]]) -> tuple[l
 
 def groups_of_pairs(pairs: Sequence[tuple[int, int]]) -> Groups:
     """Devices linked by a permute's pairs, as groups (a ring over an axis gives that axis's groups)."""
+    return _groups_of_pairs(tuple(map(tuple, pairs)))
+
+
+@functools.lru_cache(maxsize=1024)  # a program's permutes repeat a few rings (each stage or step of a loop)
+def _groups_of_pairs(pairs: tuple[tuple[int, int], ...]) -> Groups:
     parent: dict[int, int] = {}
 
     def root(i: int) -> int:
         while parent.setdefault(i, i) != i:
-            i = parent[i]
+            parent[i] = i = parent[parent[i]]  # halve the path: a ring's chain is walked once, not once a pair
         return i
 
     for source, target in pairs:

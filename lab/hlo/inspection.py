@@ -174,6 +174,8 @@ def format_cost(cost: dict[str, float]) -> str:
         shown.append(f"{humanize.metric(cost['flops'], 'FLOP')}")
     if "bytes accessed" in cost:
         shown.append(f"{format_bytes(cost['bytes accessed'])} accessed")
-    if "optimal_seconds" in cost:
-        shown.append(f"optimal {humanize.metric(cost['optimal_seconds'], 's')}")
+    if "optimal_seconds" in cost:  # libtpu's figure is negative when it could not price the program
+        optimal = cost["optimal_seconds"]
+        given = humanize.metric(optimal, "s")
+        shown.append(f"optimal {given}" if optimal >= 0 else f"optimal unknown (the compiler gave {given})")
     return ", ".join(shown) or "no cost figures"

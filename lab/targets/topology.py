@@ -47,6 +47,7 @@ for a collective of a compiled (one slice's) program; `predict` turns a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -109,7 +110,11 @@ def slice_shape(devices: Sequence) -> tuple[int, ...]:
 
 def placement(mesh, axes: Sequence[str], chip: ChipProfile | None = None) -> Placement:
     """Where a collective over mesh `axes` runs: ICI dimensions, DCN, one chip; NVLink or InfiniBand; the host."""
-    axes = tuple(axes)
+    return _placement(mesh, tuple(axes), chip)
+
+
+@functools.lru_cache(maxsize=4096)  # a program asks for the same few groups once per collective (DeepSeek-V3: 439)
+def _placement(mesh, axes: tuple[str, ...], chip: ChipProfile | None) -> Placement:
     flat = list(mesh.devices.flat)
     indices = [mesh.axis_names.index(a) for a in axes]
     group = [flat[p] for p in device_groups(mesh.devices.shape, indices)[0]]

@@ -84,7 +84,7 @@ def test_unreadable_lines_are_reported_not_raised():
         "%ag = f32[8]{0} all-gather(%p), replica_groups={{0,1}}",
         "%orphan = f32[8]{0} all-gather-done(%nothing)",
         "%lost = (f32[4]{0}, f32[8]{0}) all-gather-start(%p), replica_groups={{0,1}}, dimensions={0}",
-        "%r = f32[8]{0} ragged-all-to-all(%p, %q, %o1, %s1, %o2, %s2), replica_groups={{0,1}}",
+        "%b = f32[8]{0} collective-broadcast(%p), replica_groups={{0,1}}",
         "this mentions all-reduce but is no instruction",
         "%cp = f32[8]{0} collective-permute(%p), channel_id=1",
         devices=4,
@@ -97,12 +97,26 @@ def test_unreadable_lines_are_reported_not_raised():
         "without dimensions",
         "without a matching start",
         "without a matching done",
-        "ragged",
+        "collective-broadcast",
         "not an HLO instruction",
         "source_target_pairs",
     ):
         assert expected in reasons
     assert len(skipped) == 7 and all(s.line_number > 0 for s in skipped)
+
+
+def test_a_ragged_all_to_all_is_an_all_to_all_of_its_whole_input_buffer():
+    """jax.lax.ragged_all_to_all (a dropless MoE's dispatch): its sizes are operands read at run time, so S is the
+    input buffer it sends from, the most it can send; the four offset and size arrays are not data."""
+    text = module(
+        "%r = bf16[1024,256]{1,0} ragged-all-to-all(%x, %out, %o1, %s1, %o2, %s2), "
+        "replica_groups={{0,1,2,3},{4,5,6,7}}",
+        devices=8,
+    )
+    (collective,), skipped = parse_collectives(text, (2, 4), ("expert", "tensor"))
+    assert not skipped
+    assert (collective.kind, collective.axes, collective.size_bytes) == ("all-to-all", ("tensor",), 1024 * 256 * 2)
+    assert collective.form.startswith("ragged-all-to-all (its sizes known at run time")
 
 
 @settings(max_examples=80, deadline=None)

@@ -311,5 +311,7 @@ def test_console_views_of_an_inspection(mesh222):
     inspection = inspect(fn, *args)
     assert "argument size 4 KiB" in format_memory(inspection.memory) and "FLOP" in format_cost(inspection.cost)
     assert format_memory({}) == "no memory figures" and format_cost({}) == "no cost figures"
+    assert format_cost({"optimal_seconds": 0.002}) == "optimal 2.00 ms"
+    assert format_cost({"optimal_seconds": -2.99}) == "optimal unknown (the compiler gave -2.99 s)"
     table = summary_table(inspection.summary())
     assert table.row_count == len(inspection.summary()) and table.columns[0].header == "kind"
