@@ -240,6 +240,8 @@ def _share(collective: Collective, moved: list[Input]) -> str:
         return f"its result is the whole of it ({whole:,} elements)"
     if local and result == local:
         return f"as many elements as each device holds ({local:,} of {whole:,})"
+    if result > whole:  # made from it (a broadcast, a comparison), or carried with others in one collective
+        return f"{result:,} elements, more than its {whole:,}: made from it, or carried with other arrays"
     return f"{result:,} of its {whole:,} elements"
 
 

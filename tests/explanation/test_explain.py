@@ -154,6 +154,28 @@ def loop(mesh):
 """
 
 
+VOCAB_PARALLEL = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def embed(mesh):  # sgl-project/sglang-jax#1083, before its fix: the lookup's mask is gathered over data
+    def f(table, ids):
+        out = jnp.take(table, ids, axis=0)
+        return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(None, None)))
+    table = jax.ShapeDtypeStruct((32768, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("tensor", None)))
+    ids = jax.ShapeDtypeStruct((256,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    return jax.jit(f), (table, ids)
+"""
+
+
+def test_a_collective_larger_than_the_input_it_is_made_from_says_so(capsys, devices, tmp_path):
+    (tmp_path / "embed.py").write_text(VOCAB_PARALLEL)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'embed.py'}:embed", "--mesh", "data=2,tensor=4")
+    (mask,) = [c for c in found["collectives"] if c["dtype"] == "pred"]
+    assert mask["origin"]["name"] == "ids"
+    assert "262,144 elements, more than its 256: made from it" in mask["origin"]["why"]
+
+
 def test_totals_over_a_loop_of_unknown_length_say_they_are_a_floor(capsys, devices, tmp_path):
     (tmp_path / "loop.py").write_text(UNKNOWN_TRIPS)
     found = inspect_json(capsys, "--fn", f"{tmp_path / 'loop.py'}:loop", "--mesh", "fsdp=8")
