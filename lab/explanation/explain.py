@@ -119,6 +119,7 @@ class Explained:
             "stack": [{"file": f.file, "line": f.line, "function": f.function} for f in self.stack],
             "op_name": c.op_name,
             "origin": {"kind": self.origin.kind, "name": self.origin.name, "why": self.origin.why},
+            "surprise": self.is_surprise,  # what the summary's count counts: the origin, or a cause that forced it
             "cause": self.cause.to_json() if self.cause is not None else None,
             "async": c.is_async,
             "link": self.link,

@@ -12,6 +12,11 @@ collectives of a training step:
 * **gradient**: a reduction (all-reduce, reduce-scatter) whose result flows,
   through elementwise work only, into the update of an input with the same
   number of elements: the reduction of that weight's gradient over ``data``;
+  followed through slices (ZeRO-1 updates its rows of it), into the buffer a
+  scanned backward stacks it in and out of the loop's carry. A permute, gather
+  or all-to-all carries one only in the backward pass (``transpose(jvp(...))``)
+  and at the weight's size; after the backward, a weight-sized one moving a
+  value into its weight's update is that updated weight: a **parameter**;
 * **input**: data movement of an input that is not a parameter: its declared
   sharding differs from the one the computation wants (a reshard);
 * **activation**: a value computed in the step whose shape carries the batch
@@ -38,7 +43,7 @@ import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lab.collectives import KINDS
 from lab.hlo.collectives import Collective
@@ -117,6 +122,7 @@ class Dataflow:
     entry: str
     inputs: dict[int, Input]
     root: Instruction | None  # the entry computation's ROOT: the step's outputs when it is a tuple
+    opcodes: dict[str, frozenset[str]] = field(default_factory=dict)  # computation -> the opcodes it holds
 
     @classmethod
     def of(cls, hlo_text: str) -> Dataflow:
@@ -234,6 +240,8 @@ def _share(collective: Collective, moved: list[Input]) -> str:
         return f"its result is the whole of it ({whole:,} elements)"
     if local and result == local:
         return f"as many elements as each device holds ({local:,} of {whole:,})"
+    if result > whole:  # made from it (a broadcast, a comparison), or carried with others in one collective
+        return f"{result:,} elements, more than its {whole:,}: made from it, or carried with other arrays"
     return f"{result:,} of its {whole:,} elements"
 
 
@@ -253,6 +261,7 @@ def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str
 
 def _dataflow(hlo_text: str) -> Dataflow:
     instructions, users, whiles, entry, root = {}, defaultdict(list), {}, "", None
+    opcodes: dict[str, set[str]] = defaultdict(set)
     for computation in computations(hlo_text):
         entry = computation.name if computation.is_entry else entry
         for number, line in computation.instruction_lines():
@@ -260,6 +269,7 @@ def _dataflow(hlo_text: str) -> Dataflow:
             if instruction is None:
                 continue
             instructions[computation.name, instruction.name] = instruction
+            opcodes[computation.name].add(instruction.opcode)
             if computation.is_entry and instruction.line.lstrip().startswith("ROOT"):
                 root = instruction
             for operand in instruction.operands:
@@ -273,7 +283,8 @@ def _dataflow(hlo_text: str) -> Dataflow:
         if computation == entry and instruction.opcode == "parameter":
             index = _parameter_number(instruction, 0)
             inputs[index] = _input(instruction, index)
-    return Dataflow(instructions, users, whiles, entry, inputs, root if root and root.opcode == "tuple" else None)
+    root = root if root and root.opcode == "tuple" else None
+    return Dataflow(instructions, users, whiles, entry, inputs, root, {c: frozenset(o) for c, o in opcodes.items()})
 
 
 def _parameter_number(instruction: Instruction, default: int) -> int:
@@ -317,13 +328,30 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
         result = collective.result_shapes
         carried = {total, math.prod(result[k])} if k < len(result) else {total}
         sized = _weight_sized(graph, gradient, carried)
-        # a reduction flowing into an update is a gradient; what a permute, a gather or an all-to-all moves may
-        # flow into one too (a pipeline's stage-to-stage sends) and is the gradient only when it is that weight's size
-        if not sized and collective.kind not in _REDUCTIONS:
-            gradient = ()
         moved = _trace_back(graph, instruction.computation, operand, None, 0)
+        if collective.kind not in _REDUCTIONS:
+            moved, gradient, sized = _moved_into_update(collective, moved, gradient, sized)
         members.append(_Member(tuple(shapes[k]) if k < len(shapes) else (), moved, gradient, sized))
     return members
+
+
+def _moved_into_update(
+    collective: Collective, moved: int | None, gradient: tuple[int, ...], sized: bool
+) -> tuple[int | None, tuple[int, ...], bool]:
+    """A permute, gather or all-to-all flowing into a weight's update: (moved, gradient, weight-sized) as read.
+
+    Only a reduction sums a gradient; the others move one only in the backward pass (JAX names its ops
+    ``transpose(jvp(...))``) and at the weight's size. In the forward pass (``jvp(...)``) the same sizes are an
+    activation's coincidence (a pipeline's stage-to-stage sends); after it (the optimizer), a weight-sized gather
+    into the update is the updated weight itself, moved to the layout the step returns it in (ZeRO-1)."""
+    op = collective.op_name or ""
+    if not sized:
+        return moved, (), False
+    if "transpose(" in op:
+        return moved, gradient, True
+    if "jvp(" in op or moved is not None:
+        return moved, (), False
+    return gradient[0], (), False
 
 
 def _weight_sized(graph: Dataflow, gradient: tuple[int, ...], carried: set[int]) -> bool:
@@ -411,10 +439,15 @@ def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], t
                     source = _trace_back(graph, user.computation, operand, None, 0)
                     if source in weights and graph.inputs[source].elements in elements:
                         found.append(source)
+            if user.line.lstrip().startswith("ROOT") and user.computation in graph.while_callers:
+                frontier += _carried_out(graph, user, node.name)  # a loop's carry: on past the loop
+                continue
             sizes = [math.prod(d) for _, d in arrays(user.shape)]
             only_this = [o for o in user.operands if not _is_constant(graph, user.computation, o)] == [node.name]
-            if base_opcode(user.opcode) in KINDS or only_this:  # resharded, or cut into pieces (a combiner's
-                elements |= {*sizes, sum(sizes)} - {1}  # concatenated buffer sliced back): follow every piece
+            if base_opcode(user.opcode) in KINDS or only_this or _resized(graph, node, user):
+                # resharded, cut into pieces (a combiner's concatenated buffer sliced back, a ZeRO-1 shard), or
+                # written into a larger buffer (a scan's stacked gradient): follow every piece
+                elements |= {*sizes, sum(sizes)} - {1}
             if set(sizes) & elements:  # elementwise: the same elements go on
                 frontier.append(user)
     found = list(dict.fromkeys(i for i in found if i is not None))
@@ -422,6 +455,38 @@ def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], t
     # when the collective carries several gradients in one buffer (XLA:GPU's combiner concatenates them)
     weights_found = tuple(i for i in found if not _OPTIMIZER_NAME.search(graph.inputs[i].name))
     return weights_found or tuple(found[:1])
+
+
+def _resized(graph: Dataflow, node: Instruction, user: Instruction) -> bool:
+    """`user` slices `node` (a dynamic-slice, or a fusion holding one: its result a fraction of it) or writes it
+    into a buffer of its result's size (a dynamic-update-slice, or a fusion holding one)."""
+    held = {user.opcode}
+    if user.opcode == "fusion":
+        held = graph.opcodes.get(user.attr(r"\bcalls=%?([\w.\-]+)") or "", frozenset())
+    sizes, results = _sizes(graph, node.computation, node.name), [math.prod(d) for _, d in arrays(user.shape)]
+    if len(sizes) != 1 or len(results) != 1 or sizes == results or 0 in sizes + results:
+        return False  # tuples are followed element by element (get-tuple-element), not here
+    size, result = sizes[0], results[0]
+    if result < size:
+        return "dynamic-slice" in held and size % result == 0
+    buffers = [o for o in user.operands if o != node.name and _sizes(graph, user.computation, o) == [result]]
+    return "dynamic-update-slice" in held and result % size == 0 and bool(buffers)
+
+
+def _sizes(graph: Dataflow, computation: str, name: str) -> list[int]:
+    instruction = graph.instructions.get((computation, name))
+    return [math.prod(d) for _, d in arrays(instruction.shape)] if instruction is not None else []
+
+
+def _carried_out(graph: Dataflow, root: Instruction, name: str) -> list[Instruction]:
+    """Where a value a loop body returns (element k of its ROOT tuple) goes after the loop: the loop's element k."""
+    outer, loop = graph.while_callers[root.computation]
+    positions = {k for k, operand in enumerate(root.operands) if operand == name}
+    return [
+        user
+        for user in graph.users.get((outer, loop.name), ())
+        if user.opcode == "get-tuple-element" and int(user.attr(r"\bindex=(\d+)") or -1) in positions
+    ]
 
 
 def _returned_gradient(graph: Dataflow, position: int, weights: set[int]) -> int | None:

@@ -116,6 +116,31 @@ def test_a_pipelines_ppermutes_are_asked_for_and_carry_no_gradient(capsys, devic
     assert reduced["origin"]["kind"] == "gradient" and reduced["axes"] == ["stage"]
 
 
+def test_zero1_reduces_the_gradients_whole_and_gathers_the_updated_weights(capsys, devices):
+    """The scaling book's ZeRO-1: each device updates its rows of the gradient (a slice of the all-reduced one),
+    and the step gathers the new weights it returns replicated: gradients, then parameters; nothing a surprise."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:zero1_adam", "--mesh", "data=8")
+    reduced, *gathered = found["collectives"]
+    assert (reduced["kind"], reduced["origin"]["kind"]) == ("all-reduce", "gradient")
+    assert reduced["origin"]["name"] == "p['w1'], p['w2']"
+    assert [(c["kind"], c["origin"]["kind"], c["origin"]["name"]) for c in gathered] == [
+        ("all-gather", "parameter", "p['w1']"),
+        ("all-gather", "parameter", "p['w2']"),
+    ]
+    assert found["surprises"] == 0 and not [c for c in found["collectives"] if c["surprise"]]
+
+
+def test_a_scanned_layers_gradient_is_followed_through_the_loops_carry(capsys, devices):
+    """Flax's guide, its layers under nn.scan: each layer's gradient is all-reduced over data inside the scanned
+    backward and written into the stacked gradient the loop carries out to the Adam update."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:flax_scanned_mlp", "--mesh", "data=2,tensor=4")
+    (reduced,) = [c for c in found["collectives"] if c["axes"] == ["data"]]
+    assert (reduced["kind"], reduced["count"], reduced["origin"]["kind"]) == ("all-reduce", 4, "gradient")
+    assert "['W2']" in reduced["origin"]["name"] and "['kernel']" in reduced["origin"]["name"]
+    assert {c["origin"]["kind"] for c in found["collectives"] if c["axes"] == ["tensor"]} == {"activation"}
+    assert found["surprises"] == 0
+
+
 UNKNOWN_TRIPS = """
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -127,6 +152,28 @@ def loop(mesh):
     n = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
     return jax.jit(f), (x, n)
 """
+
+
+VOCAB_PARALLEL = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def embed(mesh):  # sgl-project/sglang-jax#1083, before its fix: the lookup's mask is gathered over data
+    def f(table, ids):
+        out = jnp.take(table, ids, axis=0)
+        return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(None, None)))
+    table = jax.ShapeDtypeStruct((32768, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("tensor", None)))
+    ids = jax.ShapeDtypeStruct((256,), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    return jax.jit(f), (table, ids)
+"""
+
+
+def test_a_collective_larger_than_the_input_it_is_made_from_says_so(capsys, devices, tmp_path):
+    (tmp_path / "embed.py").write_text(VOCAB_PARALLEL)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'embed.py'}:embed", "--mesh", "data=2,tensor=4")
+    (mask,) = [c for c in found["collectives"] if c["dtype"] == "pred"]
+    assert mask["origin"]["name"] == "ids"
+    assert "262,144 elements, more than its 256: made from it" in mask["origin"]["why"]
 
 
 def test_totals_over_a_loop_of_unknown_length_say_they_are_a_floor(capsys, devices, tmp_path):
@@ -145,6 +192,7 @@ def test_the_planted_surprise_comes_first_at_its_line_with_a_hint(capsys, device
     assert found["surprises"] == len(surprises) == 1
     surprise = found["collectives"][0]
     assert surprise is not None and surprise == surprises[0]
+    assert [c for c in found["collectives"] if c["surprise"]] == [surprise]  # each row says whether it is one
     assert (surprise["kind"], surprise["axes"]) == ("all-reduce", ["fsdp"])
     assert surprise["source"].endswith(f":{line_of('optax_train_step.py', 'the surprise')}")
     assert "with_sharding_constraint" in surprise["hint"]

@@ -1,15 +1,19 @@
-"""Programs from JAX's own documentation, reduced to ``NAME(mesh) -> (fn, args)`` with abstract arguments, as
-`lab inspect --fn` takes them: where the lab's reading of why a collective is there has been wrong before.
+"""Programs from public documentation (JAX's, Flax's, the scaling book), reduced to ``NAME(mesh) -> (fn, args)``
+with abstract arguments, as `lab inspect --fn` takes them: where the lab's reading of why a collective is there has
+been wrong before.
 
 Each keeps its source; the meshes use the lab's axes in place of the documents' own names (``stages`` ->
-``stage``), and sizes are scaled to compile in seconds on 8 CPU devices.
+``stage``, ``model`` -> ``tensor``), and sizes are scaled to compile in seconds on 8 CPU devices.
 """
 
 import itertools
 from functools import partial
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
+from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -104,3 +108,88 @@ def spmd_pipeline(mesh):
     last = (_abstract(mesh, (F, 8), P()), _abstract(mesh, (8,), P()))
     batch = (_abstract(mesh, (N, 784), P("stage")), _abstract(mesh, (N, 8), P("stage")))
     return jax.jit(jax.grad(loss_pp)), ((first, stacked, last), batch)
+
+
+# https://github.com/jax-ml/scaling-book (training.md, ZeRO-1): the weights replicated, the optimizer state split
+# over data; the gradient is all-reduced whole, each device updates its rows, and the new weights are gathered
+def zero1_adam(mesh):
+    """--mesh data=8: the gradients' all-reduce, then a gather of each updated weight."""
+    d, h, batch = 256, 1024, 64
+    optimizer = optax.adam(1e-3)
+    shapes = {"w1": jax.ShapeDtypeStruct((d, h), jnp.float32), "w2": jax.ShapeDtypeStruct((h, d), jnp.float32)}
+    replicated = NamedSharding(mesh, P())
+    rows = jax.tree.map(lambda a: NamedSharding(mesh, P("data", None) if a.ndim == 2 else P()), optimizer.init(shapes))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), shapes)
+    state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(optimizer.init, shapes), rows
+    )
+
+    def loss(p, x):
+        return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - x) ** 2)
+
+    def step(p, s, x):
+        g = jax.grad(loss)(p, x)
+        g = jax.lax.with_sharding_constraint(g, jax.tree.map(lambda _: NamedSharding(mesh, P("data", None)), g))
+        updates, s = optimizer.update(g, s, p)
+        return optax.apply_updates(p, updates), s
+
+    x = _abstract(mesh, (batch, d), P("data", None))
+    return jax.jit(step, out_shardings=(jax.tree.map(lambda _: replicated, shapes), rows)), (params, state, x)
+
+
+# https://flax.readthedocs.io/en/v0.6.10/guides/flax_on_pjit.html, "Scale up Flax Modules on multiple devices":
+# DotReluDot under nn.scan, its weights split over the model axis, an Adam TrainState; each layer's gradient is
+# all-reduced over data inside the scanned backward and stacked in the loop's carry
+class _DotReluDot(nn.Module):
+    depth: int
+    mesh: object
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.xavier_normal()
+        y = nn.Dense(self.depth, kernel_init=nn.with_partitioning(init, (None, "tensor")), use_bias=False)(x)
+        y = jax.lax.with_sharding_constraint(jax.nn.relu(y), NamedSharding(self.mesh, P("data", "tensor")))
+        w2 = self.param("W2", nn.with_partitioning(init, ("tensor", None)), (self.depth, x.shape[-1]))
+        return jax.lax.with_sharding_constraint(jnp.dot(y, w2), NamedSharding(self.mesh, P("data", None))), None
+
+
+class _ScannedMLP(nn.Module):
+    layers: int
+    depth: int
+    mesh: object
+
+    @nn.compact
+    def __call__(self, x):
+        scanned = nn.scan(
+            _DotReluDot,
+            length=self.layers,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            metadata_params={nn.PARTITION_NAME: None},
+        )
+        return scanned(self.depth, self.mesh)(x)[0]
+
+
+def flax_scanned_mlp(mesh):
+    """--mesh data=2,tensor=4: per layer, the activations' all-reduce over tensor and the gradient's over data."""
+    model, optimizer, x_shape = _ScannedMLP(4, 512, mesh), optax.adam(1e-3), (8, 512)
+
+    def init(x):
+        params = model.init(jax.random.key(0), x)["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
+
+    boxed = jax.eval_shape(init, jnp.ones(x_shape))
+    shardings = nn.get_sharding(boxed, mesh)
+    unboxed = jax.tree.map(
+        lambda b: b.value if isinstance(b, nn.Partitioned) else b,
+        boxed,
+        is_leaf=lambda b: isinstance(b, nn.Partitioned),
+    )
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), unboxed, shardings)
+
+    def train_step(state, x):
+        grads = jax.grad(lambda params: model.apply({"params": params}, x).sum())(state.params)
+        return state.apply_gradients(grads=grads)
+
+    x = _abstract(mesh, x_shape, P("data", None))
+    return jax.jit(train_step, out_shardings=jax.tree.map(lambda a: a.sharding, state)), (state, x)
