@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 
 from lab.collectives import KINDS
 from lab.errors import LabError
+from lab.hlo import loops
 from lab.hlo.groups import Groups, collective_axes, expand_replica_groups, groups_of_pairs, replica_groups_text
 from lab.hlo.sources import StackFrames, source_of, stack_frames
 from lab.hlo.text import (
@@ -162,6 +163,7 @@ _UNMODELLED = {"collective-broadcast": "collective-broadcast is not one of the m
 # an all-to-all whose sizes are operands known only at run time (jax.lax.ragged_all_to_all: a dropless MoE's
 # dispatch): listed as an all-to-all of its whole input buffer, the most it can send
 _RAGGED = "ragged-all-to-all"
+_SMALL = 16  # statements a loop's condition has at most (a counter, a bound, a compare; a fusion or two on TPU)
 
 
 @dataclass
@@ -173,6 +175,7 @@ class _Scan:
     instructions: list[Instruction] = field(default_factory=list)
     callers: dict[str, tuple[str, int, str]] = field(default_factory=dict)  # callee -> (computation, line number, line)
     markers: dict[str, str] = field(default_factory=dict)  # computation -> "start"/"done" of an async collective fusion
+    small: dict[str, tuple] = field(default_factory=dict)  # computation -> its statements, for the few-line ones
     skipped: list[Skipped] = field(default_factory=list)
     point_to_point: list[Instruction] = field(default_factory=list)  # send, recv (their -done: bookkeeping)
     recv_pairs: dict[tuple[str, str], str] = field(default_factory=dict)  # (computation, send) -> its recv's pairs
@@ -185,6 +188,8 @@ def _scan(hlo_text: str) -> _Scan:
     scan = _Scan(num_devices=module_devices(hlo_text), frames=stack_frames(hlo_text))
     for computation in computations(hlo_text):
         scan.entry = computation.name if computation.is_entry else scan.entry
+        if len(computation.body) <= _SMALL:  # a loop's condition, read for its trip count (`lab.hlo.loops`)
+            scan.small[computation.name] = computation.body
         for number, line in computation.instruction_lines():
             _scan_line(scan, computation.name, number, line)
     return scan
@@ -389,9 +394,11 @@ def _context(computation: str, scan: _Scan) -> _Context:
         elif caller.opcode in ("async-start", "call-start") and context.async_wrapper is None:
             context = replace(context, async_wrapper=caller)
         elif caller.opcode == "while" and caller.attr(r"\bbody=%?([\w.\-]+)") == computation:
-            trips = caller.attr(r'"known_trip_count":\{"n":"(\d+)"\}')
+            condition = caller.attr(r"\bcondition=%?([\w.\-]+)") or ""
+            statements = [parse_instruction(text, condition, n) for n, text in scan.small.get(condition, ())]
+            trips = loops.trip_count(caller, [i for i in statements if i is not None])
             context = replace(
-                context, repeats=None if trips is None or context.repeats is None else context.repeats * int(trips)
+                context, repeats=None if trips is None or context.repeats is None else context.repeats * trips
             )
         computation = caller_computation
     return context

@@ -35,6 +35,7 @@ from functools import partial
 from lab import theory
 from lab.collectives import KINDS
 from lab.errors import LabError
+from lab.hlo import loops
 from lab.hlo.collectives import Collective, parse_collectives
 from lab.hlo.text import Computation, Instruction, arrays, base_opcode, computations, nbytes, parse_instruction
 from lab.mesh import AXES
@@ -121,14 +122,16 @@ def flops(schedule: ScheduledModule, computation: str, instruction: Instruction)
     inside = sum(
         flops(schedule, callee, i) for callee in instruction.callees for i in schedule.computations.get(callee, ())
     )
-    return inside * _trips(instruction)
+    return inside * _trips(schedule, instruction)
 
 
-def _trips(instruction: Instruction) -> int:
-    """How often a while loop runs its body (1 for anything else, and for a loop whose count XLA does not know)."""
+def _trips(schedule: ScheduledModule, instruction: Instruction) -> int:
+    """How often a while loop runs its body (`lab.hlo.loops`; 1 for anything else, and for a loop of unknown
+    count)."""
     if instruction.opcode != "while":
         return 1
-    return int(instruction.attr(r'"known_trip_count":\{"n":"(\d+)"\}') or 1)
+    condition = instruction.attr(r"\bcondition=%?([\w.\-]+)") or ""
+    return loops.trip_count(instruction, schedule.computations.get(condition, ())) or 1
 
 
 def _elements(shape: str) -> int:
@@ -182,7 +185,7 @@ def compute_seconds(schedule: ScheduledModule, computation: str, instruction: In
     """
     if instruction.opcode == "while":
         body = [c for c in instruction.callees if c == instruction.attr(r"\bbody=%?([\w.\-]+)")]
-        return _trips(instruction) * sum(
+        return _trips(schedule, instruction) * sum(
             compute_seconds(schedule, c, i, chip) for c in body for i in schedule.computations.get(c, ())
         )
     matmul_flops = flops(schedule, computation, instruction)

@@ -123,7 +123,7 @@ class StackFrames:
     def user_chain(self, frame_id: int) -> tuple[Frame, ...]:
         """The call chain in the user's code, innermost first: the frames outside installed libraries (a layer of
         flax between two of the user's frames is stepped over) up to the lab's own code that compiled it; the
-        innermost frame alone when every frame is a library's."""
+        innermost frame alone when every frame is a library's, and none when only the lab's own are left."""
         frames = self.chain(frame_id)
         mine = []
         for frame in frames:
@@ -131,7 +131,7 @@ class StackFrames:
                 break
             if not frame.in_library:
                 mine.append(frame)
-        return tuple(mine) or frames[:1]
+        return tuple(mine) or tuple(f for f in frames if not f.in_lab_driver)[:1]
 
 
 def stack_frames(hlo_text: str) -> StackFrames:

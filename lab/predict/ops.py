@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from lab.hlo import mosaic
+from lab.hlo import loops, mosaic
 from lab.hlo.schedule import ScheduledModule, Window, _communicates, flops, overlap_report, parse_schedule
 from lab.hlo.text import Instruction, arrays, nbytes
 from lab.targets.hardware import ChipProfile
@@ -481,24 +481,9 @@ def _sources(instructions: dict, computation: str, name: str) -> set[tuple[str, 
 
 
 def trip_count(schedule: ScheduledModule, instruction: Instruction) -> int:
-    """How often a while loop runs: XLA's known_trip_count, else the bound its condition compares against."""
-    known = instruction.attr(r'"known_trip_count":\{"n":"(\d+)"\}')
-    if known:
-        return int(known)
+    """How often a while loop runs (`lab.hlo.loops`); once when its count is unknown."""
     condition = instruction.attr(r"\bcondition=%?([\w.\-]+)")
-    body = schedule.computations.get(condition or "", ())
-    constants = {i.name: _constant(i.line) for i in body if i.opcode == "constant"}
-    for i in body:
-        if i.opcode == "compare" and i.attr(r"direction=(LT)"):
-            for operand in i.operands:
-                if constants.get(operand):
-                    return int(constants[operand])
-    return 1
-
-
-def _constant(line: str) -> str | None:
-    found = re.search(r"\bconstant\((\d+)\)", line)
-    return found.group(1) if found else None
+    return loops.trip_count(instruction, schedule.computations.get(condition or "", ())) or 1
 
 
 def op_flops(schedule: ScheduledModule, computation: str, instruction: Instruction) -> float:
