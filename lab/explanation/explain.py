@@ -210,7 +210,7 @@ class Explanation:
         return console.export_html(inline_styles=True)
 
     def _renderables(self) -> list:
-        mesh = ",".join(f"{a}={s}" for a, s in (self.mesh or {}).items() if s > 1) or "no mesh given"
+        mesh = ",".join(f"{a}={s}" for a, s in (self.mesh or {}).items() if s > 1) or "no mesh given: raw groups"
         parts: list = [Text(f"{self.module} on {self.target} ({mesh})", style="bold")]
         if self.surprises:
             parts.append(
@@ -251,7 +251,7 @@ class Explanation:
             why += f". Hint: {e.hint}" if e.hint else ""
             table.add_row(
                 c.kind,
-                "?" if c.axes is None else ",".join(c.axes) or "-",
+                _axes_cell(c, self.mesh),
                 ",".join(c.dtypes),
                 format_bytes(c.size_bytes),
                 "?" if c.repeats is None else str(c.repeats),
@@ -473,6 +473,17 @@ def _roofline_line(r: Roofline | None) -> str:
         f"{_seconds(r.communication_s)} -> {r.bound}-bound; {_seconds(r.overlapped_s)} if all overlaps, "
         f"{_seconds(r.serial_s)} if nothing does"
     )
+
+
+def _axes_cell(collective: Collective, mesh: dict[str, int] | None) -> str:
+    """The mesh axes its groups span; without a mesh, its groups as XLA gave them (the first two, and how many)."""
+    if collective.axes is not None:
+        return ",".join(collective.axes) or "-"
+    groups = collective.replica_groups
+    if mesh or not groups:
+        return "?"
+    shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[:2])
+    return shown + (f" +{len(groups) - 2} more" if len(groups) > 2 else "")
 
 
 def _seconds(value: float | None) -> str:
