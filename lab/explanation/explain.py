@@ -380,7 +380,8 @@ def explain_text(
         key = (c.computation, c.name)
         stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
         cause = cause_of(c, stack[0] if stack else None, propagation)
-        explained.append(Explained(c, origins[c.name], stack, cause, link, where, seconds, overlaps.get(key)))
+        origin = _asked(origins[c.name], c) if cause is not None and cause.hint is None else origins[c.name]
+        explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(
         key=lambda e: (0 if e.is_surprise else order[e.origin.kind], -e.collective.size_bytes * (e.count or 1))
@@ -473,6 +474,15 @@ def _roofline_line(r: Roofline | None) -> str:
         f"{_seconds(r.communication_s)} -> {r.bound}-bound; {_seconds(r.overlapped_s)} if all overlaps, "
         f"{_seconds(r.serial_s)} if nothing does"
     )
+
+
+def _asked(origin: Origin, collective: Collective) -> Origin:
+    """An input the program moves by name (a ppermute in shard_map: a ring's next block) is moved, not resharded:
+    no declared layout differs from a wanted one."""
+    if origin.kind != "input":
+        return origin
+    axes = ",".join(collective.axes or ()) or "its groups"
+    return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name")
 
 
 def _axes_cell(collective: Collective, mesh: dict[str, int] | None) -> str:

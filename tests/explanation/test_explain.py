@@ -84,6 +84,8 @@ def test_what_each_example_communicates_and_why(capsys, devices):
         "kind": "input",
         "name": "x",
     }
+    # asked for by name in shard_map (all_gather): moved as the program says, not resharded against a declaration
+    assert kinds["all-gather", ("tensor",)]["origin"]["why"] == "moves x over tensor, as the program asks by name"
     assert kinds["all-reduce", ("tensor",)]["origin"]["kind"] == "activation"
     assert kinds["all-reduce", ("data",)]["size_bytes"] == 4  # the loss, a scalar
     example = "shard_map_collectives.py"
