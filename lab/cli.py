@@ -468,7 +468,7 @@ def _explain_text(command: Inspect, path: Path, text: str, memory: dict[str, int
     if command.mesh is None:
         if command.device_order:
             raise LabError("--device-order needs --mesh: it says which mesh position each device id has")
-        return explain_hlo(text, None, target="a dump (no mesh given: raw groups)", memory=memory)
+        return explain_hlo(text, None, target="a dump", memory=memory)
     spec = MeshSpec.parse(command.mesh)
     if partitions is None and -1 in spec.shape:
         raise LabError("the module's header gives no device count (num_partitions): give every --mesh axis a size")

@@ -210,7 +210,7 @@ class Explanation:
         return console.export_html(inline_styles=True)
 
     def _renderables(self) -> list:
-        mesh = ",".join(f"{a}={s}" for a, s in (self.mesh or {}).items() if s > 1) or "no mesh given"
+        mesh = ",".join(f"{a}={s}" for a, s in (self.mesh or {}).items() if s > 1) or "no mesh given: raw groups"
         parts: list = [Text(f"{self.module} on {self.target} ({mesh})", style="bold")]
         if self.surprises:
             parts.append(
@@ -251,7 +251,7 @@ class Explanation:
             why += f". Hint: {e.hint}" if e.hint else ""
             table.add_row(
                 c.kind,
-                "?" if c.axes is None else ",".join(c.axes) or "-",
+                _axes_cell(c, self.mesh),
                 ",".join(c.dtypes),
                 format_bytes(c.size_bytes),
                 "?" if c.repeats is None else str(c.repeats),
@@ -380,7 +380,8 @@ def explain_text(
         key = (c.computation, c.name)
         stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
         cause = cause_of(c, stack[0] if stack else None, propagation)
-        explained.append(Explained(c, origins[c.name], stack, cause, link, where, seconds, overlaps.get(key)))
+        origin = _asked(origins[c.name], c) if cause is not None and cause.hint is None else origins[c.name]
+        explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(
         key=lambda e: (0 if e.is_surprise else order[e.origin.kind], -e.collective.size_bytes * (e.count or 1))
@@ -473,6 +474,26 @@ def _roofline_line(r: Roofline | None) -> str:
         f"{_seconds(r.communication_s)} -> {r.bound}-bound; {_seconds(r.overlapped_s)} if all overlaps, "
         f"{_seconds(r.serial_s)} if nothing does"
     )
+
+
+def _asked(origin: Origin, collective: Collective) -> Origin:
+    """An input the program moves by name (a ppermute in shard_map: a ring's next block) is moved, not resharded:
+    no declared layout differs from a wanted one."""
+    if origin.kind != "input":
+        return origin
+    axes = ",".join(collective.axes or ()) or "its groups"
+    return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name")
+
+
+def _axes_cell(collective: Collective, mesh: dict[str, int] | None) -> str:
+    """The mesh axes its groups span; without a mesh, its groups as XLA gave them (the first two, and how many)."""
+    if collective.axes is not None:
+        return ",".join(collective.axes) or "-"
+    groups = collective.replica_groups
+    if mesh or not groups:
+        return "?"
+    shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[:2])
+    return shown + (f" +{len(groups) - 2} more" if len(groups) > 2 else "")
 
 
 def _seconds(value: float | None) -> str:

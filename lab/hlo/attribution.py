@@ -19,10 +19,10 @@ collectives of a training step:
   value into its weight's update is that updated weight: a **parameter**;
 * **input**: data movement of an input that is not a parameter: its declared
   sharding differs from the one the computation wants (a reshard);
-* **activation**: a value computed in the step whose shape carries the batch
-  (a dimension equal to the batch of an input that is not a parameter), or a
-  scalar reduced across the batch (the loss): tensor parallelism's all-reduce,
-  MoE's all-to-all, sequence parallelism's gathers;
+* **activation**: a value computed in the step whose shape carries the tokens
+  (a dimension equal to the batch, or the sequence, of an input that is not a
+  parameter), or a scalar reduced across the batch (the loss): tensor
+  parallelism's all-reduce, MoE's all-to-all, sequence parallelism's gathers;
 * **surprise**: nothing above. These are listed first: a sharding the user did
   not ask for, a reduction over a sharded dimension of a weight, a layout the
   partitioner chose; pin the layout at that line with
@@ -94,6 +94,7 @@ class Input:
     local_shape: tuple[int, ...]
     global_shape: tuple[int, ...]
     sharding: str  # as XLA wrote it ("" when replicated or unknown)
+    dtype: str = ""  # XLA's element type (s32, bf16, ...)
 
     @property
     def elements(self) -> int:
@@ -208,7 +209,7 @@ def _origin(
         return Origin(
             kind,
             None,
-            f"shape {list(chosen[0].shape)} carries the batch ({size} = {batches[size]}): moves activations{also}",
+            f"shape {list(chosen[0].shape)} carries the tokens ({size} = {batches[size]}): moves activations{also}",
         )
     shapes = [list(m.shape) for m in chosen]
     return Origin(
@@ -246,13 +247,17 @@ def _share(collective: Collective, moved: list[Input]) -> str:
 
 
 def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str]:
-    """Batch sizes of the inputs that are not parameters: dimension 0, global and per device."""
+    """The token dimensions of the inputs that are not parameters, global and per device: the batch (dimension 0),
+    and the sequence (dimension 1) of token ids [B, S] or of embeddings [B, S, D] (not the features of [B, D])."""
     found: dict[int, str] = {}
     for i in inputs:
         if i.index in parameters or not i.local_shape:
             continue
         found.setdefault(i.global_shape[0], f"the batch of {i.name}")
         found.setdefault(i.local_shape[0], f"the batch of {i.name} per device")
+        if len(i.local_shape) >= 3 or (len(i.local_shape) == 2 and i.dtype[:1] in ("s", "u")):
+            found.setdefault(i.global_shape[1], f"the sequence of {i.name}")
+            found.setdefault(i.local_shape[1], f"the sequence of {i.name} per device")
     return found
 
 
@@ -294,10 +299,10 @@ def _parameter_number(instruction: Instruction, default: int) -> int:
 
 def _input(instruction: Instruction, index: int) -> Input:
     shapes = arrays(instruction.shape)
-    local = shapes[0][1] if len(shapes) == 1 else ()
+    dtype, local = shapes[0] if len(shapes) == 1 else ("", ())
     sharding = instruction.attr(r"sharding=(\{[^}]*\})") or ""
     name = instruction.metadata.get("op_name") or instruction.name
-    return Input(index, name, local, _global_shape(local, sharding), sharding)
+    return Input(index, name, local, _global_shape(local, sharding), sharding, dtype)
 
 
 def _global_shape(local: tuple[int, ...], sharding: str) -> tuple[int, ...]:

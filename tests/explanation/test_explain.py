@@ -84,6 +84,8 @@ def test_what_each_example_communicates_and_why(capsys, devices):
         "kind": "input",
         "name": "x",
     }
+    # asked for by name in shard_map (all_gather): moved as the program says, not resharded against a declaration
+    assert kinds["all-gather", ("tensor",)]["origin"]["why"] == "moves x over tensor, as the program asks by name"
     assert kinds["all-reduce", ("tensor",)]["origin"]["kind"] == "activation"
     assert kinds["all-reduce", ("data",)]["size_bytes"] == 4  # the loss, a scalar
     example = "shard_map_collectives.py"
@@ -174,6 +176,52 @@ def test_a_collective_larger_than_the_input_it_is_made_from_says_so(capsys, devi
     (mask,) = [c for c in found["collectives"] if c["dtype"] == "pred"]
     assert mask["origin"]["name"] == "ids"
     assert "262,144 elements, more than its 256: made from it" in mask["origin"]["why"]
+
+
+CAPACITY_MOE = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def step(mesh):  # GShard's einsum dispatch with a capacity (MaxText's capacity path): groups of 64 tokens
+    G, S, D, E, F = 8, 64, 256, 8, 512
+    C = 2 * S // E
+
+    def moe(params, x):
+        probs = jax.nn.softmax(jnp.einsum("gsd,de->gse", x, params["gate"]), axis=-1)
+        mask = jax.nn.one_hot(jnp.argmax(probs, axis=-1), E, dtype=x.dtype)
+        pos = jnp.cumsum(mask, axis=1) * mask - 1.0
+        mask = mask * (pos < C)
+        gate = jnp.sum(probs * mask, axis=-1)
+        dispatch = jax.nn.one_hot(pos.astype(jnp.int32), C, dtype=x.dtype) * mask[..., None]
+        ex = jnp.einsum("gsec,gsd->egcd", dispatch, x)
+        ex = jax.lax.with_sharding_constraint(ex, NamedSharding(mesh, P("expert", None, None, None)))
+        eo = jnp.einsum("egcf,efd->egcd", jax.nn.relu(jnp.einsum("egcd,edf->egcf", ex, params["wi"])), params["wo"])
+        eo = jax.lax.with_sharding_constraint(eo, NamedSharding(mesh, P("expert", None, None, None)))
+        return jnp.einsum("gsec,egcd->gsd", dispatch * gate[..., None, None], eo)
+
+    def update(params, x):
+        grads = jax.grad(lambda p: jnp.mean(moe(p, x) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 1e-2 * g, params, grads)
+
+    split = NamedSharding(mesh, P("expert", None, None))
+    params = {
+        "gate": jax.ShapeDtypeStruct((D, E), jnp.float32, sharding=NamedSharding(mesh, P())),
+        "wi": jax.ShapeDtypeStruct((E, D, F), jnp.float32, sharding=split),
+        "wo": jax.ShapeDtypeStruct((E, F, D), jnp.float32, sharding=split),
+    }
+    return jax.jit(update), (params, jax.ShapeDtypeStruct((G, S, D), jnp.float32, sharding=split))
+"""
+
+
+def test_a_dispatch_mask_carries_the_tokens_of_its_group(capsys, devices, tmp_path):
+    """One group of 64 tokens per device: the router's masks travel as [1, 64, ...], the per-device batch 1 and
+    the sequence 64; they are the tokens' activations, not surprises."""
+    (tmp_path / "moe.py").write_text(CAPACITY_MOE)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'moe.py'}:step", "--mesh", "expert=8")
+    masks = [c for c in found["collectives"] if c["size_bytes"] == 2048 and c["kind"] != "all-reduce"]
+    assert masks and all(c["origin"]["kind"] == "activation" for c in masks)
+    assert all("(64 = the sequence of x" in c["origin"]["why"] for c in masks)
+    assert found["surprises"] == 0
 
 
 def test_totals_over_a_loop_of_unknown_length_say_they_are_a_floor(capsys, devices, tmp_path):

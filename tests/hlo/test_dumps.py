@@ -56,6 +56,8 @@ def test_the_listing_says_which_module_it_explains_and_why(tmp_path, capsys):
     assert main(["inspect", "--dump", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "explained: 0002:jit_train_step, the most partitions (8; next 0001:jit__multi_slice with 1)" in out
+    assert "jit_train_step on a dump (no mesh given: raw groups)" in out  # said once
+    assert out.count("{0,1,2,3,4,5,6,7}") == 2  # without a mesh, each collective's groups stand for its axes
 
 
 def test_a_module_before_optimizations_is_refused_with_the_file_to_give(tmp_path, capsys, devices):
