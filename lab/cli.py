@@ -15,6 +15,7 @@ handler per subcommand; the work itself is in the modules each handler calls.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import io
 import json
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:  # a full or read-only disk found mid-run: the pages and checkpoints are written whole
         where = f" {err.filename!r}" if err.filename else ""
         _err.print(
-            f"lab: error: cannot write{where}: {err.strerror or err}; free space or choose another folder",
+            f"lab: error: cannot write{where}: {err.strerror or err}; "
+            + ("free space or choose another folder" if err.errno == errno.ENOSPC else "choose another folder"),
             highlight=False,
             soft_wrap=True,
         )
@@ -246,15 +248,15 @@ def _parse(argv: list[str]):
     """tyro's parser, with its boxed error message folded into one line."""
 
     captured = io.StringIO()
+    kind, args, prog, description = _named(_flags_as_values(argv))
     try:
         with contextlib.redirect_stderr(captured):
-            kind, args, prog, description = _named(_flags_as_values(argv))
             return tyro.cli(
                 kind, args=args, prog=prog, description=description, config=(tyro.conf.OmitSubcommandPrefixes,)
             )
     except SystemExit as exit_:
         if exit_.code not in (0, None):
-            raise LabError(_one_line(captured.getvalue())) from None
+            raise LabError(_one_line(captured.getvalue(), prog)) from None
         sys.stderr.write(captured.getvalue())
         raise
 
@@ -288,8 +290,9 @@ def _flags_as_values(argv: list[str]) -> list[str]:
     return joined
 
 
-def _one_line(box: str) -> str:
-    """The message lines of a tyro error box, joined: "Unrecognized options: x; Available subcommands: ..."."""
+def _one_line(box: str, prog: str = "lab") -> str:
+    """The message lines of a tyro error box, joined: "Unrecognized options: x; Available subcommands: ...", and
+    where the options are listed (``lab predict --help``)."""
     lines = [
         line.strip(" │╰╯─").strip() for line in box.splitlines() if not line.startswith("╭")
     ]  # ╭ carries the title
@@ -299,9 +302,9 @@ def _one_line(box: str) -> str:
         if line and not line.startswith(("For full helptext", "Argument helptext")) and set(line) - set("─-")
     ]
     if not keep:
-        return "could not parse the command line (see lab --help)"
+        return f"could not parse the command line (see {prog} --help)"
     joined = "\n".join(keep).replace(":\n", ": ").splitlines()  # a line ending in ':' goes on with the next
-    return "; ".join(joined[:2]) + " (see lab --help)"
+    return "; ".join(joined[:2]) + f" (see {prog} --help)"
 
 
 def _dispatch(command) -> int:
@@ -352,6 +355,13 @@ def inspect(command: Inspect) -> int:
         raise LabError(f"{' and '.join(chosen)} exclude each other: inspect one program at a time")
     if command.save_hlo is not None:
         inputs.output_folder("--save-hlo", command.save_hlo)
+    if command.module is not None and command.dump is None:
+        raise LabError("--module goes with --dump: it picks one module of the dump folder")
+    own = ("--program", "program"), ("--axes", "axes"), ("--size", "size"), ("--dtype", "dtype")
+    given = [option for option, name in own if getattr(command, name) != getattr(Inspect, name)]
+    if chosen and given:
+        verb = "goes" if len(given) == 1 else "go"
+        raise LabError(f"{', '.join(given)} {verb} with the lab's own programs, not with {chosen[0]}: drop it")
     if command.device_order and command.hlo is None:
         raise LabError("--device-order goes with --hlo: it says which mesh position each device id of that file has")
     if command.dump is not None:
@@ -366,6 +376,8 @@ def inspect(command: Inspect) -> int:
     with program.bounded(command.timeout if command.fn is not None else 0):  # the user's code, not the lab's
         title, found, propagation, compile_s = _compiled_program(command, mesh, compile_only)
     explained = explain_inspection(found, mesh, target=command.target, propagation=propagation)
+    # the files first: a folder that cannot be written is one line, with no report printed before it
+    written = found.dump(command.save_hlo) if command.save_hlo is not None else None
     if command.json:
         _print_json({"program": title, "compile_s": compile_s, **explained.to_json()})
     else:
@@ -380,9 +392,8 @@ def inspect(command: Inspect) -> int:
             )
         _out.print(explained)
         _out.print(f"cost: {hlo.format_cost(found.cost)}; compiled in {compile_s:.2f} s", highlight=False)
-    if command.save_hlo is not None:
-        before, after = found.dump(command.save_hlo)
-        (_err if command.json else _out).print(f"HLO written: {before}, {after}", highlight=False)
+    if written is not None:
+        (_err if command.json else _out).print(f"HLO written: {written[0]}, {written[1]}", highlight=False)
     return 0
 
 

@@ -32,6 +32,12 @@ from lab.cli import main
         ),
         (["bench", "--ops"], "--ops is empty: name at least one"),
         (["run", "ring_allreduce", "--group-sizes", "1"], "a ring needs 2 or more devices"),
+        (["predict", "--bogus", "1"], "Unrecognized options: --bogus, 1 (see lab predict --help)"),
+        (["inspect", "--module", "3"], "--module goes with --dump"),
+        (
+            ["inspect", "--hlo", "tests/data/hlo/cpu_scan_fsdp.hlo", "--axes", "data", "--mesh", "data=8"],
+            "--axes goes with the lab's own programs, not with --hlo",
+        ),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, argv, words):
@@ -219,6 +225,16 @@ def test_a_tpu_compile_leaves_no_libtpu_log_files(tmp_path):
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("lab (sharding-lab) 0.1.0, jax 0.10")
+
+
+def test_a_save_hlo_folder_that_cannot_be_made_is_one_line_with_no_report_before_it(capsys, devices):
+    argv = ["inspect", "--program", "all-reduce", "--axes", "tensor", "--mesh", "fsdp=4,tensor=2"]
+    assert main([*argv, "--save-hlo", "/proc/lab-hlo"]) == 2  # /proc takes no new folder, root or not
+    out, err = capsys.readouterr()
+    assert (
+        out == ""
+        and err.strip() == "lab: error: cannot write '/proc/lab-hlo': No such file or directory; choose another folder"
+    )
 
 
 def test_a_full_disk_mid_run_is_one_line_naming_the_path(capsys, devices, tmp_path, monkeypatch):
