@@ -104,7 +104,7 @@ def check_pipelined_layers(compiled: int, stages: int) -> None:
     leading dimension, so K/P must be 2 or more (XLA drops a loop of one trip) and differ from the ticks."""
     if compiled % stages or compiled // stages < 2 or compiled // stages == stages:
         raise LabError(
-            f"--layers-compiled {compiled} with stage={stages}: give a multiple of {stages} whose share per stage is 2 "
-            f"or more and not {stages}, the pipeline's ticks (whose buffers would read as the layers'): e.g. "
+            f"--layers-compiled {compiled} with stage={stages}: each stage must run the same 2 or more layers, and "
+            f"not {stages} (the pipeline's ticks, whose buffers would read as the layers'); give "
             f"{pipelined_layers(stages)}"
         )

@@ -256,10 +256,11 @@ def check_step_tokens(batch_per_device: int, chips: int, seq: int) -> int:
         raise LabError(f"--batch-per-device {batch_per_device}: use 1 or more")
     tokens = batch_per_device * chips * seq
     if tokens > MAX_STEP_TOKENS:
-        most = max(1, MAX_STEP_TOKENS // (chips * seq))
+        most = MAX_STEP_TOKENS // (chips * seq)
+        fix = f"--batch-per-device {most} or less" if most else f"--seq {MAX_STEP_TOKENS // chips:,} or less"
         raise LabError(
             f"--batch-per-device {batch_per_device} x {chips} chips x --seq {seq} = {tokens:,} tokens a step, past "
-            f"the {MAX_STEP_TOKENS:,} a step can count (int32); give --batch-per-device {most} or less"
+            f"the {MAX_STEP_TOKENS:,} a step can count (int32); give {fix}"
         )
     return tokens
 

@@ -128,7 +128,12 @@ def test_two_slices_put_the_data_axis_on_dcn():
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--layers-compiled", "1"], "without its loop"),
         (
             ["--model", SMALL.replace("layers=2", "layers=8"), "--mesh", "stage=2,fsdp=2", *LAYERS_2],
-            "--layers-compiled 2 with stage=2: give a multiple of 2 whose share per stage is 2 or more",
+            "--layers-compiled 2 with stage=2: each stage must run the same 2 or more layers, and not 2 (the "
+            "pipeline's ticks, whose buffers would read as the layers'); give 6",
+        ),
+        (
+            ["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--seq", "1073741824"],
+            "tokens a step, past the 2,147,483,647 a step can count (int32); give --seq 536,870,911 or less",
         ),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--remat", "half"], "offload:<names>"),
         (["--model", SMALL, "--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--sequence-parallel"], "tensor=2 or more"),
