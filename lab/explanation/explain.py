@@ -20,6 +20,10 @@ every collective XLA wrote it gives
 Totals per axis and kind, memory per device and (on TPU and GPU targets) the
 roofline close it. An `Explanation` renders as rich tables in a terminal, as
 HTML in Jupyter, and as one JSON object (`to_json`) for scripts.
+
+It is one concept, the report: the readings it joins live in the modules it
+names, and what is here is the join and its three renderings, which must show
+the same rows (a surprise counted in one is flagged in the others).
 """
 
 from __future__ import annotations

@@ -35,6 +35,11 @@ Shardy's own record of why a value got its sharding (its
 ``debug-sharding-origins`` propagation option) is compiled into jaxlib 0.10
 but reachable neither from JAX's configuration nor from XLA's debug options,
 so this dataflow reading is what the lab uses.
+
+It is one concept, the dataflow reading: the graph read once, the walk back
+to an input and forward to an update, and the classification that weighs the
+two; each rule above is a few lines of the walk, and they only make sense
+together (a gradient is decided before the batch, a move before both).
 """
 
 from __future__ import annotations
