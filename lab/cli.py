@@ -232,13 +232,13 @@ def main(argv: list[str] | None = None) -> int:
 def _scratch() -> Iterator[None]:
     """The command's temporary files (libtpu's schedule, Shardy's record, the doctor's runs) in one folder of its
     own, removed when the command ends however it ends: a signal that stops a compile ends the process without
-    unwinding (`lab.interrupts`), so the folder is also registered with `lab.interrupts.on_leave`."""
+    unwinding (`lab.interrupts`), so the folder is also left to `lab.interrupts.on_leave` meanwhile."""
     previous, folder = tempfile.tempdir, tempfile.mkdtemp(prefix="lab-")
     remove = functools.partial(shutil.rmtree, folder, ignore_errors=True)
-    interrupts.on_leave(remove)
     tempfile.tempdir = folder
     try:
-        yield
+        with interrupts.on_leave(remove):
+            yield
     finally:
         tempfile.tempdir = previous
         remove()

@@ -37,7 +37,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 128 + signal.SIGTERM}  # the shell's 128 + signal number
@@ -80,9 +80,15 @@ def install() -> None:
         threading.Thread(target=_watch, args=(read,), name="lab-signal-watcher", daemon=True).start()
 
 
-def on_leave(cleanup: Callable[[], object]) -> None:
-    """Have `cleanup` run when a signal ends the process here, where ``finally`` blocks and ``atexit`` do not."""
+@contextlib.contextmanager
+def on_leave(cleanup: Callable[[], object]) -> Iterator[None]:
+    """While inside, have `cleanup` run if a signal ends the process here, where ``finally`` blocks and ``atexit``
+    do not (the block's own ``finally`` does it when the block ends otherwise)."""
     _on_leave.append(cleanup)
+    try:
+        yield
+    finally:
+        _on_leave.remove(cleanup)
 
 
 def exit_now(stop: BaseException) -> NoReturn:

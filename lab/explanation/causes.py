@@ -48,6 +48,11 @@ class Cause:
     why: str
     hint: str | None  # the change at that line; None when the collective was asked for
 
+    @property
+    def asked(self) -> bool:
+        """The program asked for this collective by name (in shard_map): nothing to change, so no hint."""
+        return self.hint is None
+
     def to_json(self) -> dict:
         where = f"{self.line.file}:{self.line.line}" if self.line else None
         return {"kind": self.kind, "op": self.op, "line": where, "why": self.why, "hint": self.hint}

@@ -85,7 +85,7 @@ class Explained:
         """Not asked for by the program's layouts: nothing explains it, or an op or annotation forces it on a value
         that is no parameter or gradient (those move by the layout's design). One the program asks for by name (a
         ppermute in shard_map) is never one, whatever the data it moves."""
-        if self.cause is not None and self.cause.hint is None:
+        if self.cause is not None and self.cause.asked:
             return False
         forced = self.cause is not None
         return self.origin.kind == "surprise" or (forced and self.origin.kind not in ("parameter", "gradient"))
@@ -282,7 +282,7 @@ class Explanation:
                 str(row["collectives"]),
                 at_least + str(row["runs"]),
                 at_least + format_bytes(row["bytes"]),
-                at_least + _seconds(row["predicted_s"]) if row["predicted_s"] is not None else _seconds(None),
+                (at_least if row["predicted_s"] is not None else "") + _seconds(row["predicted_s"]),
             )
         if not all(row["exact"] for row in rows):
             table.caption = ">= : a loop's trip count is unknown (runs ?): its collectives are counted once"
@@ -384,7 +384,7 @@ def explain_text(
         key = (c.computation, c.name)
         stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
         cause = cause_of(c, stack[0] if stack else None, propagation)
-        origin = _asked(origins[c.name], c) if cause is not None and cause.hint is None else origins[c.name]
+        origin = _asked(origins[c.name], c) if cause is not None and cause.asked else origins[c.name]
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(

@@ -452,7 +452,7 @@ def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], t
             if user.line.lstrip().startswith("ROOT") and user.computation in graph.while_callers:
                 frontier += _carried_out(graph, user, node.name)  # a loop's carry: on past the loop
                 continue
-            sizes = [math.prod(d) for _, d in arrays(user.shape)]
+            sizes = _sizes_of(user.shape)
             only_this = [o for o in user.operands if not _is_constant(graph, user.computation, o)] == [node.name]
             if base_opcode(user.opcode) in KINDS or only_this or _resized(graph, node, user):
                 # resharded, cut into pieces (a combiner's concatenated buffer sliced back, a ZeRO-1 shard), or
@@ -473,7 +473,7 @@ def _resized(graph: Dataflow, node: Instruction, user: Instruction) -> bool:
     held = {user.opcode}
     if user.opcode == "fusion":
         held = graph.opcodes.get(user.attr(r"\bcalls=%?([\w.\-]+)") or "", frozenset())
-    sizes, results = _sizes(graph, node.computation, node.name), [math.prod(d) for _, d in arrays(user.shape)]
+    sizes, results = _sizes(graph, node.computation, node.name), _sizes_of(user.shape)
     if len(sizes) != 1 or len(results) != 1 or sizes == results or 0 in sizes + results:
         return False  # tuples are followed element by element (get-tuple-element), not here
     size, result = sizes[0], results[0]
@@ -485,7 +485,12 @@ def _resized(graph: Dataflow, node: Instruction, user: Instruction) -> bool:
 
 def _sizes(graph: Dataflow, computation: str, name: str) -> list[int]:
     instruction = graph.instructions.get((computation, name))
-    return [math.prod(d) for _, d in arrays(instruction.shape)] if instruction is not None else []
+    return _sizes_of(instruction.shape) if instruction is not None else []
+
+
+def _sizes_of(shape: str) -> list[int]:
+    """The elements of each array of an HLO shape (one, or a tuple's)."""
+    return [math.prod(d) for _, d in arrays(shape)]
 
 
 def _carried_out(graph: Dataflow, root: Instruction, name: str) -> list[Instruction]:
@@ -502,14 +507,10 @@ def _carried_out(graph: Dataflow, root: Instruction, name: str) -> list[Instruct
 def _returned_gradient(graph: Dataflow, position: int, weights: set[int]) -> int | None:
     """A gradient returned by the step: the k-th output of a weight's size is the k-th weight of that size
     (gradients are returned as the same tree as the weights, so their order is the weights' order)."""
-    sizes = [math.prod(d) for _, d in arrays(graph.instructions[graph.entry, graph.root.operands[position]].shape)]
+    sizes = _sizes(graph, graph.entry, graph.root.operands[position])
     if len(sizes) != 1:
         return None
     same = [i for i in sorted(weights) if graph.inputs[i].elements == sizes[0]]
-    outputs = [
-        p
-        for p, name in enumerate(graph.root.operands)
-        if [math.prod(d) for _, d in arrays(graph.instructions[graph.entry, name].shape)] == sizes
-    ]
+    outputs = [p for p, name in enumerate(graph.root.operands) if _sizes(graph, graph.entry, name) == sizes]
     rank = outputs.index(position)
     return same[rank] if rank < len(same) else None

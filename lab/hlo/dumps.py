@@ -161,7 +161,7 @@ def refuse_unpartitioned(path: Path, text: str) -> None:
     """Refuse a module from before XLA's optimizations: its shardings are still annotations, not collectives."""
     marker = _UNPARTITIONED.search(text)
     if marker:
-        optimized = re.sub(r"before_optimizations", "after_optimizations", path.name)
+        optimized = path.name.replace("before_optimizations", "after_optimizations")
         beside = f" ({optimized} beside it)" if optimized != path.name else ""
         raise LabError(
             f"{path} is a module before XLA's optimizations ({marker[0]!r}: its shardings are annotations, no "
