@@ -480,7 +480,9 @@ def test_a_pipeline_is_read_deeper_by_the_layers_each_stage_runs_inside_its_tick
     # 2% on a 24-layer one of width 1024 read from 6 (lab.predict.depth)
     assert read.step_s == pytest.approx(whole.step_s, rel=0.07)
     assert read.memory_bytes == pytest.approx(whole.memory_bytes, rel=0.1)
-    with pytest.raises(LabError, match=r"--layers-compiled 4 with stage=2: .* not 2, the pipeline.s ticks .* e.g. 6"):
+    with pytest.raises(
+        LabError, match=r"--layers-compiled 4 with stage=2: .* not 2 \(the pipeline.s ticks.*\); give 6"
+    ):
         read_step(Predict(**args, layers_compiled=4))
 
 
