@@ -170,7 +170,9 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
             f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
         )
     decision = propagation.decision(collective.op_name, at_line)
-    return _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
+    found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
+    constrained = propagation.constrained(collective.op_name.rsplit("/", 1)[-1]) if found is None else None
+    return _constrained(collective, *constrained, line, propagation) if constrained else found
 
 
 def _axes(collective: Collective) -> str:
@@ -208,6 +210,31 @@ def _conflict(
         f"{result.sharding} where it is made or declared"
     )
     return Cause("annotation", _annotation_name(next(iter(result.origins.values()))), deciding, why, hint)
+
+
+def _constrained(
+    collective: Collective, decision: Decision, constraint: str, line: Frame | None, propagation: Propagation
+) -> Cause | None:
+    """A with_sharding_constraint that set the layout of the op it constrains, whose operands (over the collective's
+    axes) come otherwise: the partitioner reshards them to the asked layout before the op."""
+    axes, result = set(collective.axes or ()), decision.result
+    operands = [v for v in decision.operands if v.sharding and v.sharding != result.sharding]
+    if not axes or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
+        return None
+    where = f"{line.file.rsplit('/', 1)[-1]}:{line.line}" if line else "its line"
+    found = propagation.constraint_line(constraint)
+    deciding = Frame(found[0], found[1], "with_sharding_constraint") if found else line
+    at = f"{deciding.file.rsplit('/', 1)[-1]}:{deciding.line}" if deciding else where
+    layouts = " and ".join(dict.fromkeys(v.sharding for v in operands))
+    names = ", ".join(dict.fromkeys(v.name for v in operands))
+    why = (
+        f"the with_sharding_constraint at {at} asks for {result.sharding} on the {decision.op} it constrains (at "
+        f"{where}), but its operands ({names}) come as {layouts} from "
+        f"{' and '.join(dict.fromkeys(_described(v, propagation) for v in operands))}: the {collective.kind} over "
+        f"{_axes(collective)} reshards them before it"
+    )
+    hint = f"at {at}: ask for {layouts} (the layout the operands have), or give them {result.sharding} earlier"
+    return Cause("annotation", "with_sharding_constraint", deciding, why, hint)
 
 
 def _annotation_name(origin: str) -> str:

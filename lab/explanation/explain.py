@@ -106,7 +106,7 @@ class Explained:
         if self.origin.kind != "surprise":
             return None
         if self.collective.moves_nothing:
-            return "none needed: it costs nothing (a compiled program drops it)"
+            return "none needed: it sends no bytes"
         return _HINT.format(where=self.source or self.collective.op_name or self.collective.name)
 
     def to_json(self) -> dict[str, Any]:
@@ -195,6 +195,7 @@ class Explanation:
                     "shape": list(i.global_shape),
                     "per_device": list(i.local_shape),
                     "sharding": i.sharding,
+                    "spec": i.spec,
                 }
                 for i in self.inputs
             ],
@@ -374,7 +375,7 @@ def explain_text(
     propagation: Propagation | None = None,
     origins_missing: str = "a dump holds no record of them (inspect the program with --fn)",
 ) -> Explanation:
-    graph = Dataflow.of(hlo_text)
+    graph = Dataflow.of(hlo_text, mesh_sizes)
     origins = attribute(graph, collectives)
     frames = stack_frames(hlo_text)
     overlaps = _overlaps(hlo_text, chip, mesh_sizes) if chip is not None else {}

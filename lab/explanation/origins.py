@@ -48,6 +48,7 @@ PROPAGATED = "02.after_propagation.mlir"
 
 _OP = re.compile(r"^\s*(?:(?P<results>%[\w#:]+(?:, %[\w#:]+)*) = )?\"?(?P<kind>[a-z_]+\.[a-z_]+)\"?(?P<rest>.*)$")
 _SAME = {"sdy.sharding_constraint": "sdy.reshard", "stablehlo.dot": "stablehlo.dot_general"}
+_STABLEHLO = {"select_n": "select", "mul": "multiply", "sub": "subtract", "div": "divide", "max": "maximum"}
 _SKIPPED = ("stablehlo.constant", "sdy.constant", "func.return", "stablehlo.return", "sdy.return")
 _VALUE = re.compile(r"%[\w]+(?:#\d+)?")
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
@@ -140,6 +141,33 @@ class Propagation:
     def constraint_line(self, origin: str) -> tuple[str, int] | None:
         """(file, line) of the with_sharding_constraint Shardy calls `origin` (``constraint_0``)."""
         return self._constraints.get(origin)
+
+    def constrained(self, primitive: str) -> tuple[Decision, str] | None:
+        """The one operation of JAX primitive `primitive` whose layout a with_sharding_constraint set: the constraint
+        its only user, its result given the constraint's layout with no origin of its own (Shardy's import does
+        that), its operands laid out otherwise. (That decision, the constraint's Shardy name), or None.
+
+        This reaches an operation inside a nested jit (a ``jnp`` function): Shardy's module has it inlined, where
+        the lowered one has a call, so no location joins it to a line; the constraint's own line is known."""
+        kind = "stablehlo." + _STABLEHLO.get(primitive, primitive)
+        users: dict[str, list[_Op]] = {}
+        for op in self._propagated:
+            for operand in op.operands:
+                users.setdefault(operand.split("#")[0], []).append(op)
+        found = []
+        for op in self._propagated:
+            after = users.get(op.results[0], []) if len(op.results) == 1 else []
+            name = re.search(r'sdy\.sharding_origin_name = "(constraint_\d+)"', after[0].text) if after else None
+            if op.kind != kind or len(after) != 1 or name is None or _origins(op.text):
+                continue
+            decision = self._decision(primitive, op)
+            if (
+                decision
+                and decision.result.sharding in _shardings(after[0].text)
+                and any(v.sharding and v.sharding != decision.result.sharding for v in decision.operands)
+            ):
+                found.append((decision, name[1]))
+        return found[0] if len(found) == 1 else None
 
     def input_name(self, index: int) -> str:
         return self._arg_names.get(f"%arg{index}", f"input {index}")

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from lab.collectives import KINDS
 from lab.hlo.collectives import Collective
+from lab.hlo.specs import partition_spec
 from lab.hlo.text import Instruction, arrays, base_opcode, computations, parse_instruction
 
 ORIGINS = ("surprise", "parameter", "gradient", "input", "activation")
@@ -100,6 +101,12 @@ class Input:
     global_shape: tuple[int, ...]
     sharding: str  # as XLA wrote it ("" when replicated or unknown)
     dtype: str = ""  # XLA's element type (s32, bf16, ...)
+    spec: str | None = None  # the sharding as a PartitionSpec of the mesh, when the mesh is known and it is one
+
+    @property
+    def declared(self) -> str:
+        """Its sharding as the user wrote it where that can be read (`lab.hlo.specs`), else as XLA wrote it."""
+        return self.spec or self.sharding or "replicated"
 
     @property
     def elements(self) -> int:
@@ -131,8 +138,9 @@ class Dataflow:
     opcodes: dict[str, frozenset[str]] = field(default_factory=dict)  # computation -> the opcodes it holds
 
     @classmethod
-    def of(cls, hlo_text: str) -> Dataflow:
-        return _dataflow(hlo_text)
+    def of(cls, hlo_text: str, mesh: dict[str, int] | None = None) -> Dataflow:
+        """Read once; with the `mesh` (axis -> size, in order) the inputs' shardings read as PartitionSpecs too."""
+        return _dataflow(hlo_text, mesh or {})
 
     @property
     def entry_inputs(self) -> tuple[Input, ...]:
@@ -173,7 +181,7 @@ def _origin(
             "surprise",
             None,
             "moves nothing: every replica group is one device (an axis of size 1), so each keeps its own data; "
-            "XLA removes such collectives when it optimizes, so this text is unoptimized or edited",
+            "XLA's simplifiers usually remove such a collective, and where one stays it sends no bytes",
         )
     kinds = [_member_kind(m, parameters, batches) for m in members]
     named = [(kind, m) for kind, m in zip(kinds, members) if kind != "scalar"]
@@ -192,7 +200,7 @@ def _origin(
         share = _share(collective, moved)
         if kind == "parameter":
             return Origin(kind, names, f"moves {names} over {axes}: {share}{also}")
-        declared = moved[0].sharding or "replicated"
+        declared = moved[0].declared
         return Origin(
             kind,
             names,
@@ -269,7 +277,7 @@ def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str
 # --------------------------------------------------------------------------- walking the graph
 
 
-def _dataflow(hlo_text: str) -> Dataflow:
+def _dataflow(hlo_text: str, mesh: dict[str, int]) -> Dataflow:
     instructions, users, whiles, entry, root = {}, defaultdict(list), {}, "", None
     opcodes: dict[str, set[str]] = defaultdict(set)
     for computation in computations(hlo_text):
@@ -292,9 +300,16 @@ def _dataflow(hlo_text: str) -> Dataflow:
     for (computation, _), instruction in instructions.items():
         if computation == entry and instruction.opcode == "parameter":
             index = _parameter_number(instruction, 0)
-            inputs[index] = _input(instruction, index)
-    root = root if root and root.opcode == "tuple" else None
+            inputs[index] = _input(instruction, index, mesh)
+    root = root if root and _returns_each_operand(root) else None
     return Dataflow(instructions, users, whiles, entry, inputs, root, {c: frozenset(o) for c, o in opcodes.items()})
+
+
+def _returns_each_operand(root: Instruction) -> bool:
+    """The step's outputs are its ROOT's operands, one each: a tuple, or a combined all-reduce of them (a psum of
+    the returned gradients as the last op)."""
+    combined = root.opcode == "all-reduce" and len(arrays(root.shape)) == len(root.operands) > 1
+    return root.opcode == "tuple" or combined
 
 
 def _parameter_number(instruction: Instruction, default: int) -> int:
@@ -302,12 +317,13 @@ def _parameter_number(instruction: Instruction, default: int) -> int:
     return int(match[1]) if match else default
 
 
-def _input(instruction: Instruction, index: int) -> Input:
+def _input(instruction: Instruction, index: int, mesh: dict[str, int]) -> Input:
     shapes = arrays(instruction.shape)
     dtype, local = shapes[0] if len(shapes) == 1 else ("", ())
     sharding = instruction.attr(r"sharding=(\{[^}]*\})") or ""
     name = instruction.metadata.get("op_name") or instruction.name
-    return Input(index, name, local, _global_shape(local, sharding), sharding, dtype)
+    spec = partition_spec(sharding, mesh) if mesh else None
+    return Input(index, name, local, _global_shape(local, sharding), sharding, dtype, spec)
 
 
 def _global_shape(local: tuple[int, ...], sharding: str) -> tuple[int, ...]:
@@ -444,7 +460,7 @@ def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], t
         for user in graph.users.get((node.computation, node.name), ()):
             if graph.root is not None and user is graph.root:
                 found.append(_returned_gradient(graph, user.operands.index(node.name), weights))
-            for operand in user.operands:
+            for operand in user.operands if user.opcode != "tuple" else ():  # a tuple combines nothing
                 if operand != node.name:
                     source = _trace_back(graph, user.computation, operand, None, 0)
                     if source in weights and graph.inputs[source].elements in elements:

@@ -143,6 +143,22 @@ def test_a_scanned_layers_gradient_is_followed_through_the_loops_carry(capsys, d
     assert found["surprises"] == 0
 
 
+def test_ring_attentions_backward_sends_carry_the_gradients_of_k_and_v(capsys, devices):
+    """Ring attention: the forward sends k and v around the ring, the backward sends their gradients back; q, k and v
+    are one size, so which gradient each send carries is read from where it leaves the step (output k is input k's)."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:ring_attention", "--mesh", "data=2,fsdp=4")
+    permutes = [c["origin"] for c in found["collectives"] if c["kind"] == "collective-permute"]
+    assert sorted((o["kind"], o["name"]) for o in permutes) == [
+        ("gradient", "k"),
+        ("gradient", "v"),
+        ("parameter", "k"),
+        ("parameter", "v"),
+    ]
+    # the psum that returns the gradients, over no axis: XLA:CPU keeps it in the optimized program, moving nothing
+    (kept,) = [c for c in found["collectives"] if c["kind"] == "all-reduce"]
+    assert kept["size_bytes"] == 0 and not kept["surprise"] and "sends no bytes" in kept["origin"]["why"]
+
+
 UNKNOWN_TRIPS = """
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -176,6 +192,14 @@ def test_a_collective_larger_than_the_input_it_is_made_from_says_so(capsys, devi
     (mask,) = [c for c in found["collectives"] if c["dtype"] == "pred"]
     assert mask["origin"]["name"] == "ids"
     assert "262,144 elements, more than its 256: made from it" in mask["origin"]["why"]
+    assert "(declared P('data');" in mask["origin"]["why"]  # as the user wrote it, not {devices=[2,4]<=[8]...}
+    assert [i["spec"] for i in found["inputs"]] == ["P('tensor', None)", "P('data')"]
+    # the constraint after jnp.take (a nested jit, which no location joins) decided both gathers over data
+    constraint = next(n for n, text in enumerate(VOCAB_PARALLEL.splitlines(), 1) if "with_sharding_constraint" in text)
+    for gathered in (c for c in found["collectives"] if c["kind"] == "all-gather"):
+        assert gathered["cause"]["op"] == "with_sharding_constraint"
+        assert gathered["cause"]["line"] == f"{tmp_path / 'embed.py'}:{constraint}"
+        assert "asks for P(None, None)" in gathered["cause"]["why"] and "P('data', None)" in gathered["cause"]["why"]
 
 
 CAPACITY_MOE = """

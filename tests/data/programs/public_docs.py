@@ -193,3 +193,39 @@ def flax_scanned_mlp(mesh):
 
     x = _abstract(mesh, x_shape, P("data", None))
     return jax.jit(train_step, out_shardings=jax.tree.map(lambda a: a.sharding, state)), (state, x)
+
+
+# https://github.com/haoliuhl/ringattention (ringattention/ringattention_base.py, _ring_attention_fwd): a scan over
+# the ring, each device's queries against the visiting key/value block, k and v sent on (i -> i+1); one chunk per
+# block, no bias, differentiated by autodiff in place of its hand-written backward; sequence over fsdp, batch over
+# data; its gradients returned in q, k, v order, psum'd over nothing as the last op
+def ring_attention(mesh):
+    def attend(q, k, v):
+        scale = jnp.sqrt(q.shape[-1])
+        ring = jax.lax.psum(1, "fsdp")
+
+        def block(carry, _):
+            prev_max, numerator, denominator, k, v = carry
+            w = jnp.einsum("bqhd,bkhd->bhqk", q, k) / scale
+            max_score = jax.lax.stop_gradient(jnp.maximum(prev_max, jnp.max(w, axis=-1)))
+            ew = jnp.exp(w - max_score[..., None])
+            corr = jnp.exp(prev_max - max_score)
+            numerator = numerator * jnp.transpose(corr, (0, 2, 1))[..., None] + jnp.einsum("bhqk,bkhd->bqhd", ew, v)
+            denominator = denominator * corr + ew.sum(axis=-1)
+            k, v = (jax.lax.ppermute(x, "fsdp", perm=[(i, (i + 1) % ring) for i in range(ring)]) for x in (k, v))
+            return (max_score, numerator, denominator, k, v), None
+
+        b, s, h, _ = q.shape
+        start = (jnp.full((b, h, s), -jnp.inf, q.dtype), jnp.zeros_like(q), jnp.zeros((b, h, s), q.dtype), k, v)
+        (_, numerator, denominator, _, _), _ = jax.lax.scan(block, start, jnp.arange(ring))
+        return numerator / jnp.transpose(denominator, (0, 2, 1))[..., None]
+
+    spec = P("data", "fsdp", None, None)
+    sharded = jax.shard_map(attend, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)
+
+    @jax.jit
+    def step(q, k, v):
+        return jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+
+    qkv = _abstract(mesh, (4, 1024, 8, 64), spec)
+    return step, (qkv, qkv, qkv)
