@@ -155,8 +155,8 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
 
 
 def _recorded(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:
-    """The cause Shardy's record shows at the collective's op: its own out_sharding=, or two annotations that
-    disagree."""
+    """The cause Shardy's record shows at the collective's op: its own out_sharding=, two annotations that
+    disagree, or a with_sharding_constraint that set the layout of the op it constrains (one no location joins)."""
     at_line = line.line if line else None
     asked = propagation.out_sharding(collective.op_name, at_line)
     if asked is not None:
@@ -171,8 +171,10 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
         )
     decision = propagation.decision(collective.op_name, at_line)
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
-    constrained = propagation.constrained(collective.op_name.rsplit("/", 1)[-1]) if found is None else None
-    return _constrained(collective, *constrained, line, propagation) if constrained else found
+    if found is not None or not collective.result_shapes:
+        return found
+    constrained = propagation.constrained(collective.op_name.rsplit("/", 1)[-1], tuple(collective.result_shapes[0]))
+    return _constrained(collective, *constrained, line, propagation) if constrained else None
 
 
 def _axes(collective: Collective) -> str:

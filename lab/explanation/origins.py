@@ -30,6 +30,7 @@ both then say nothing rather than guess.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
@@ -49,6 +50,7 @@ PROPAGATED = "02.after_propagation.mlir"
 _OP = re.compile(r"^\s*(?:(?P<results>%[\w#:]+(?:, %[\w#:]+)*) = )?\"?(?P<kind>[a-z_]+\.[a-z_]+)\"?(?P<rest>.*)$")
 _SAME = {"sdy.sharding_constraint": "sdy.reshard", "stablehlo.dot": "stablehlo.dot_general"}
 _STABLEHLO = {"select_n": "select", "mul": "multiply", "sub": "subtract", "div": "divide", "max": "maximum"}
+_MESH = re.compile(r"sdy\.mesh @\w+ = <\[[^\]]*\]")
 _SKIPPED = ("stablehlo.constant", "sdy.constant", "func.return", "stablehlo.return", "sdy.return")
 _VALUE = re.compile(r"%[\w]+(?:#\d+)?")
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
@@ -89,6 +91,8 @@ class Propagation:
     """The module after Shardy's propagation, joined to the lowered module's locations."""
 
     def __init__(self, propagated: str, lowered: str):
+        mesh = _MESH.search(propagated)
+        self._mesh = {axis: int(size) for axis, size in re.findall(r'"(\w+)"=(\d+)', mesh[0])} if mesh else {}
         self._propagated = _entry_ops(propagated)
         self._lowered = _entry_ops(lowered)
         self._locations = _locations(lowered)
@@ -142,10 +146,11 @@ class Propagation:
         """(file, line) of the with_sharding_constraint Shardy calls `origin` (``constraint_0``)."""
         return self._constraints.get(origin)
 
-    def constrained(self, primitive: str) -> tuple[Decision, str] | None:
+    def constrained(self, primitive: str, shape: tuple[int, ...]) -> tuple[Decision, str] | None:
         """The one operation of JAX primitive `primitive` whose layout a with_sharding_constraint set: the constraint
         its only user, its result given the constraint's layout with no origin of its own (Shardy's import does
-        that), its operands laid out otherwise. (That decision, the constraint's Shardy name), or None.
+        that), of `shape` on each device in that layout, its operands laid out otherwise. (That decision, the
+        constraint's Shardy name), or None.
 
         This reaches an operation inside a nested jit (a ``jnp`` function): Shardy's module has it inlined, where
         the lowered one has a call, so no location joins it to a line; the constraint's own line is known."""
@@ -158,7 +163,7 @@ class Propagation:
         for op in self._propagated:
             after = users.get(op.results[0], []) if len(op.results) == 1 else []
             name = re.search(r'sdy\.sharding_origin_name = "(constraint_\d+)"', after[0].text) if after else None
-            if op.kind != kind or len(after) != 1 or name is None or _origins(op.text):
+            if op.kind != kind or len(after) != 1 or name is None or _origins(op.text) or self._local(op) != shape:
                 continue
             decision = self._decision(primitive, op)
             if (
@@ -168,6 +173,21 @@ class Propagation:
             ):
                 found.append((decision, name[1]))
         return found[0] if len(found) == 1 else None
+
+    def _local(self, op: _Op) -> tuple[int, ...] | None:
+        """An operation's result shape on one device, in the layout Shardy gave it."""
+        types = re.findall(r"tensor<((?:\d+x)*)\w+>", op.text)
+        dims = _SHARDINGS.search(op.text)
+        if not types or dims is None:
+            return None
+        split = [
+            math.prod(self._mesh.get(a, 0) for a in re.findall(r'"(\w+)"', d))
+            for d in re.findall(r"\{([^}]*)\}", dims[1])
+        ]
+        shape = [int(n) for n in types[-1].split("x") if n]
+        if len(split) != len(shape) or 0 in split:
+            return None
+        return tuple(n // k for n, k in zip(shape, split))
 
     def input_name(self, index: int) -> str:
         return self._arg_names.get(f"%arg{index}", f"input {index}")
