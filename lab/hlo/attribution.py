@@ -86,7 +86,9 @@ _MOVES = frozenset(
     )
 )
 _NOT_DATA = frozenset(("constant", "iota", "partition-id", "replica-id", "after-all"))
-_PARAMETER_NAME = re.compile(r"param|weight|kernel|bias|scale|embed|\bw_|\['w|lm_head|wq|wk|wv|wo\b", re.IGNORECASE)
+_PARAMETER_NAME = re.compile(
+    r"param|weight|kernel|bias|scale|embed|\bw_|\bw\d+\b|\['w|lm_head|wq|wk|wv|wo\b", re.IGNORECASE
+)
 _OPTIMIZER_NAME = re.compile(r"opt|\bmu\b|\bnu\b|mu'|nu'|\.mu|\.nu|moment|count", re.IGNORECASE)
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
 

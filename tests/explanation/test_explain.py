@@ -143,6 +143,15 @@ def test_a_scanned_layers_gradient_is_followed_through_the_loops_carry(capsys, d
     assert found["surprises"] == 0
 
 
+def test_each_gradient_in_a_combined_all_reduce_is_named_after_its_weight(capsys, devices):
+    """Flax's NNX guide: the scanned backward all-reduces both layers' gradients over data in one collective; `w2`
+    is a weight by its name too (w1, w2, ...), so its gradient is not taken for its Adam moment's."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:flax_nnx_scanned_train_step", "--mesh", "data=2,tensor=4")
+    (combined,) = [c for c in found["collectives"] if c["origin"]["kind"] == "gradient"]
+    assert combined["axes"] == ["data"]
+    assert combined["origin"]["name"] == "model.layers.dot1.kernel.value, model.layers.w2.value"
+
+
 def test_ring_attentions_backward_sends_carry_the_gradients_of_k_and_v(capsys, devices):
     """Ring attention: the forward sends k and v around the ring, the backward sends their gradients back; q, k and v
     are one size, so which gradient each send carries is read from where it leaves the step (output k is input k's)."""

@@ -229,3 +229,48 @@ def ring_attention(mesh):
 
     qkv = _abstract(mesh, (4, 1024, 8, 64), spec)
     return step, (qkv, qkv, qkv)
+
+
+# https://flax.readthedocs.io/en/latest/guides/flax_gspmd.html, "Shard a wholesome model": MultiDotReluDot (layers
+# made by nnx.vmap, run by lax.scan, a with_sharding_constraint inside), nnx.Optimizer(adam), a jitted train step;
+# its weights are `dot1.kernel` and `w2` (a name that says nothing of a weight); 'model' -> 'tensor'
+def flax_nnx_scanned_train_step(mesh):
+    from flax import nnx
+
+    class DotReluDot(nnx.Module):
+        def __init__(self, depth: int, rngs: nnx.Rngs):
+            init_fn = nnx.initializers.lecun_normal()
+            self.dot1 = nnx.Linear(
+                depth, depth, kernel_init=nnx.with_partitioning(init_fn, (None, "tensor")), use_bias=False, rngs=rngs
+            )
+            self.w2 = nnx.Param(init_fn(rngs.params(), (depth, depth)), out_sharding=("tensor", None))
+
+        def __call__(self, x):
+            y = jax.lax.with_sharding_constraint(jax.nn.relu(self.dot1(x)), P("data", "tensor"))
+            return jnp.dot(y, self.w2[...])
+
+    class MultiDotReluDot(nnx.Module):
+        def __init__(self, depth: int, num_layers: int, rngs: nnx.Rngs):
+            @nnx.vmap(transform_metadata={nnx.PARTITION_NAME: None})
+            def create_sublayers(r):
+                return DotReluDot(depth, r)
+
+            self.layers = create_sublayers(rngs.split(num_layers))
+
+        def __call__(self, x):
+            x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), x, self.layers)
+            return x
+
+    @jax.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads = jax.value_and_grad(lambda model: jnp.mean((model(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return model, loss
+
+    def build():
+        model = MultiDotReluDot(1024, 2, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    model, optimizer = nnx.eval_shape(build)
+    x = _abstract(mesh, (8, 1024), P("data", None))
+    return train_step, (model, optimizer, x, x)
