@@ -99,6 +99,10 @@ class Propagation:
         self._args = _arguments(propagated)
         self._arg_names = {arg: name for arg, (_, name) in _arguments(lowered).items() if name}
         self._made = {r.split("#")[0]: op for op in self._propagated for r in op.results}
+        self._users: dict[str, list[_Op]] = {}  # a value -> the operations that take it
+        for op in self._propagated:
+            for operand in op.operands:
+                self._users.setdefault(operand.split("#")[0], []).append(op)
         self._pairs = _join(self._lowered, self._propagated)
         self._named: dict[str, list[tuple[_Op, _Op, int | None]]] = {}  # JAX op name -> (lowered, propagated, line)
         for lowered, propagated in self._pairs:
@@ -155,13 +159,9 @@ class Propagation:
         This reaches an operation inside a nested jit (a ``jnp`` function): Shardy's module has it inlined, where
         the lowered one has a call, so no location joins it to a line; the constraint's own line is known."""
         kind = "stablehlo." + _STABLEHLO.get(primitive, primitive)
-        users: dict[str, list[_Op]] = {}
-        for op in self._propagated:
-            for operand in op.operands:
-                users.setdefault(operand.split("#")[0], []).append(op)
         found = []
         for op in self._propagated:
-            after = users.get(op.results[0], []) if len(op.results) == 1 else []
+            after = self._users.get(op.results[0], []) if len(op.results) == 1 else []
             name = re.search(r'sdy\.sharding_origin_name = "(constraint_\d+)"', after[0].text) if after else None
             if op.kind != kind or len(after) != 1 or name is None or _origins(op.text) or self._local(op) != shape:
                 continue
