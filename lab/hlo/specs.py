@@ -28,12 +28,12 @@ def partition_spec(sharding: str, mesh: dict[str, int]) -> str | None:
     """``{devices=[...]...}`` on a mesh of `mesh`'s axes and sizes (in order) as ``P(...)``; None when it is not a
     tiling of those axes (replicated, maximal, manual subgroups, another device order)."""
     found = _TILES.search(sharding)
-    if found is None or "last_tile_dims" in sharding or math.prod(mesh.values()) < 1:
+    if found is None or "last_tile_dims" in sharding:
         return None
     tiles = [int(t) for t in found[1].split(",")]
     ids = _device_ids(found, math.prod(tiles))
-    if ids is None or ids.size != math.prod(mesh.values()):
-        return None
+    if ids is None or not np.array_equal(np.sort(ids), np.arange(math.prod(mesh.values()))):
+        return None  # not each of the mesh's devices once (a module of another size, or of some of them)
     grid = ids.reshape(tiles)
     dims = len(tiles) - ("last_tile_dim_replicate" in sharding)
     coords = np.unravel_index(grid, tuple(mesh.values()))

@@ -39,4 +39,7 @@ def test_what_is_no_tiling_of_the_mesh_has_no_spec():
     # tensor cut in two halves of two: a device order the mesh's axes do not have
     assert partition_spec("{devices=[2,1,4]<=[4,2]T(1,0) last_tile_dim_replicate}", mesh) is None
     assert partition_spec("{devices=[2,4]0,2,1,3,4,6,5,7}", mesh) is None
+    # devices the mesh does not have: a module of 16 devices, or one that runs on some of them
+    assert partition_spec("{devices=[4,4]<=[16]}", mesh) is None
+    assert partition_spec("{devices=[2,4]8,9,10,11,12,13,14,15}", mesh) is None
     assert partition_spec("{devices=[2,4]0,1,2,3,4,5,6,7}", mesh) == "P('data', 'tensor')"
