@@ -103,7 +103,7 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     path = tuple((collective.op_name or "").split("/"))
     if not path[-1]:
         return None
-    where = f"{line.file.rsplit('/', 1)[-1]}:{line.line}" if line else "its line"
+    where = _at(line) if line else "its line"
     said = _said(collective, path, line, where)
     if said is not None or propagation is None:
         return said
@@ -174,7 +174,7 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     if found is not None or not collective.result_shapes:
         return found
     constrained = propagation.constrained(collective.op_name.rsplit("/", 1)[-1], tuple(collective.result_shapes[0]))
-    return _constrained(collective, *constrained, line, propagation) if constrained else None
+    return _constrained(collective, *constrained, line, where, propagation) if constrained else None
 
 
 def _axes(collective: Collective) -> str:
@@ -199,14 +199,14 @@ def _conflict(
     if operand is None or not result.origins:
         return None
     op = decision.op.rsplit("/", 1)[-1]
-    where = f"{line.file.rsplit('/', 1)[-1]}:{line.line}" if line else "its line"
+    where = _at(line) if line else "its line"
     deciding = _annotation(result, propagation) or line
     why = (
         f"{op} at {where} takes the layout {result.sharding} from {_described(result, propagation)}, but its operand "
         f"{operand.name} comes as {operand.sharding} from {_described(operand, propagation)}: the {collective.kind} "
         f"over {axes} reshards between the two"
     )
-    at = f"{deciding.file.rsplit('/', 1)[-1]}:{deciding.line}" if deciding else where
+    at = _at(deciding) if deciding else where
     hint = (
         f"at {at}: ask for {operand.sharding} (the layout {operand.name} has), or give {operand.name} "
         f"{result.sharding} where it is made or declared"
@@ -215,7 +215,12 @@ def _conflict(
 
 
 def _constrained(
-    collective: Collective, decision: Decision, constraint: str, line: Frame | None, propagation: Propagation
+    collective: Collective,
+    decision: Decision,
+    constraint: str,
+    line: Frame | None,
+    where: str,
+    propagation: Propagation,
 ) -> Cause | None:
     """A with_sharding_constraint that set the layout of the op it constrains, whose operands (over the collective's
     axes) come otherwise: the partitioner reshards them to the asked layout before the op."""
@@ -223,10 +228,8 @@ def _constrained(
     operands = [v for v in decision.operands if v.sharding and v.sharding != result.sharding]
     if not axes or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
         return None
-    where = f"{line.file.rsplit('/', 1)[-1]}:{line.line}" if line else "its line"
-    found = propagation.constraint_line(constraint)
-    deciding = Frame(found[0], found[1], "with_sharding_constraint") if found else line
-    at = f"{deciding.file.rsplit('/', 1)[-1]}:{deciding.line}" if deciding else where
+    deciding = _constraint_frame(constraint, propagation) or line
+    at = _at(deciding) if deciding else where
     layouts = " and ".join(dict.fromkeys(v.sharding for v in operands))
     names = ", ".join(dict.fromkeys(v.name for v in operands))
     why = (
@@ -252,11 +255,19 @@ def _annotation_name(origin: str) -> str:
 
 def _annotation(value: Value, propagation: Propagation) -> Frame | None:
     """The line of the with_sharding_constraint a value's layout came from, if it came from one."""
-    for origin in dict.fromkeys(value.origins.values()):
-        found = propagation.constraint_line(origin) if origin.startswith("constraint_") else None
-        if found is not None:
-            return Frame(found[0], found[1], "with_sharding_constraint")
-    return None
+    found = (_constraint_frame(o, propagation) for o in dict.fromkeys(value.origins.values()))
+    return next((frame for frame in found if frame is not None), None)
+
+
+def _constraint_frame(origin: str, propagation: Propagation) -> Frame | None:
+    """The line of the with_sharding_constraint Shardy calls `origin` (``constraint_0``), when it is one."""
+    found = propagation.constraint_line(origin) if origin.startswith("constraint_") else None
+    return Frame(found[0], found[1], "with_sharding_constraint") if found else None
+
+
+def _at(frame: Frame) -> str:
+    """``file.py:12``: a frame as the reports cite it."""
+    return f"{frame.file.rsplit('/', 1)[-1]}:{frame.line}"
 
 
 def _described(value: Value, propagation: Propagation) -> str:
@@ -272,6 +283,6 @@ def _origin_words(name: str, value: Value, propagation: Propagation) -> str:
     if match := re.fullmatch(r"output: (\d+)", name):
         return f"the sharding declared for output {match[1]} (out_shardings)"
     if name.startswith("constraint_"):
-        found = propagation.constraint_line(name)
-        return f"with_sharding_constraint at {found[0].rsplit('/', 1)[-1]}:{found[1]}" if found else "a constraint"
+        frame = _constraint_frame(name, propagation)
+        return f"with_sharding_constraint at {_at(frame)}" if frame else "a constraint"
     return f"Shardy's origin {name!r}"
