@@ -79,7 +79,8 @@ def test_the_mixed_moe_presets_declare_their_stacks():
     assert state["dense_blocks"]["mlp"]["w_in"].shape == (3, 7168, 18432)
     assert state["blocks"]["moe"]["w_in"].shape == (2, 256, 7168, 2048)
     assert state["blocks"]["moe"]["shared"]["w_in"].shape == (2, 7168, 2048)
-    assert state["blocks"]["attention"]["key"].shape == (2, 512, 128, 128)  # [layers, kv_rank, heads, head_dim]
+    # MaxText's wkv_b: one up-projection for each head's key (no rope) and value [layers, kv_rank, heads, 2 head_dim]
+    assert state["blocks"]["attention"]["key_value"].shape == (2, 512, 128, 2 * 128)
     assert state["blocks"]["attention"]["kv_down"].shape == (2, 7168, 512 + 64)
     maverick = replace(PRESETS["llama4-maverick"][0], layers=4)  # periods of a dense layer, then an MoE one
     _, state = abstract_model(maverick)
