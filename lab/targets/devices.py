@@ -39,7 +39,7 @@ import jax
 from jax.experimental import topologies
 
 from lab.errors import LabError
-from lab.targets import gpu, native
+from lab.targets import gpu, libtpu, native
 
 DEFAULT_TARGET = "cpu:8"
 MAX_CPU_DEVICES = 512  # XLA:CPU compiles for every emulated device in one process: thousands never finish
@@ -173,6 +173,7 @@ def topology_devices(topology: str, slices: int = 1) -> tuple:
             f"target tpu:{topology} needs libtpu; install it with: pip install 'jax[tpu]' (or pip install -e '.[tpu]')"
         )
     check_slices(f"tpu:{topology}", slices)
+    libtpu.check_environment()  # a flag libtpu rejects would end this process with no word of why
     # Compile-only use never touches a chip, so two processes may load libtpu at once.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     kwargs = {"num_slices": slices} if slices > 1 else {}

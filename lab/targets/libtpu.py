@@ -12,12 +12,15 @@ backend or topology starts in a process. Two things follow:
   print ``ERROR: ...`` and end the process, with nothing for Python to catch.
   `check` therefore starts libtpu once in a child process with the user's
   flags and turns its ``ERROR:`` lines into one `LabError`, before the lab's
-  own process commits to them. The answer is cached per set of flags.
+  own process commits to them: those given as ``--libtpu-flags`` when a
+  command prepares them, and those the user exported in ``LIBTPU_INIT_ARGS``
+  when libtpu is about to start (`check_environment`; without it such a flag
+  ended ``lab predict`` with exit 1 and not a word). A flag that passed is not
+  tried again in the same process.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import subprocess
@@ -65,9 +68,20 @@ def prepare(flags: str = "") -> None:
     os.environ["LIBTPU_INIT_ARGS"] = " ".join([*current, *missing])
 
 
-@functools.cache
-def check(flags: tuple[str, ...]) -> None:
-    """Start libtpu in a child process with `flags`; what it rejects becomes one `LabError` naming the flag."""
+def check_environment() -> None:
+    """The flags of ``LIBTPU_INIT_ARGS`` as libtpu is about to read them, those not yet passed checked (`check`)."""
+    check(tuple(os.environ.get("LIBTPU_INIT_ARGS", "").split()), "LIBTPU_INIT_ARGS")
+
+
+_PASSED = {NO_CRASH_ON_OOM}  # the flags libtpu took in this process's checks
+
+
+def check(flags: tuple[str, ...], source: str = "--libtpu-flags") -> None:
+    """Start libtpu in a child process with those of `flags` not passed before; what it rejects becomes one
+    `LabError` naming the flag and where it came from, `source`."""
+    flags = tuple(flag for flag in flags if flag not in _PASSED)
+    if not flags:
+        return
     env = {**os.environ, "LIBTPU_INIT_ARGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
     env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip is touched
     try:
@@ -79,15 +93,14 @@ def check(flags: tuple[str, ...]) -> None:
             timeout=CHECK_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        raise LabError(
-            f"libtpu did not start within {CHECK_TIMEOUT_S} s with --libtpu-flags {' '.join(flags)!r}"
-        ) from None
+        raise LabError(f"libtpu did not start within {CHECK_TIMEOUT_S} s with {source} {' '.join(flags)!r}") from None
     if done.returncode == 0:
+        _PASSED.update(flags)
         return
     errors = _ERROR.findall(done.stderr + done.stdout)
     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
     detail = "; ".join(dict.fromkeys(errors)) if errors else last
-    raise LabError(f"libtpu rejects --libtpu-flags {' '.join(flags)!r}: {detail[:300]}")
+    raise LabError(f"libtpu rejects {source} {' '.join(flags)!r}: {detail[:300]}")
 
 
 def _started() -> bool:

@@ -1,6 +1,7 @@
 """``lab predict`` end to end on small topologies, its bad inputs, and the op-by-op pricing's parts."""
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -198,6 +199,17 @@ def test_a_flag_the_compiler_rejects_is_one_line_and_exit_2_before_it_starts(
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
     assert os.environ.get(variable) == before  # nothing of the bad flags left for the compiler to read
+
+
+def test_a_flag_libtpu_rejects_in_the_users_environment_is_one_line_and_exit_2():
+    """libtpu reads LIBTPU_INIT_ARGS when it starts and ends the process on a flag it does not know (exit 1, no
+    word); the lab tries them first, in a fresh process as the user runs it."""
+    env = {**os.environ, "LIBTPU_INIT_ARGS": "--xla_dump_to=/tmp/hlo"}  # XLA's flag, not libtpu's
+    argv = [sys.executable, "-m", "lab", "predict", "--model", SMALL, "--target", "tpu:v5e:2x2", "--seq", "128"]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("lab: error: libtpu rejects LIBTPU_INIT_ARGS '--xla_dump_to=/tmp/hlo': Unknown command")
 
 
 def test_flags_libtpu_knows_pass_its_check():
