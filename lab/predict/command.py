@@ -474,7 +474,12 @@ def _advice(over: int, command: Predict, mesh) -> str:
         ideas.append(f"--batch-per-device {max(1, command.batch_per_device // 2)}")
     if mesh.shape["tensor"] == 1:
         ideas.append("a tensor axis (e.g. tensor=4) to split activations and weights")
-    ideas.append("more chips on fsdp (a larger topology or more slices)")
+    more = (
+        "more nodes: gpu:<chip>:<nodes>x<gpus>"
+        if command.target.startswith("gpu")
+        else "a larger topology or more slices"
+    )
+    ideas.append(f"more chips on fsdp ({more})")
     return f"does not fit by {over / GiB:.2f} GiB per chip; try " + ", or ".join(ideas)
 
 

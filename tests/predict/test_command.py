@@ -655,3 +655,14 @@ def test_the_splash_kernels_flops_are_read_from_their_block_tables_as_the_closed
     model = replace(parse_model(spec), seq=2048, attention="flash")
     closed = sum(_core_flops(kind, 1) * n for n, kind in layer_kinds(model)) * 2048  # forward, per sequence
     assert closed == pytest.approx(4 * scores * (2 / 4 + 5 / 8), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("target", "more"),
+    [("tpu:v5p:4x4x4", "a larger topology or more slices"), ("gpu:h100:2x8", "more nodes: gpu:<chip>:<nodes>x<gpus>")],
+)
+def test_advice_for_a_step_that_does_not_fit_names_the_targets_way_to_more_chips(target, more):
+    from lab.predict.command import _advice
+
+    advice = _advice(2**30, Predict(target=target), SimpleNamespace(shape={"tensor": 4}))
+    assert advice == f"does not fit by 1.00 GiB per chip; try more chips on fsdp ({more})"
