@@ -107,8 +107,9 @@ class Collective:
 
     @property
     def moves_nothing(self) -> bool:
-        """Every group is one device (an axis of size 1): each device keeps its own data. Optimized HLO holds
-        none (XLA's simplifiers remove them); unoptimized or edited text may."""
+        """Every group is one device (an axis of size 1): each device keeps its own data. XLA's simplifiers remove
+        most such collectives, not all (XLA:CPU keeps some in optimized HLO); unoptimized or edited text may hold
+        any."""
         return self.group_size == 1
 
     @property
