@@ -114,10 +114,10 @@ class MeshSpec:
             sizes = {a: (device_count // known if s == -1 else s) for a, s in sizes.items()}
         resolved = MeshSpec(**sizes)
         if resolved.size != device_count:
+            uses = f"uses {resolved.size} device{'s' * (resolved.size != 1)}"
             raise LabError(
-                f"mesh {self} uses {resolved.size} devices but the target has "
-                f"{device_count}; make the sizes multiply to {device_count} "
-                "(or give one axis as -1)"
+                f"mesh {self} {uses} but the target has {device_count}; make the sizes multiply to {device_count} "
+                "(or give one axis as -1, e.g. fsdp=-1)"
             )
         return resolved
 
