@@ -77,7 +77,7 @@ def problem_of(command: Plan) -> Problem:
     """The command's model, batch and pod; a LabError names what is wrong."""
     # local: lab.targets.devices and lab.targets.hardware pull in JAX; the CLI imports this module before it chooses
     # a target
-    from lab.targets.devices import check_slices, parse_target, topology_shape
+    from lab.targets.devices import check_slices, one_slice, parse_target, topology_shape
     from lab.targets.gpu import GPU_TARGET_FORM, parse_cluster
     from lab.targets.hardware import profile
 
@@ -87,8 +87,8 @@ def problem_of(command: Plan) -> Problem:
             f"--target {command.target!r}: lab plan lays a model on tpu:<gen>:<topology> (e.g. tpu:v5e:16x16) "
             f"or {GPU_TARGET_FORM}"
         )
-    if target.slices > 1:
-        raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
+    target, slices = one_slice(target, command.slices)  # "tpu:v5e:4x4 slices=2", as lab inspect takes it
+    command = replace(command, slices=slices)
     if command.seq < 1 or command.top < 1 or command.compile_top < 0:
         raise LabError("--seq and --top take 1 or more, --compile-top 0 or more")
     on_gpu = target.platform == "gpu"

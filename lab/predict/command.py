@@ -203,7 +203,7 @@ def read_step(command: Predict) -> Reading:
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
     from lab.predict.step import DoesNotFit, layout_remat, offloads
     from lab.targets import libtpu, xla_flags
-    from lab.targets.devices import check_slices, gpu_cluster_devices, parse_target, topology_devices
+    from lab.targets.devices import check_slices, gpu_cluster_devices, one_slice, parse_target, topology_devices
 
     target = parse_target(command.target)
     on_gpu = target.platform == "gpu"
@@ -212,8 +212,8 @@ def read_step(command: Predict) -> Reading:
             f"--target {command.target!r}: lab predict compiles for tpu:<gen>:<topology> (e.g. tpu:v6e:16x16) "
             f"or {GPU_TARGET_FORM}"
         )
-    if target.slices > 1:
-        raise LabError(f"--target {command.target!r}: give one slice's topology and the count as --slices")
+    target, slices = one_slice(target, command.slices)  # "tpu:v5e:4x4 slices=2", as lab inspect takes it
+    command = replace(command, target=str(target), slices=slices)
     check_slices("--slices", command.slices)
     attention = resolve_attention(command.attention, on_gpu)
     if on_gpu:

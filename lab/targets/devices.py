@@ -33,7 +33,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 from jax.experimental import topologies
@@ -120,6 +120,14 @@ def check_slices(what: str, slices: int) -> int:
             f"{what} asks for {slices} slices; libtpu compiles for 1 to {MAX_SLICES}: give a count in that range"
         )
     return slices
+
+
+def one_slice(target: Target, slices: int) -> tuple[Target, int]:
+    """A target written with its slices (``tpu:v5e:4x4 slices=2``), as one slice and the count, for the commands that
+    take the count as ``--slices``; both given must agree."""
+    if target.slices > 1 and slices not in (1, target.slices):
+        raise LabError(f"--target {str(target)!r} and --slices {slices} give two slice counts: give the count once")
+    return replace(target, slices=1), max(slices, target.slices)
 
 
 def devices_for(target: Target | str) -> tuple:

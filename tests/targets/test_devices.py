@@ -3,7 +3,7 @@
 import pytest
 
 from lab.errors import LabError
-from lab.targets.devices import Target, devices_for, parse_target, topology_devices
+from lab.targets.devices import Target, devices_for, one_slice, parse_target, topology_devices
 from tests.conftest import run_python
 
 
@@ -91,3 +91,12 @@ def test_gpu_cluster_targets_are_compile_only(text, cluster):
 def test_bad_gpu_cluster_targets_say_what_is_wrong(text):
     with pytest.raises(LabError, match=r"target|GPU"):
         parse_target(text)
+
+
+def test_a_target_written_with_its_slices_is_one_slice_and_the_count_for_predict_and_plan():
+    one = parse_target("tpu:v5e:4x4")
+    assert one_slice(parse_target("tpu:v5e:4x4 slices=2"), 1) == (one, 2)
+    assert one_slice(parse_target("tpu:v5e:4x4 slices=2"), 2) == (one, 2)  # both given, agreeing
+    assert one_slice(one, 3) == (one, 3)
+    with pytest.raises(LabError, match="give two slice counts"):
+        one_slice(parse_target("tpu:v5e:4x4 slices=2"), 3)
