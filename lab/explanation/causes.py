@@ -171,10 +171,19 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
         )
     decision = propagation.decision(collective.op_name, at_line)
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
+    if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
+        constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
+        found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
     if found is not None or not collective.result_shapes:
         return found
     constrained = propagation.constrained(collective.op_name.rsplit("/", 1)[-1], tuple(collective.result_shapes[0]))
     return _constrained(collective, *constrained, line, where, propagation) if constrained else None
+
+
+def _lays_out_itself(op: str) -> bool:
+    """A matmul, a convolution or a reduction: its operands are laid out otherwise than its result by its own rule
+    (a contracted dimension's split becomes a partial sum), not only by the annotations that reach it."""
+    return op.rsplit("/", 1)[-1].startswith(("dot_general", "conv", "reduce"))
 
 
 def _axes(collective: Collective) -> str:
@@ -222,21 +231,22 @@ def _constrained(
     where: str,
     propagation: Propagation,
 ) -> Cause | None:
-    """A with_sharding_constraint that set the layout of the op it constrains, whose operands (over the collective's
-    axes) come otherwise: the partitioner reshards them to the asked layout before the op."""
+    """A with_sharding_constraint that set the layout of an op (the one it constrains, or one it reached), whose
+    operands (over the collective's axes) come otherwise: the partitioner reshards between the two."""
     axes, result = set(collective.axes or ()), decision.result
     operands = [v for v in decision.operands if v.sharding and v.sharding != result.sharding]
-    if not axes or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
+    if not axes or not operands or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
         return None
     deciding = _constraint_frame(constraint, propagation) or line
     at = _at(deciding) if deciding else where
     layouts = " and ".join(dict.fromkeys(v.sharding for v in operands))
     names = ", ".join(dict.fromkeys(v.name for v in operands))
     why = (
-        f"the with_sharding_constraint at {at} asks for {result.sharding} on the {decision.op} it constrains (at "
-        f"{where}), but its operands ({names}) come as {layouts} from "
+        f"the with_sharding_constraint at {at} gives the {decision.op.rsplit('/', 1)[-1]} at {where} the layout "
+        f"{result.sharding}, but "
+        f"its operands ({names}) come as {layouts} from "
         f"{' and '.join(dict.fromkeys(_described(v, propagation) for v in operands))}: the {collective.kind} over "
-        f"{_axes(collective)} reshards them before it"
+        f"{_axes(collective)} reshards between the two"
     )
     hint = f"at {at}: ask for {layouts} (the layout the operands have), or give them {result.sharding} earlier"
     return Cause("annotation", "with_sharding_constraint", deciding, why, hint)

@@ -208,7 +208,36 @@ def test_a_collective_larger_than_the_input_it_is_made_from_says_so(capsys, devi
     for gathered in (c for c in found["collectives"] if c["kind"] == "all-gather"):
         assert gathered["cause"]["op"] == "with_sharding_constraint"
         assert gathered["cause"]["line"] == f"{tmp_path / 'embed.py'}:{constraint}"
-        assert "asks for P(None, None)" in gathered["cause"]["why"] and "P('data', None)" in gathered["cause"]["why"]
+        assert "the layout P(None, None)" in gathered["cause"]["why"] and "P('data', None)" in gathered["cause"]["why"]
+
+
+PACKED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def step(mesh):
+    def pack(a, b):
+        both = jnp.concatenate([a, b], axis=1)
+        return jax.lax.with_sharding_constraint(both, NamedSharding(mesh, P("data", None)))
+
+    x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, P("data", "fsdp")))
+    return jax.jit(pack), (x, x)
+"""
+
+
+def test_a_constraint_after_an_op_that_is_not_elementwise_is_named_as_its_gathers_cause(capsys, devices, tmp_path):
+    """The concatenate takes the constraint's layout, not its operands': the gather over fsdp is the constraint's,
+    at the constraint's line, and its hint is not to pin a layout there again."""
+    (tmp_path / "pack.py").write_text(PACKED)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'pack.py'}:step", "--mesh", "data=2,fsdp=4")
+    (gathered,) = [c for c in found["collectives"] if c["kind"] == "all-gather"]
+    assert gathered["source"] == f"{tmp_path / 'pack.py'}:8"  # the concatenate
+    assert gathered["cause"]["op"] == "with_sharding_constraint"
+    assert gathered["cause"]["line"] == f"{tmp_path / 'pack.py'}:9"
+    why = gathered["cause"]["why"]
+    assert "gives the concatenate at pack.py:8 the layout P('data', None)" in why
+    assert "operands (a, b) come as P('data', 'fsdp')" in why
 
 
 CAPACITY_MOE = """
