@@ -82,6 +82,15 @@ _OPS = {
         "reshape so the split dimension stays a whole dimension, or reshard before it",
     ),
 }
+# what an op that an input's reshard comes right before does with the dimension: the _OPS, and one that is not a
+# collective's own op (XLA names a concatenate's gather after a constraint by the concatenate)
+_BEFORE = {
+    **_OPS,
+    "concatenate": (
+        "joins its operands along a dimension that is split",
+        "concatenate along a dimension no axis splits",
+    ),
+}
 _BY_NAME = (
     "psum",
     "pmax",
@@ -108,6 +117,18 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     if said is not None or propagation is None:
         return said
     return _recorded(collective, line, where, propagation)
+
+
+def cause_before(collective: Collective, moved: str, consumer: str, line: Frame) -> Cause | None:
+    """The op the reshard of input `moved` comes right before (`consumer`, its JAX op name, at the user's `line`),
+    when it is one that needs the dimension the input is split on: the reshard moves the split off it."""
+    op = consumer.rsplit("/", 1)[-1].split("-")[0]
+    if op not in _BEFORE:
+        return None
+    does, change = _BEFORE[op]
+    where = _at(line)
+    why = f"{op} at {where} {does}: the {collective.kind} over {_axes(collective)} reshards {moved} before it"
+    return Cause("op", op, line, why, f"at {where}: {change}, or declare the input split along another dimension")
 
 
 def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, where: str) -> Cause | None:

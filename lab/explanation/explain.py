@@ -41,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.errors import LabError
-from lab.explanation.causes import Cause, cause_of
+from lab.explanation.causes import Cause, cause_before, cause_of
 from lab.explanation.origins import Propagation, compile_with_origins, record_line
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute
@@ -384,7 +384,14 @@ def explain_text(
         link, where, seconds = _placed(c, mesh, chip)
         key = (c.computation, c.name)
         stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
-        cause = cause_of(c, stack[0] if stack else None, propagation)
+        consumer = ""
+        if not stack and origins[c.name].kind == "input":  # an input resharded: the line is where it is used
+            consumer, stack = _consumer(graph, key, frames)
+        cause = (
+            cause_before(c, origins[c.name].name, consumer, stack[0])
+            if consumer
+            else cause_of(c, stack[0] if stack else None, propagation)
+        )
         origin = _asked(origins[c.name], c) if cause is not None and cause.asked else origins[c.name]
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
@@ -407,6 +414,21 @@ def explain_text(
             missing=origins_missing,
         ),
     )
+
+
+def _consumer(graph: Dataflow, key: tuple[str, str], frames, depth: int = 6) -> tuple[str, tuple[Frame, ...]]:
+    """The first instruction downstream of `key` (through tuples, copies, fusions: at most `depth` steps) that
+    carries a line of the user's code: (its JAX op name, its stack), or ("", ())."""
+    seen, frontier = {key}, [key]
+    for _ in range(depth):
+        users = [u for k in frontier for u in graph.users.get(k, ()) if (u.computation, u.name) not in seen]
+        for user in users:
+            stack = stack_of(user.metadata, frames)
+            if stack and not all(f.in_library for f in stack):
+                return str(user.metadata.get("op_name") or ""), stack
+        frontier = [(u.computation, u.name) for u in users]
+        seen.update(frontier)
+    return "", ()
 
 
 def _overlaps(hlo_text: str, chip: ChipProfile, mesh_sizes: dict[str, int] | None) -> dict[tuple[str, str], float]:

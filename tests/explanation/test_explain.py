@@ -226,7 +226,9 @@ def step(mesh):
 """
 
 
-def test_a_constraint_after_an_op_that_is_not_elementwise_is_named_as_its_gathers_cause(capsys, devices, tmp_path):
+def test_a_concatenate_along_a_split_dimension_and_the_constraint_after_it_are_named_as_causes(
+    capsys, devices, tmp_path
+):
     """The concatenate takes the constraint's layout, not its operands': the gather over fsdp is the constraint's,
     at the constraint's line, and its hint is not to pin a layout there again."""
     (tmp_path / "pack.py").write_text(PACKED)
@@ -238,6 +240,14 @@ def test_a_constraint_after_an_op_that_is_not_elementwise_is_named_as_its_gather
     why = gathered["cause"]["why"]
     assert "gives the concatenate at pack.py:8 the layout P('data', None)" in why
     assert "operands (a, b) come as P('data', 'fsdp')" in why
+    # before it, each input moves its split off the joined dimension: XLA names those all-to-alls after the input,
+    # with no line of their own; the concatenate they feed is their line and their cause
+    moves = [c for c in found["collectives"] if c["kind"] == "all-to-all"]
+    assert sorted(c["origin"]["name"] for c in moves) == ["a", "b"]
+    for moved in moves:
+        assert moved["source"] == f"{tmp_path / 'pack.py'}:8"
+        assert moved["cause"]["op"] == "concatenate"
+        assert f"the all-to-all over fsdp reshards {moved['origin']['name']} before it" in moved["cause"]["why"]
 
 
 CAPACITY_MOE = """
