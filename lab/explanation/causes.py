@@ -77,6 +77,15 @@ _OPS = {
         "replicate the table, or look up inside shard_map on each device's rows",
     ),
     "scatter": ("writes rows by index into a dimension that is split", "replicate the target, or write per shard"),
+    "pad": (
+        "pads a dimension that is split: each device takes its neighbour's edge elements (a halo) to shift its own",
+        "pad a dimension no axis splits, or pad the input before it is split",
+    ),
+    "dynamic_slice": (
+        "slices a dimension that is split, at an offset known only when it runs: each device takes the dimension "
+        "whole to slice it",
+        "slice a dimension no axis splits",
+    ),
     "reshape": (
         "merges or splits a dimension that an axis splits, into one the axis cannot split the same way",
         "reshape so the split dimension stays a whole dimension, or reshard before it",
@@ -169,7 +178,7 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
     does, change = _OPS[base]
     # a jnp function is a nested jit (jnp.cumsum -> jit(f)/jit(cumsum)/reduce_window_sum); path[0] is the user's own
     wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 2 else None
-    name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1] != base else base
+    name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1].lstrip("_") != base else base
     return Cause(
         "op", name, line, f"{name} at {where} {does}: the {kind} over {axes} makes it so", f"at {where}: {change}"
     )

@@ -464,3 +464,28 @@ def test_a_gpu_module_from_the_test_data_reads_with_its_async_pairs(capsys):
     # two of the four NCCL pairs are marked is_sync (run in place, nothing overlaps them), two are async
     assert [c["async"] for c in found["collectives"]].count(True) == 2
     assert {c["kind"] for c in found["collectives"]} == {"all-gather"}
+
+
+SLICED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def step(mesh):
+    def f(x, i):
+        shifted = jnp.pad(x, ((0, 0), (1, 0)))[:, :-1]
+        window = jax.lax.dynamic_slice_in_dim(x, i, 128, axis=1)
+        return shifted, window
+
+    x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, P("data", "fsdp")))
+    return jax.jit(f), (x, jax.ShapeDtypeStruct((), jnp.int32))
+"""
+
+
+def test_a_pad_and_a_dynamic_slice_along_a_split_dimension_are_named_at_their_lines(capsys, devices, tmp_path):
+    (tmp_path / "sliced.py").write_text(SLICED)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'sliced.py'}:step", "--mesh", "data=2,fsdp=4")
+    causes = {c["cause"]["op"]: c for c in found["collectives"] if c["cause"]}
+    assert causes["pad"]["kind"] == "collective-permute" and causes["pad"]["source"].endswith("sliced.py:8")
+    assert causes["pad"]["cause"]["why"].startswith("pad at sliced.py:8 pads a dimension that is split")
+    assert causes["dynamic_slice"]["kind"] == "all-gather" and causes["dynamic_slice"]["source"].endswith("sliced.py:9")
