@@ -387,6 +387,22 @@ def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
     assert all(c["axes"] is None and c["groups"] for c in raw["collectives"])
 
 
+SHARDED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def explicit(mesh):  # JAX's explicit sharding: reshard needs axes of type Explicit
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    return jax.jit(lambda x: jax.sharding.reshard(x * 2, P(None, "data"))), (x,)
+
+
+def auto(mesh):  # the partitioner's: a constraint that differs is an assertion on axes of type Explicit
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    return jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, "data")))), (x,)
+"""
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -416,6 +432,8 @@ def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
         (["--fn", "{tmp}/exits.py:step"], "importing"),
         (["--fn", "{tmp}/user.py:forever", "--timeout", "0.5"], "forever(mesh) did not finish within 0.5 s"),
         (["--fn", "{tmp}/user.py:fails", "--timeout", "-1"], "--timeout -1: must be at least 0"),
+        (["--fn", "{tmp}/sharded.py:explicit", "--mesh", "data=8"], "inspect it with --axis-types explicit"),
+        (["--fn", "{tmp}/sharded.py:auto", "--mesh", "data=8", "--axis-types", "explicit"], "--axis-types auto"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):
@@ -435,6 +453,7 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
         "class Stop(BaseException):\n    pass\n\n\ndef base_exception(mesh):\n    raise Stop\n\n\n"
         "def forever(mesh):\n    while True:\n        pass\n"
     )
+    (tmp_path / "sharded.py").write_text(SHARDED)
     (tmp_path / "broken.py").write_text("import no_such_module_anywhere\n")
     (tmp_path / "exits.py").write_text("import sys\n\nsys.exit(1)\n")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
