@@ -508,3 +508,23 @@ def test_a_pad_and_a_dynamic_slice_along_a_split_dimension_are_named_at_their_li
     assert causes["pad"]["kind"] == "collective-permute" and causes["pad"]["source"].endswith("sliced.py:8")
     assert causes["pad"]["cause"]["why"].startswith("pad at sliced.py:8 pads a dimension that is split")
     assert causes["dynamic_slice"]["kind"] == "all-gather" and causes["dynamic_slice"]["source"].endswith("sliced.py:9")
+
+
+OWN_MESH = """
+import jax, jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+def step(_):  # the script's own mesh and axis names, as an issue's reproducer has them
+    mesh = jax.make_mesh((2, 4), ("batch", "model"), axis_types=(AxisType.Auto,) * 2)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("batch", "model")))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("model", None)))
+    return jax.jit(lambda x, w: jnp.tanh(x @ w)), (x, w)
+"""
+
+
+def test_a_program_on_a_mesh_of_its_own_is_told_in_its_own_axis_names(capsys, devices, tmp_path):
+    (tmp_path / "own.py").write_text(OWN_MESH)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'own.py'}:step", "--mesh", "data=2,tensor=4")
+    assert found["mesh"] == {"batch": 2, "model": 4}
+    assert [c["axes"] for c in found["collectives"]] == [["model"]]  # the contraction over model, summed
