@@ -528,3 +528,33 @@ def test_a_program_on_a_mesh_of_its_own_is_told_in_its_own_axis_names(capsys, de
     found = inspect_json(capsys, "--fn", f"{tmp_path / 'own.py'}:step", "--mesh", "data=2,tensor=4")
     assert found["mesh"] == {"batch": 2, "model": 4}
     assert [c["axes"] for c in found["collectives"]] == [["model"]]  # the contraction over model, summed
+
+
+REMATERIALIZED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def step(mesh):
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", "tensor")))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("tensor", None)))
+
+    def f(x, w):
+        y = jnp.einsum("bd,df->bf", x, w, out_sharding=P("data", None))
+        return jax.sharding.reshard(y, P(None, "tensor"))
+
+    return jax.jit(f), (x, w)
+"""
+
+
+def test_the_partitioners_involuntary_rematerialization_is_told_at_its_line_in_partition_specs(capsys, tmp_path):
+    """XLA:CPU's partitioner writes it to stderr from C++ when it finds no efficient reshard between two layouts;
+    the report carries it, in the user's specs, and stderr does not."""
+    (tmp_path / "remat.py").write_text(REMATERIALIZED)
+    argv = ["--fn", f"{tmp_path / 'remat.py'}:step", "--mesh", "data=2,tensor=4", "--axis-types", "explicit"]
+    done = subprocess.run([sys.executable, "-m", "lab", "inspect", *argv, "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (remat,) = json.loads(done.stdout)["rematerializations"]
+    assert remat["line"] == f"{tmp_path / 'remat.py'}:11" and remat["op"].endswith("bd,df->bf/dot_general")
+    assert (remat["from"], remat["to"]) == ("P('data', None)", "P(None, 'tensor')")
+    assert "Involuntary" not in done.stderr
