@@ -91,8 +91,8 @@ _OPS = {
         "reshape so the split dimension stays a whole dimension, or reshard before it",
     ),
 }
-# what an op that an input's reshard comes right before does with the dimension: the _OPS, and one that is not a
-# collective's own op (XLA names a concatenate's gather after a constraint by the concatenate)
+# the ops an input is resharded for when it comes right before them (`cause_before`): the _OPS, and a concatenate,
+# which is not in _OPS because XLA also names the gather a constraint after it asks for by the concatenate
 _BEFORE = {
     **_OPS,
     "concatenate": (
@@ -273,8 +273,7 @@ def _constrained(
     names = ", ".join(dict.fromkeys(v.name for v in operands))
     why = (
         f"the with_sharding_constraint at {at} gives the {decision.op.rsplit('/', 1)[-1]} at {where} the layout "
-        f"{result.sharding}, but "
-        f"its operands ({names}) come as {layouts} from "
+        f"{result.sharding}, but its operands ({names}) come as {layouts} from "
         f"{' and '.join(dict.fromkeys(_described(v, propagation) for v in operands))}: the {collective.kind} over "
         f"{_axes(collective)} reshards between the two"
     )
