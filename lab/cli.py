@@ -329,11 +329,13 @@ def _dispatch(command) -> int:
 
 
 def _compiled_program(command: Inspect, mesh, compile_only: bool):
-    """(title, inspection, Shardy's record, compile seconds) of the program `command` names: the user's --fn, or one
-    of lab.collectives."""
+    """(title, what its compile left (`lab.explanation.origins.Compiled`), compile seconds, mesh) of the program
+    `command` names: the user's --fn, or one of lab.collectives; the mesh is the one its arguments are laid out on
+    (`_program_mesh`)."""
     if command.fn is not None:
         builder = program.load(command.fn)
         fn, args = program.build(builder, mesh, command.fn, compile_only=compile_only)
+        mesh = _program_mesh(args, mesh)
         title = command.fn
     else:
         element = inputs.dtype("--dtype", command.dtype)
@@ -343,8 +345,18 @@ def _compiled_program(command: Inspect, mesh, compile_only: bool):
     started = time.perf_counter()
     option = "--fn" if command.fn is not None else "--program"
     with program.blamed(title, "compiling it", compile_only, option), jax.set_mesh(mesh):  # as the user's script would
-        found, propagation = compile_with_origins(fn, *args, mesh=mesh)
-    return title, found, propagation, time.perf_counter() - started
+        compiled = compile_with_origins(fn, *args, mesh=mesh)
+    return title, compiled, time.perf_counter() - started, mesh
+
+
+def _program_mesh(args, mesh):
+    """The mesh of the first argument laid out on a mesh of its own over the same devices (a builder that made one
+    with jax.make_mesh and its own axis names: the collectives are named by those), else the lab's `mesh`."""
+    for leaf in jax.tree.leaves(args):
+        own = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if isinstance(own, jax.sharding.Mesh) and own != mesh and set(own.devices.flat) == set(mesh.devices.flat):
+            return own
+    return mesh
 
 
 def inspect(command: Inspect) -> int:
@@ -374,8 +386,8 @@ def inspect(command: Inspect) -> int:
     compile_only = parse_target(command.target).compile_only
     mesh = spec.build(devices, explicit=command.axis_types == "explicit")
     with program.bounded(command.timeout if command.fn is not None else 0):  # the user's code, not the lab's
-        title, found, propagation, compile_s = _compiled_program(command, mesh, compile_only)
-    explained = explain_inspection(found, mesh, target=command.target, propagation=propagation)
+        title, (found, propagation, remats), compile_s, mesh = _compiled_program(command, mesh, compile_only)
+    explained = explain_inspection(found, mesh, target=command.target, propagation=propagation, remats=remats)
     # the files first: a folder that cannot be written is one line, with no report printed before it
     written = found.dump(command.save_hlo) if command.save_hlo is not None else None
     if command.json:

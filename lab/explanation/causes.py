@@ -77,9 +77,27 @@ _OPS = {
         "replicate the table, or look up inside shard_map on each device's rows",
     ),
     "scatter": ("writes rows by index into a dimension that is split", "replicate the target, or write per shard"),
+    "pad": (
+        "pads a dimension that is split: each device takes its neighbour's edge elements (a halo) to shift its own",
+        "pad a dimension no axis splits, or pad the input before it is split",
+    ),
+    "dynamic_slice": (
+        "slices a dimension that is split, at an offset known only when it runs: each device takes the dimension "
+        "whole to slice it",
+        "slice a dimension no axis splits",
+    ),
     "reshape": (
         "merges or splits a dimension that an axis splits, into one the axis cannot split the same way",
         "reshape so the split dimension stays a whole dimension, or reshard before it",
+    ),
+}
+# the ops an input is resharded for when it comes right before them (`cause_before`): the _OPS, and a concatenate,
+# which is not in _OPS because XLA also names the gather a constraint after it asks for by the concatenate
+_BEFORE = {
+    **_OPS,
+    "concatenate": (
+        "joins its operands along a dimension that is split",
+        "concatenate along a dimension no axis splits",
     ),
 }
 _BY_NAME = (
@@ -108,6 +126,18 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     if said is not None or propagation is None:
         return said
     return _recorded(collective, line, where, propagation)
+
+
+def cause_before(collective: Collective, moved: str, consumer: str, line: Frame) -> Cause | None:
+    """The op the reshard of input `moved` comes right before (`consumer`, its JAX op name, at the user's `line`),
+    when it is one that needs the dimension the input is split on: the reshard moves the split off it."""
+    op = consumer.rsplit("/", 1)[-1].split("-")[0]
+    if op not in _BEFORE:
+        return None
+    does, change = _BEFORE[op]
+    where = _at(line)
+    why = f"{op} at {where} {does}: the {collective.kind} over {_axes(collective)} reshards {moved} before it"
+    return Cause("op", op, line, why, f"at {where}: {change}, or declare the input split along another dimension")
 
 
 def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, where: str) -> Cause | None:
@@ -148,7 +178,7 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
     does, change = _OPS[base]
     # a jnp function is a nested jit (jnp.cumsum -> jit(f)/jit(cumsum)/reduce_window_sum); path[0] is the user's own
     wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 2 else None
-    name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1] != base else base
+    name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1].lstrip("_") != base else base
     return Cause(
         "op", name, line, f"{name} at {where} {does}: the {kind} over {axes} makes it so", f"at {where}: {change}"
     )
@@ -171,10 +201,19 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
         )
     decision = propagation.decision(collective.op_name, at_line)
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
+    if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
+        constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
+        found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
     if found is not None or not collective.result_shapes:
         return found
     constrained = propagation.constrained(collective.op_name.rsplit("/", 1)[-1], tuple(collective.result_shapes[0]))
     return _constrained(collective, *constrained, line, where, propagation) if constrained else None
+
+
+def _lays_out_itself(op: str) -> bool:
+    """A matmul, a convolution or a reduction: its operands are laid out otherwise than its result by its own rule
+    (a contracted dimension's split becomes a partial sum), not only by the annotations that reach it."""
+    return op.rsplit("/", 1)[-1].startswith(("dot_general", "conv", "reduce"))
 
 
 def _axes(collective: Collective) -> str:
@@ -222,21 +261,21 @@ def _constrained(
     where: str,
     propagation: Propagation,
 ) -> Cause | None:
-    """A with_sharding_constraint that set the layout of the op it constrains, whose operands (over the collective's
-    axes) come otherwise: the partitioner reshards them to the asked layout before the op."""
+    """A with_sharding_constraint that set the layout of an op (the one it constrains, or one it reached), whose
+    operands (over the collective's axes) come otherwise: the partitioner reshards between the two."""
     axes, result = set(collective.axes or ()), decision.result
     operands = [v for v in decision.operands if v.sharding and v.sharding != result.sharding]
-    if not axes or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
+    if not axes or not operands or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
         return None
     deciding = _constraint_frame(constraint, propagation) or line
     at = _at(deciding) if deciding else where
     layouts = " and ".join(dict.fromkeys(v.sharding for v in operands))
     names = ", ".join(dict.fromkeys(v.name for v in operands))
     why = (
-        f"the with_sharding_constraint at {at} asks for {result.sharding} on the {decision.op} it constrains (at "
-        f"{where}), but its operands ({names}) come as {layouts} from "
+        f"the with_sharding_constraint at {at} gives the {decision.op.rsplit('/', 1)[-1]} at {where} the layout "
+        f"{result.sharding}, but its operands ({names}) come as {layouts} from "
         f"{' and '.join(dict.fromkeys(_described(v, propagation) for v in operands))}: the {collective.kind} over "
-        f"{_axes(collective)} reshards them before it"
+        f"{_axes(collective)} reshards between the two"
     )
     hint = f"at {at}: ask for {layouts} (the layout the operands have), or give them {result.sharding} earlier"
     return Cause("annotation", "with_sharding_constraint", deciding, why, hint)

@@ -41,8 +41,9 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.errors import LabError
-from lab.explanation.causes import Cause, cause_of
+from lab.explanation.causes import Cause, cause_before, cause_of
 from lab.explanation.origins import Propagation, compile_with_origins, record_line
+from lab.explanation.partitioner import Remat
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute
 from lab.hlo.schedule import overlap_report
@@ -148,6 +149,7 @@ class Explanation:
     memory: dict[str, int]  # bytes per device
     roofline: Roofline | None
     origins: str = ""  # what Shardy's record of sharding origins gave, in one line (`lab.explanation.origins`)
+    remats: tuple[dict[str, Any], ...] = ()  # values the partitioner gathered whole to reshard (`.partitioner`)
 
     @property
     def surprises(self) -> tuple[Explained, ...]:
@@ -202,6 +204,7 @@ class Explanation:
             "memory": self.memory,
             "roofline": _roofline_json(self.roofline),
             "origins": self.origins,
+            "rematerializations": list(self.remats),
         }
 
     # ----------------------------------------------------------------------- views
@@ -228,6 +231,7 @@ class Explanation:
             parts.append(Text(f"{len(self.skipped)} line(s) skipped, e.g. line {first.line_number}: {first.reason}"))
         if self.origins:
             parts.append(Text(self.origins))
+        parts.extend(Text(r["why"], "red") for r in self.remats)
         parts.append(Text(_memory_line(self.memory)))
         parts.append(Text(_roofline_line(self.roofline)))
         return parts
@@ -298,15 +302,20 @@ def explain(fn, *args: Any, mesh=None, target: str | None = None, **kwargs: Any)
     if not callable(fn):
         raise LabError(f"explain needs a function, not {type(fn).__name__}")
     mesh = mesh if mesh is not None else _mesh_of((args, kwargs))
-    found, propagation = compile_with_origins(fn, *args, mesh=mesh, **kwargs)
-    return explain_inspection(found, mesh, target=target, propagation=propagation)
+    found, propagation, remats = compile_with_origins(fn, *args, mesh=mesh, **kwargs)
+    return explain_inspection(found, mesh, target=target, propagation=propagation, remats=remats)
 
 
 def explain_inspection(
-    found: Inspection, mesh=None, *, target: str | None = None, propagation: Propagation | str | None = None
+    found: Inspection,
+    mesh=None,
+    *,
+    target: str | None = None,
+    propagation: Propagation | str | None = None,
+    remats: Sequence[Remat] = (),
 ) -> Explanation:
-    """The explanation of a program already compiled and inspected (with Shardy's record, when it was asked for:
-    `lab.explanation.origins.compile_with_origins`)."""
+    """The explanation of a program already compiled and inspected (with Shardy's record and the partitioner's
+    rematerializations, when they were asked for: `lab.explanation.origins.compile_with_origins`)."""
     devices = list(mesh.devices.flat) if mesh is not None else []
     chip = _chip(devices)
     shown = target or (f"{devices[0].platform}:{len(devices)}" if devices else "?")
@@ -324,6 +333,7 @@ def explain_inspection(
         origins_missing=propagation
         if isinstance(propagation, str)
         else "not asked for (compile with lab.explanation.origins.compile_with_origins)",
+        remats=remats,
     )
 
 
@@ -374,6 +384,7 @@ def explain_text(
     target: str,
     propagation: Propagation | None = None,
     origins_missing: str = "a dump holds no record of them (inspect the program with --fn)",
+    remats: Sequence[Remat] = (),
 ) -> Explanation:
     graph = Dataflow.of(hlo_text, mesh_sizes)
     origins = attribute(graph, collectives)
@@ -384,7 +395,14 @@ def explain_text(
         link, where, seconds = _placed(c, mesh, chip)
         key = (c.computation, c.name)
         stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
-        cause = cause_of(c, stack[0] if stack else None, propagation)
+        consumer = ""
+        if not stack and origins[c.name].kind == "input":  # an input resharded: the line is where it is used
+            consumer, stack = _consumer(graph, key, frames)
+        cause = (
+            cause_before(c, origins[c.name].name, consumer, stack[0])
+            if consumer
+            else cause_of(c, stack[0] if stack else None, propagation)
+        )
         origin = _asked(origins[c.name], c) if cause is not None and cause.asked else origins[c.name]
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
@@ -406,7 +424,23 @@ def explain_text(
             blind=sum(not e.stack or all(f.in_library for f in e.stack) for e in explained),
             missing=origins_missing,
         ),
+        remats=tuple(r.to_json(mesh_sizes, frames) for r in remats),
     )
+
+
+def _consumer(graph: Dataflow, key: tuple[str, str], frames, depth: int = 6) -> tuple[str, tuple[Frame, ...]]:
+    """The first instruction downstream of `key` (through tuples, copies, fusions: at most `depth` steps) that
+    carries a line of the user's code: (its JAX op name, its stack), or ("", ())."""
+    seen, frontier = {key}, [key]
+    for _ in range(depth):
+        users = [u for k in frontier for u in graph.users.get(k, ()) if (u.computation, u.name) not in seen]
+        for user in users:
+            stack = stack_of(user.metadata, frames)
+            if stack and not all(f.in_library for f in stack):
+                return str(user.metadata.get("op_name") or ""), stack
+        frontier = [(u.computation, u.name) for u in users]
+        seen.update(frontier)
+    return "", ()
 
 
 def _overlaps(hlo_text: str, chip: ChipProfile, mesh_sizes: dict[str, int] | None) -> dict[tuple[str, str], float]:

@@ -33,12 +33,16 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from lab.explanation import partitioner
+from lab.explanation.partitioner import Remat
 from lab.hlo import Inspection, inspect_lowered, lower
+from lab.targets.devices import quiet_native_stderr
 
 OPTIONS = {  # XLA debug options, given to one compile: Shardy's verbose dump, and nothing else of a dump folder
     "xla_dump_hlo_pass_re": "shardy-verbose",
@@ -214,17 +218,30 @@ class Propagation:
         return Value(made.kind.split(".")[-1], sharding, origins[k] if k < len(origins) else {})
 
 
-def compile_with_origins(fn, *args: Any, mesh=None, **kwargs: Any) -> tuple[Inspection, Propagation | str]:
-    """Compile ``fn(*args, **kwargs)`` once, with Shardy's record on, and read both: the `Inspection` of the
-    compiled program and the `Propagation`, or in its place why there is none (the partitioner wrote none: not
-    Shardy; the user's XLA_FLAGS dump, which the lab leaves where they asked for it)."""
+class Compiled(NamedTuple):
+    """What one compile of a user's program gives the explanation."""
+
+    inspection: Inspection
+    propagation: Propagation | str  # Shardy's record, or why there is none
+    remats: tuple[Remat, ...]  # the values XLA's partitioner said it replicated whole to reshard them
+
+
+def compile_with_origins(fn, *args: Any, mesh=None, **kwargs: Any) -> Compiled:
+    """Compile ``fn(*args, **kwargs)`` once, with Shardy's record on, and read what it left: the `Inspection` of the
+    compiled program; the `Propagation`, or in its place why there is none (the partitioner wrote none: not
+    Shardy; the user's XLA_FLAGS dump, which the lab leaves where they asked for it); the partitioner's
+    rematerializations, from its log (`lab.explanation.partitioner`; the rest of the log goes on to stderr)."""
     lowered = lower(fn, *args, mesh=mesh, **kwargs)
-    if "--xla_dump_to" in os.environ.get("XLA_FLAGS", ""):
-        return inspect_lowered(lowered, mesh), "not read: XLA_FLAGS dumps this compile, to the folder asked for"
-    with tempfile.TemporaryDirectory(prefix="lab-shardy-") as folder:
-        found = inspect_lowered(lowered, mesh, compiler_options={"xla_dump_to": folder, **OPTIONS})
-        propagation = Propagation.read(Path(folder), lowered.as_text(debug_info=True))
-    return found, propagation or "none recorded: the partitioner is not Shardy, or wrote nothing"
+    dumped = "--xla_dump_to" in os.environ.get("XLA_FLAGS", "")
+    with quiet_native_stderr() as log, tempfile.TemporaryDirectory(prefix="lab-shardy-") as folder:
+        found = inspect_lowered(lowered, mesh, compiler_options=None if dumped else {"xla_dump_to": folder, **OPTIONS})
+        propagation = None if dumped else Propagation.read(Path(folder), lowered.as_text(debug_info=True))
+    remats, rest = partitioner.read(log)
+    if rest:
+        print("\n".join(rest), file=sys.stderr)
+    if dumped:
+        return Compiled(found, "not read: XLA_FLAGS dumps this compile, to the folder asked for", remats)
+    return Compiled(found, propagation or "none recorded: the partitioner is not Shardy, or wrote nothing", remats)
 
 
 def record_line(propagation: Propagation | None, *, decided: int, blind: int, missing: str) -> str:

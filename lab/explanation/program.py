@@ -123,13 +123,26 @@ def blamed(spec: str, doing: str, compile_only: bool = False, option: str = "--f
             "the lab: return (fn, args) instead of exiting"
         ) from None
     except BaseException as err:  # the user's code: any failure is theirs to see, in one line with its place
-        hint = (
+        raise LabError(
+            f"{option} {spec!r}: {doing} raised {_one_line(err)}{_hint(err, compile_only, option)}"
+        ) from None
+
+
+def _hint(err: BaseException, compile_only: bool, option: str) -> str:
+    """What to change in the lab's command for a failure the user's code did not cause: a program written for the
+    other kind of mesh axes (JAX's explicit sharding against its automatic one), or arrays on a compile-only target."""
+    if option != "--fn":
+        return ""
+    if "of type: AxisType.Auto" in str(err):  # out_sharding=, reshard: explicit sharding's annotations
+        return "; the program shards explicitly (out_sharding=, reshard): inspect it with --axis-types explicit"
+    if "of type `Explicit`" in str(err):  # with_sharding_constraint is an assertion on explicit axes
+        return "; the program leaves layouts to the partitioner: inspect it with --axis-types auto (the default)"
+    if compile_only:
+        return (
             "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "
             "jax.eval_shape) and create no arrays"
-            if compile_only and option == "--fn"
-            else ""
         )
-        raise LabError(f"{option} {spec!r}: {doing} raised {_one_line(err)}{hint}") from None
+    return ""
 
 
 def _import_file(spec: str, path: Path):

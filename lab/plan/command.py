@@ -226,10 +226,24 @@ def to_json(result: Ranking) -> dict:
 
 
 def nothing_fits(result: Ranking) -> str:
-    e = result.closest
-    return (
-        f"nothing fits: the least memory per chip, {format_bytes(e.memory.total)}, is {mesh_text(e)} with remat "
+    """The layout that comes closest, and what would make it fit: more chips to spread its states over, or (when
+    what each chip holds for its own tokens is already too much) fewer tokens per chip."""
+    e, chips = result.closest, result.problem.chips
+    m = e.memory
+    states, own = m.params + m.grads + m.optimizer, m.activations + m.transient
+    closest = (
+        f"nothing fits: the least memory per chip, {format_bytes(m.total)}, is {mesh_text(e)} with remat "
         f"{e.layout.remat}, against {format_bytes(e.hbm_bytes)} of HBM"
+    )
+    if own >= e.hbm_bytes:
+        return (
+            f"{closest}; its activations alone take {format_bytes(own)} a chip: give a shorter --seq, or fewer "
+            "sequences a chip (--batch-per-device, --global-batch)"
+        )
+    needed = math.ceil(chips * states / (e.hbm_bytes - own))
+    return (
+        f"{closest}; its weights, gradients and optimizer state ({format_bytes(states * chips)} in all) fit spread "
+        f"over about {needed:,} such chips at this batch a chip: give a larger --target, or more --slices"
     )
 
 

@@ -53,6 +53,10 @@ def test_a_conflicting_constraint_names_both_sides_and_the_sharding_to_write(cap
     assert "comes as P('tensor', None, 'fsdp') from the sharding declared for a" in cause["why"]
     assert cause["hint"].startswith(f"at public_issues.py:{_deciding_line('involuntary_full_remat')}: ask for P(")
     assert found["origins"].startswith("sharding origins: Shardy's record read; 2 collective(s)")
+    # and XLA's own account, from its stderr: the add's result replicated whole on the way between the two
+    (remat,) = found["rematerializations"]
+    assert remat["op"] == "jit(f)/add" and remat["line"] == f"{PROGRAMS}:{_deciding_line('involuntary_full_remat') - 1}"
+    assert (remat["from"], remat["to"]) == ("P('tensor', None, 'fsdp')", "P(None, ('fsdp', 'tensor'), None)")
 
 
 def test_a_collective_asked_for_in_shard_map_is_no_surprise(capsys, devices):

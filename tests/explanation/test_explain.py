@@ -208,7 +208,46 @@ def test_a_collective_larger_than_the_input_it_is_made_from_says_so(capsys, devi
     for gathered in (c for c in found["collectives"] if c["kind"] == "all-gather"):
         assert gathered["cause"]["op"] == "with_sharding_constraint"
         assert gathered["cause"]["line"] == f"{tmp_path / 'embed.py'}:{constraint}"
-        assert "asks for P(None, None)" in gathered["cause"]["why"] and "P('data', None)" in gathered["cause"]["why"]
+        assert "the layout P(None, None)" in gathered["cause"]["why"] and "P('data', None)" in gathered["cause"]["why"]
+
+
+PACKED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def step(mesh):
+    def pack(a, b):
+        both = jnp.concatenate([a, b], axis=1)
+        return jax.lax.with_sharding_constraint(both, NamedSharding(mesh, P("data", None)))
+
+    x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, P("data", "fsdp")))
+    return jax.jit(pack), (x, x)
+"""
+
+
+def test_a_concatenate_along_a_split_dimension_and_the_constraint_after_it_are_named_as_causes(
+    capsys, devices, tmp_path
+):
+    """The concatenate takes the constraint's layout, not its operands': the gather over fsdp is the constraint's,
+    at the constraint's line, and its hint is not to pin a layout there again."""
+    (tmp_path / "pack.py").write_text(PACKED)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'pack.py'}:step", "--mesh", "data=2,fsdp=4")
+    (gathered,) = [c for c in found["collectives"] if c["kind"] == "all-gather"]
+    assert gathered["source"] == f"{tmp_path / 'pack.py'}:8"  # the concatenate
+    assert gathered["cause"]["op"] == "with_sharding_constraint"
+    assert gathered["cause"]["line"] == f"{tmp_path / 'pack.py'}:9"
+    why = gathered["cause"]["why"]
+    assert "gives the concatenate at pack.py:8 the layout P('data', None)" in why
+    assert "operands (a, b) come as P('data', 'fsdp')" in why
+    # before it, each input moves its split off the joined dimension: XLA names those all-to-alls after the input,
+    # with no line of their own; the concatenate they feed is their line and their cause
+    moves = [c for c in found["collectives"] if c["kind"] == "all-to-all"]
+    assert sorted(c["origin"]["name"] for c in moves) == ["a", "b"]
+    for moved in moves:
+        assert moved["source"] == f"{tmp_path / 'pack.py'}:8"
+        assert moved["cause"]["op"] == "concatenate"
+        assert f"the all-to-all over fsdp reshards {moved['origin']['name']} before it" in moved["cause"]["why"]
 
 
 CAPACITY_MOE = """
@@ -348,6 +387,22 @@ def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
     assert all(c["axes"] is None and c["groups"] for c in raw["collectives"])
 
 
+SHARDED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def explicit(mesh):  # JAX's explicit sharding: reshard needs axes of type Explicit
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    return jax.jit(lambda x: jax.sharding.reshard(x * 2, P(None, "data"))), (x,)
+
+
+def auto(mesh):  # the partitioner's: a constraint that differs is an assertion on axes of type Explicit
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+    return jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, "data")))), (x,)
+"""
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
@@ -377,6 +432,8 @@ def test_a_dump_reads_back_to_the_same_collectives(capsys, tmp_path, target):
         (["--fn", "{tmp}/exits.py:step"], "importing"),
         (["--fn", "{tmp}/user.py:forever", "--timeout", "0.5"], "forever(mesh) did not finish within 0.5 s"),
         (["--fn", "{tmp}/user.py:fails", "--timeout", "-1"], "--timeout -1: must be at least 0"),
+        (["--fn", "{tmp}/sharded.py:explicit", "--mesh", "data=8"], "inspect it with --axis-types explicit"),
+        (["--fn", "{tmp}/sharded.py:auto", "--mesh", "data=8", "--axis-types", "explicit"], "--axis-types auto"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):
@@ -396,6 +453,7 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
         "class Stop(BaseException):\n    pass\n\n\ndef base_exception(mesh):\n    raise Stop\n\n\n"
         "def forever(mesh):\n    while True:\n        pass\n"
     )
+    (tmp_path / "sharded.py").write_text(SHARDED)
     (tmp_path / "broken.py").write_text("import no_such_module_anywhere\n")
     (tmp_path / "exits.py").write_text("import sys\n\nsys.exit(1)\n")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -425,3 +483,78 @@ def test_a_gpu_module_from_the_test_data_reads_with_its_async_pairs(capsys):
     # two of the four NCCL pairs are marked is_sync (run in place, nothing overlaps them), two are async
     assert [c["async"] for c in found["collectives"]].count(True) == 2
     assert {c["kind"] for c in found["collectives"]} == {"all-gather"}
+
+
+SLICED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def step(mesh):
+    def f(x, i):
+        shifted = jnp.pad(x, ((0, 0), (1, 0)))[:, :-1]
+        window = jax.lax.dynamic_slice_in_dim(x, i, 128, axis=1)
+        return shifted, window
+
+    x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, P("data", "fsdp")))
+    return jax.jit(f), (x, jax.ShapeDtypeStruct((), jnp.int32))
+"""
+
+
+def test_a_pad_and_a_dynamic_slice_along_a_split_dimension_are_named_at_their_lines(capsys, devices, tmp_path):
+    (tmp_path / "sliced.py").write_text(SLICED)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'sliced.py'}:step", "--mesh", "data=2,fsdp=4")
+    causes = {c["cause"]["op"]: c for c in found["collectives"] if c["cause"]}
+    assert causes["pad"]["kind"] == "collective-permute" and causes["pad"]["source"].endswith("sliced.py:8")
+    assert causes["pad"]["cause"]["why"].startswith("pad at sliced.py:8 pads a dimension that is split")
+    assert causes["dynamic_slice"]["kind"] == "all-gather" and causes["dynamic_slice"]["source"].endswith("sliced.py:9")
+
+
+OWN_MESH = """
+import jax, jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+
+def step(_):  # the script's own mesh and axis names, as an issue's reproducer has them
+    mesh = jax.make_mesh((2, 4), ("batch", "model"), axis_types=(AxisType.Auto,) * 2)
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("batch", "model")))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("model", None)))
+    return jax.jit(lambda x, w: jnp.tanh(x @ w)), (x, w)
+"""
+
+
+def test_a_program_on_a_mesh_of_its_own_is_told_in_its_own_axis_names(capsys, devices, tmp_path):
+    (tmp_path / "own.py").write_text(OWN_MESH)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'own.py'}:step", "--mesh", "data=2,tensor=4")
+    assert found["mesh"] == {"batch": 2, "model": 4}
+    assert [c["axes"] for c in found["collectives"]] == [["model"]]  # the contraction over model, summed
+
+
+REMATERIALIZED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def step(mesh):
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", "tensor")))
+    w = jax.ShapeDtypeStruct((256, 512), jnp.float32, sharding=NamedSharding(mesh, P("tensor", None)))
+
+    def f(x, w):
+        y = jnp.einsum("bd,df->bf", x, w, out_sharding=P("data", None))
+        return jax.sharding.reshard(y, P(None, "tensor"))
+
+    return jax.jit(f), (x, w)
+"""
+
+
+def test_the_partitioners_involuntary_rematerialization_is_told_at_its_line_in_partition_specs(capsys, tmp_path):
+    """XLA:CPU's partitioner writes it to stderr from C++ when it finds no efficient reshard between two layouts;
+    the report carries it, in the user's specs, and stderr does not."""
+    (tmp_path / "remat.py").write_text(REMATERIALIZED)
+    argv = ["--fn", f"{tmp_path / 'remat.py'}:step", "--mesh", "data=2,tensor=4", "--axis-types", "explicit"]
+    done = subprocess.run([sys.executable, "-m", "lab", "inspect", *argv, "--json"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (remat,) = json.loads(done.stdout)["rematerializations"]
+    assert remat["line"] == f"{tmp_path / 'remat.py'}:11" and remat["op"].endswith("bd,df->bf/dot_general")
+    assert (remat["from"], remat["to"]) == ("P('data', None)", "P(None, 'tensor')")
+    assert "Involuntary" not in done.stderr

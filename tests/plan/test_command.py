@@ -57,6 +57,18 @@ def test_a_model_nothing_fits_is_a_result_naming_the_least_memory_layout(capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] is False and out["candidates"] == []
     assert out["nothing_fits"].startswith("nothing fits: the least memory per chip") and "fsdp=4" in out["nothing_fits"]
+    # 126 layers' saved inputs of 8192 tokens x 16384 wide exceed a v5e's 16 GiB on their own: more chips cannot help
+    assert "its activations alone take" in out["nothing_fits"] and "give a shorter --seq" in out["nothing_fits"]
+
+
+def test_when_more_chips_would_fit_a_model_nothing_fits_says_about_how_many(capsys):
+    argv = ["plan", "--model", "llama3-405b", "--target", "gpu:h100:2x8", "--seq", "4096", "--compile-top", "0"]
+    assert main([*argv, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)["nothing_fits"]
+    # 405.9 B parameters x 16 bytes (fp32 weights and gradients, AdamW's two moments) spread over the chips
+    assert "optimizer state (5.91 TiB in all) fit spread over about" in said and "more --slices" in said
+    needed = int(said.split("over about ")[1].split()[0].replace(",", ""))
+    assert 5.91 * 2**40 / (74.5 * 2**30) < needed < 10_000  # more than the states alone fill, HBM-full
 
 
 def test_json_has_the_plan_keys_and_a_small_compiled_reranking(capsys, tmp_path):
