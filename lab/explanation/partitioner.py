@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lab.hlo.sources import Frame, StackFrames, source_of
+from lab.hlo.sources import StackFrames, source_of
 from lab.hlo.specs import partition_spec
 
 _REMAT = re.compile(
@@ -44,35 +44,18 @@ class Remat:
     source: str  # XLA's sharding text of the layout it had
     target: str  # and of the one it was wanted in
 
-    def layouts(self, mesh: dict[str, int] | None) -> tuple[str, str]:
-        """Both layouts as PartitionSpecs over `mesh` (XLA's text where they are not a tiling of its axes)."""
-        return tuple(partition_spec(s, mesh) or s if mesh else s for s in (self.source, self.target))
-
-    def line(self, frames: StackFrames) -> Frame | None:
-        return source_of({"stack_frame_id": self.frame_id}, frames) if self.frame_id is not None else None
-
-    def sentence(self, mesh: dict[str, int] | None, frames: StackFrames) -> str:
-        source, target = self.layouts(mesh)
-        line = self.line(frames)
-        at = f" at {line.file.rsplit('/', 1)[-1]}:{line.line}" if line else ""
-        op = self.op_name.rsplit("/", 1)[-1] or "a value"
-        return (
-            f"XLA's partitioner knows no efficient way to reshard the result of the {op}{at} from {source} to "
-            f"{target}: it "
-            "gathers the value whole on every device, then keeps each device's part (an involuntary full "
-            "rematerialization)"
-        )
-
     def to_json(self, mesh: dict[str, int] | None, frames: StackFrames) -> dict:
-        source, target = self.layouts(mesh)
-        line = self.line(frames)
-        return {
-            "op": self.op_name,
-            "line": f"{line.file}:{line.line}" if line else None,
-            "from": source,
-            "to": target,
-            "why": self.sentence(mesh, frames),
-        }
+        """Its op, line and layouts (PartitionSpecs over `mesh` where they are a tiling of its axes, else XLA's
+        text), and the sentence the report prints."""
+        source, target = ((partition_spec(s, mesh) if mesh else None) or s for s in (self.source, self.target))
+        line = source_of({"stack_frame_id": self.frame_id}, frames) if self.frame_id is not None else None
+        at = f" at {line.file.rsplit('/', 1)[-1]}:{line.line}" if line else ""
+        why = (
+            f"XLA's partitioner knows no efficient way to reshard the result of the "
+            f"{self.op_name.rsplit('/', 1)[-1] or 'an op'}{at} from {source} to {target}: it gathers the value whole "
+            "on every device, then keeps each device's part (an involuntary full rematerialization)"
+        )
+        return {"op": self.op_name, "line": str(line) if line else None, "from": source, "to": target, "why": why}
 
 
 def read(log: Iterable[str]) -> tuple[tuple[Remat, ...], list[str]]:
