@@ -121,7 +121,7 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     path = tuple((collective.op_name or "").split("/"))
     if not path[-1]:
         return None
-    where = _at(line) if line else "its line"
+    where = line.cited if line else "its line"
     said = _said(collective, path, line, where)
     if said is not None or propagation is None:
         return said
@@ -135,7 +135,7 @@ def cause_before(collective: Collective, moved: str, consumer: str, line: Frame)
     if op not in _BEFORE:
         return None
     does, change = _BEFORE[op]
-    where = _at(line)
+    where = line.cited
     why = f"{op} at {where} {does}: the {collective.kind} over {_axes(collective)} reshards {moved} before it"
     return Cause("op", op, line, why, f"at {where}: {change}, or declare the input split along another dimension")
 
@@ -238,14 +238,14 @@ def _conflict(
     if operand is None or not result.origins:
         return None
     op = _op(decision.op)
-    where = _at(line) if line else "its line"
+    where = line.cited if line else "its line"
     deciding = _annotation(result, propagation) or line
     why = (
         f"{op} at {where} takes the layout {result.sharding} from {_described(result, propagation)}, but its operand "
         f"{operand.name} comes as {operand.sharding} from {_described(operand, propagation)}: the {collective.kind} "
         f"over {axes} reshards between the two"
     )
-    at = _at(deciding) if deciding else where
+    at = deciding.cited if deciding else where
     hint = (
         f"at {at}: ask for {operand.sharding} (the layout {operand.name} has), or give {operand.name} "
         f"{result.sharding} where it is made or declared"
@@ -268,7 +268,7 @@ def _constrained(
     if not axes or not operands or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
         return None
     deciding = _constraint_frame(constraint, propagation) or line
-    at = _at(deciding) if deciding else where
+    at = deciding.cited if deciding else where
     layouts = " and ".join(dict.fromkeys(v.sharding for v in operands))
     names = ", ".join(dict.fromkeys(v.name for v in operands))
     why = (
@@ -309,11 +309,6 @@ def _op(name: str) -> str:
     return name.rsplit("/", 1)[-1]
 
 
-def _at(frame: Frame) -> str:
-    """``file.py:12``: a frame as the reports cite it."""
-    return f"{frame.file.rsplit('/', 1)[-1]}:{frame.line}"
-
-
 def _described(value: Value, propagation: Propagation) -> str:
     """Where each axis of a value's layout came from, in words."""
     return " and ".join(_origin_words(name, value, propagation) for name in dict.fromkeys(value.origins.values()))
@@ -328,5 +323,5 @@ def _origin_words(name: str, value: Value, propagation: Propagation) -> str:
         return f"the sharding declared for output {match[1]} (out_shardings)"
     if name.startswith("constraint_"):
         frame = _constraint_frame(name, propagation)
-        return f"with_sharding_constraint at {_at(frame)}" if frame else "a constraint"
+        return f"with_sharding_constraint at {frame.cited}" if frame else "a constraint"
     return f"Shardy's origin {name!r}"

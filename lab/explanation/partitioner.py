@@ -49,7 +49,7 @@ class Remat:
         text), and the sentence the report prints."""
         source, target = ((partition_spec(s, mesh) if mesh else None) or s for s in (self.source, self.target))
         line = source_of({"stack_frame_id": self.frame_id}, frames) if self.frame_id is not None else None
-        at = f" at {line.file.rsplit('/', 1)[-1]}:{line.line}" if line else ""
+        at = f" at {line.cited}" if line else ""
         why = (
             f"XLA's partitioner knows no efficient way to reshard the result of the "
             f"{self.op_name.rsplit('/', 1)[-1] or 'an op'}{at} from {source} to {target}: it gathers the value whole "

@@ -93,6 +93,11 @@ class Frame:
     def __str__(self) -> str:
         return f"{self.file}:{self.line}"
 
+    @property
+    def cited(self) -> str:
+        """``file.py:12``: the frame as a report's sentence cites it, without the folders."""
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
 
 @dataclass(frozen=True)
 class StackFrames:
@@ -209,7 +214,7 @@ def short_chain(stack: tuple[Frame, ...], op: str = "", shown: int = 3) -> str:
     """``model.py:263 einsum <- model.py:915 attention <- ...: dot_general``: a chain in one table cell."""
     if not stack:
         return op or "?"
-    calls = " <- ".join(f"{f.file.rsplit('/', 1)[-1]}:{f.line} {f.function}" for f in stack[:shown])
+    calls = " <- ".join(f"{f.cited} {f.function}" for f in stack[:shown])
     return f"{calls}{' <- ...' if len(stack) > shown else ''}: {op}" if op else calls
 
 
