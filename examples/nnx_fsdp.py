@@ -4,6 +4,10 @@ Inspect it without allocating a single weight:
 
     lab inspect --fn examples/nnx_fsdp.py:train_step --mesh data=2,fsdp=4
 
+and price its step on eight v5e chips, compile-only:
+
+    lab predict --fn examples/nnx_fsdp.py:train_step --target tpu:v5e:2x4 --mesh data=2,fsdp=4
+
 `train_step(mesh)` is the one thing the lab asks of a program: a function of
 the mesh that returns the step and its arguments. The arguments here are
 abstract (`jax.ShapeDtypeStruct` with a `NamedSharding`), made by

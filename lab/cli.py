@@ -50,6 +50,7 @@ from lab.hlo import dumps
 from lab.hlo import text as hlo_text
 from lab.mesh import MeshSpec, describe, slice_local_shape
 from lab.plan.command import Plan, plan
+from lab.predict import program as own_step
 from lab.predict.command import Predict, predict
 from lab.registry import experiments, get
 from lab.targets.devices import DEFAULT_TARGET, devices_for, parse_target
@@ -318,7 +319,7 @@ def _dispatch(command) -> int:
     if isinstance(command, Bench):
         return bench(command)
     if isinstance(command, Predict):
-        return predict(command)
+        return predict(command) if command.fn is None else own_step.predict(command)
     if isinstance(command, Plan):
         return plan(command)
     if isinstance(command, Doctor):
@@ -331,11 +332,11 @@ def _dispatch(command) -> int:
 def _compiled_program(command: Inspect, mesh, compile_only: bool):
     """(title, what its compile left (`lab.explanation.origins.Compiled`), compile seconds, mesh) of the program
     `command` names: the user's --fn, or one of lab.collectives; the mesh is the one its arguments are laid out on
-    (`_program_mesh`)."""
+    (`lab.explanation.program.own_mesh`)."""
     if command.fn is not None:
         builder = program.load(command.fn)
         fn, args = program.build(builder, mesh, command.fn, compile_only=compile_only)
-        mesh = _program_mesh(args, mesh)
+        mesh = program.own_mesh(args, mesh)
         title = command.fn
     else:
         element = inputs.dtype("--dtype", command.dtype)
@@ -347,16 +348,6 @@ def _compiled_program(command: Inspect, mesh, compile_only: bool):
     with program.blamed(title, "compiling it", compile_only, option), jax.set_mesh(mesh):  # as the user's script would
         compiled = compile_with_origins(fn, *args, mesh=mesh)
     return title, compiled, time.perf_counter() - started, mesh
-
-
-def _program_mesh(args, mesh):
-    """The mesh of the first argument laid out on a mesh of its own over the same devices (a builder that made one
-    with jax.make_mesh and its own axis names: the collectives are named by those), else the lab's `mesh`."""
-    for leaf in jax.tree.leaves(args):
-        own = getattr(getattr(leaf, "sharding", None), "mesh", None)
-        if isinstance(own, jax.sharding.Mesh) and own != mesh and set(own.devices.flat) == set(mesh.devices.flat):
-            return own
-    return mesh
 
 
 def inspect(command: Inspect) -> int:

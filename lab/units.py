@@ -46,3 +46,12 @@ def size_sweep(begin: str | int, end: str | int, factor: int = 2) -> list[int]:
 def format_bytes(n: float) -> str:
     """Binary units, the way nccl-tests and XLA print sizes: 1.5 MiB."""
     return humanize.naturalsize(n, binary=True, format="%.3g")
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration at the scale that keeps its digits: 6.729 s, 41.20 ms, 22.6 us (and 0)."""
+    if seconds == 0:
+        return "0"
+    if abs(seconds) >= 1:
+        return f"{seconds:.3f} s"
+    return f"{seconds * 1e3:.2f} ms" if abs(seconds) >= 1e-3 else f"{seconds * 1e6:.1f} us"

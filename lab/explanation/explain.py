@@ -28,7 +28,6 @@ the same rows (a surprise counted in one is flagged in the others).
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -53,7 +52,7 @@ from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
 from lab.targets.hardware import ChipProfile, profile_for_device_kind
 from lab.targets.topology import predict, program_placement
-from lab.units import format_bytes
+from lab.units import format_bytes, format_seconds
 
 _HINT = (
     "pin the layout you want at {where}: jax.lax.with_sharding_constraint on the value, or out_sharding= on the op "
@@ -536,12 +535,7 @@ def _axes_cell(collective: Collective, mesh: dict[str, int] | None) -> str:
 
 
 def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value == 0:
-        return "0"
-    exponent = math.floor(math.log10(abs(value)))
-    return f"{value * 1e6:.1f} us" if exponent < -3 else f"{value * 1e3:.2f} ms" if exponent < 0 else f"{value:.2f} s"
+    return "-" if value is None else format_seconds(value)
 
 
 class _Discard:

@@ -1,4 +1,5 @@
-"""The user's own program for ``lab inspect --fn``: load ``FILE.py:NAME`` or ``package.module:NAME`` and call it.
+"""The user's own program for ``lab inspect --fn`` and ``lab predict --fn``: load ``FILE.py:NAME`` or
+``package.module:NAME`` and call it.
 
 The one convention: ``NAME(mesh)`` returns ``(fn, args)``, a function and the
 arguments to call it with, where an argument may be abstract
@@ -76,6 +77,16 @@ def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> 
     return fn, tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
 
+def own_mesh(args, mesh):
+    """The mesh of the first argument laid out on a mesh of its own over the same devices (a builder that made one
+    with jax.make_mesh and its own axis names: the collectives are named by those), else the lab's `mesh`."""
+    for leaf in jax.tree.leaves(args):
+        own = getattr(getattr(leaf, "sharding", None), "mesh", None)
+        if isinstance(own, jax.sharding.Mesh) and own != mesh and set(own.devices.flat) == set(mesh.devices.flat):
+            return own
+    return mesh
+
+
 class OutOfTime(BaseException):
     """Raised in the main thread when the user's code runs past its bound (`bounded`)."""
 
@@ -134,9 +145,9 @@ def _hint(err: BaseException, compile_only: bool, option: str) -> str:
     if option != "--fn":
         return ""
     if "of type: AxisType.Auto" in str(err):  # out_sharding=, reshard: explicit sharding's annotations
-        return "; the program shards explicitly (out_sharding=, reshard): inspect it with --axis-types explicit"
+        return "; the program shards explicitly (out_sharding=, reshard): give --axis-types explicit"
     if "of type `Explicit`" in str(err):  # with_sharding_constraint is an assertion on explicit axes
-        return "; the program leaves layouts to the partitioner: inspect it with --axis-types auto (the default)"
+        return "; the program leaves layouts to the partitioner: give --axis-types auto (the default)"
     if compile_only:
         return (
             "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "

@@ -1,7 +1,7 @@
 """A layout compiled: `lab predict`'s step for the compile-only pod, priced op by op.
 
 The same machinery as ``lab predict``: the mesh across slices by
-`lab.predict.command.build_mesh` (one slice's sizes, the DCN axis multiplied
+`lab.predict.priced.build_mesh` (one slice's sizes, the DCN axis multiplied
 by the slices), the whole training step by `lab.predict.step.compile_step`
 (the lab's Trainer at full size, chunked loss, bf16 working weights with fp32
 master weights here, as the closed form assumes) and the scheduled program
@@ -25,8 +25,8 @@ from lab.errors import LabError
 from lab.mesh import AXES
 from lab.plan.rank import CompiledPrediction
 from lab.plan.space import Layout, Problem
-from lab.predict.command import _memory_bytes, build_mesh  # one reading of the compiler's peak, shared
 from lab.predict.ops import predict_step
+from lab.predict.priced import build_mesh, memory_bytes  # one reading of the compiler's peak, shared
 from lab.predict.step import compile_step
 from lab.targets import libtpu
 
@@ -71,7 +71,7 @@ def compile_layout(problem: Problem, layout: Layout) -> CompiledPrediction | str
         step_s=step.step_s,
         compute_s=step.compute_s,
         exposed_s=step.exposed_comm_s,
-        memory_bytes=_memory_bytes(compiled.memory),
+        memory_bytes=memory_bytes(compiled.memory),
         axes=dict(axes),
         compile_s=time.perf_counter() - started,
     )

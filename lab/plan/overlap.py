@@ -43,7 +43,7 @@ class Overlap:
 @functools.cache
 def overlaps(generation: str) -> Overlap:
     """What libtpu, with this process's flags, runs asynchronously of FSDP's collectives on `generation`."""
-    from lab.predict.command import build_mesh
+    from lab.predict.priced import build_mesh
     from lab.predict.step import compile_step
     from lab.targets.devices import topology_devices
 

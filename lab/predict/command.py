@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 from rich.console import Console
@@ -45,17 +45,24 @@ from lab.predict.display import show
 from lab.predict.options import (
     check_dropless,
     check_experts,
-    check_gpu_flags,
-    check_gpu_slices,
     check_pipelined_layers,
     check_precision,
-    check_tpu_flags,
+    check_program_options,
     compiled_layers_for,
     pipelined_layers,
     resolve_attention,
 )
+from lab.predict.priced import (
+    PricedStep,
+    Reading,
+    build_mesh,
+    checked_target,
+    memory_bytes,
+    more_chips,
+    price_step,
+    target_devices,
+)
 from lab.predict.spec import check_step_tokens, model_flops, parse_model
-from lab.targets.gpu import GPU_TARGET_FORM
 
 GiB = 2**30
 
@@ -114,83 +121,45 @@ class Predict:
     of an interleaved MoE's layers; a dense prefix compiled whole; with a stage axis of P, a multiple of P, K/P
     neither 1 nor P) (lab.predict.depth; barely faster than the whole: the layers are one scanned body, which is
     what the compile spends its time on)"""
+    fn: str | None = None
+    """your own step in place of the lab's model: FILE.py:NAME or package.module:NAME, where NAME(mesh) returns
+    (fn, args) as for lab inspect --fn (args abstract, so nothing is allocated); compiled as written over --mesh on
+    --target and priced op by op as the lab's model is (lab.predict.program)"""
+    model_flops: float = 0.0
+    """with --fn: the model FLOPs of one whole step as you count them (e.g. 6 x parameters x tokens), for the MFU;
+    0: the compiled matmuls' FLOPs and their utilisation only"""
+    axis_types: Literal["auto", "explicit"] = "auto"
+    """with --fn: the mesh's axis types (auto, as jax.sharding.Mesh makes by default; explicit for sharding in types)"""
+    timeout: float = 600.0
+    """with --fn: seconds your program may take to import, build and trace (one line past it; 0: no bound)"""
     json: bool = False
     """print one JSON object instead of tables"""
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """What `lab predict` reports (the --json object)."""
+@dataclass(frozen=True, kw_only=True)
+class Prediction(PricedStep):
+    """What `lab predict` reports of the lab's model (the --json object)."""
 
     model: str
     parameters: int
     layers: int
-    target: str
-    slices: int
-    chips: int
-    mesh: str
     sequence_parallel: bool
-    matmul_precision: str
     seq: int
     batch_per_device: int
     remat: str
     attention: str
-    step_s: float
-    compute_s: float
-    exposed_comm_s: float
-    comm_s: float
     tflops_per_chip: float
     mfu: float
     model_flops_per_step: float
-    hardware_flops_per_step: float
     flops_convention: str
-    memory_bytes: int
     layers_compiled: int  # the model's layers when compiled whole; else fewer, read as its depth
-    hbm_bytes: int
-    fits: bool
-    over_by_bytes: int
-    advice: str
-    exposed_by_link: dict[str, float]
-    top_ops: list[dict]
-    compile_s: float
-    predict_s: float
-    efficiency: dict[str, float]
-    calibrated: bool
-    calibrated_on: str  # the chip whose published run set the constants (another one's when not `calibrated`)
     attention_xla_s: float  # with --attention xla: the step's seconds in ops on an [.., S, S] array (else 0)
     attention_flash_s: float  # ... and a flash kernel's estimate for the same attention (`lab.predict.attention`)
-    xla_compute_s: float | None = None  # the compiler's own estimate of the same compute (`lab.predict.xla_estimate`)
-    xla_comm_s: float | None = None  # ... and of the same collectives, each whole
-    xla_base_s: float | None = None  # the lab's own compute over the ops the compiler priced (like for like)
-    xla_unpriced: int = 0  # the lab's ops the compiler gave no time
-    host_bytes: int = 0  # per chip, in host memory: what an offloading remat sends there (its transfers: hidden)
-    devices_per_chip: int = 1  # 2 on TPU7x: `chips` then counts devices, and every per-chip figure is per device
-    disabled_passes: tuple[str, ...] = ()  # compiler passes the step compiled without, after one crashed on it
-    synchronous_s: dict[str, float] = field(default_factory=dict)  # FSDP collectives of a kind never run async: exposed
 
     @property
     def step_with_flash_s(self) -> float:
         """The step with XLA's attention priced as a flash kernel instead (the same step when flash was compiled)."""
         return self.step_s - self.attention_xla_s + self.attention_flash_s
-
-
-@dataclass(frozen=True)
-class Reading:
-    """One compiled step read at the model's depth, not yet priced: what a prediction, or a calibration, starts from."""
-
-    command: Predict
-    model: object  # lab.model.ModelConfig at full size, with the command's sequence and attention
-    target: object  # lab.targets.devices.Target
-    mesh: object
-    chip: object  # lab.targets.hardware.ChipProfile
-    compiled: object  # lab.predict.step.Compiled
-    read: object  # lab.predict.ops.ReadSchedule, at the model's depth
-    memory: int  # bytes per chip, at the model's depth
-    read_s: float  # seconds reading the schedule took
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.target.platform == "gpu"
 
 
 def run_prediction(command: Predict, efficiency=None):
@@ -202,25 +171,11 @@ def read_step(command: Predict) -> Reading:
     """Check the command, compile its step (or fewer layers, see `Predict.layers_compiled`) and read it at depth."""
     # local: libtpu must see the flags before it starts, so nothing here imports JAX's TPU side at module level
     from lab.predict.step import DoesNotFit, layout_remat, offloads
-    from lab.targets import libtpu, xla_flags
-    from lab.targets.devices import check_slices, gpu_cluster_devices, one_slice, parse_target, topology_devices
 
-    target = parse_target(command.target)
+    check_program_options(command, Predict)
+    command, target = checked_target(command)
     on_gpu = target.platform == "gpu"
-    if not target.compile_only or target.platform not in ("tpu", "gpu"):
-        raise LabError(
-            f"--target {command.target!r}: lab predict compiles for tpu:<gen>:<topology> (e.g. tpu:v6e:16x16) "
-            f"or {GPU_TARGET_FORM}"
-        )
-    target, slices = one_slice(target, command.slices)  # "tpu:v5e:4x4 slices=2", as lab inspect takes it
-    command = replace(command, target=str(target), slices=slices)
-    check_slices("--slices", command.slices)
     attention = resolve_attention(command.attention, on_gpu)
-    if on_gpu:
-        check_gpu_slices(command.slices)
-        check_gpu_flags(command.libtpu_flags)
-    else:
-        check_tpu_flags(command.xla_flags)
     if command.seq < 1:
         raise LabError(f"--seq {command.seq}: use 1 or more")
     if attention == "flash":
@@ -232,12 +187,7 @@ def read_step(command: Predict) -> Reading:
     check_dropless(model, on_gpu)
     scan = model.scan_length  # what depth reading counts: the layers' scan, not a dense prefix before it
     compiled_layers = compiled_layers_for(command.layers_compiled, scan)
-    if on_gpu:
-        xla_flags.prepare(command.xla_flags)
-        devices = gpu_cluster_devices(target.topology)
-    else:
-        libtpu.prepare(command.libtpu_flags)
-        devices = topology_devices(target.topology, command.slices)
+    devices = target_devices(command, target)
     mesh = build_mesh(command.mesh, devices, command.slices, command.dcn_axis)
     check_experts(model, mesh.shape["expert"])
     chip = _chip(devices)
@@ -264,92 +214,35 @@ def read_step(command: Predict) -> Reading:
 def price(reading: Reading, efficiency=None) -> Prediction:
     """The step of `reading` priced op by op at `efficiency` (the chip's calibrated constants unless given)."""
     # local: see read_step
-    import time
-
-    from lab.predict import xla_estimate
     from lab.predict.attention import attention_terms
 
-    command, model, mesh, chip = reading.command, reading.model, reading.mesh, reading.chip
-    started = time.perf_counter()
+    command, model, chip = reading.command, reading.model, reading.chip
     efficiency = efficiency or calibration.efficiency(chip.name)
-    step = reading.read.predict(efficiency, command.matmul_precision)
+    step, priced = price_step(reading, efficiency, lambda over: _advice(over, command, reading.mesh))
     attention_s = attention_terms(reading.read, step, model, command.batch_per_device, command.remat, chip, efficiency)
-    xla = xla_estimate.estimate(reading.compiled.xla_times, step) if reading.compiled.xla_times else None
-    chips = mesh.devices.size
-    tokens = command.batch_per_device * chips * command.seq
+    tokens = command.batch_per_device * priced["chips"] * command.seq
     flops = model_flops(model, tokens)
-    per_chip = flops / chips / step.step_s
-    memory = reading.memory
-    over = max(0, memory - int(chip.hbm_bytes))
+    per_chip = flops / priced["chips"] / step.step_s
     return Prediction(
+        **priced,
         model=command.model,
         parameters=model.parameters,
         layers=model.layers,
-        target=str(reading.target),
-        slices=command.slices,
-        chips=chips,
-        mesh=_mesh_text(mesh),
         sequence_parallel=command.sequence_parallel,
-        matmul_precision=command.matmul_precision,
         seq=command.seq,
         batch_per_device=command.batch_per_device,
         remat=command.remat,
         attention=model.attention,
-        step_s=step.step_s,
-        compute_s=step.compute_s,
-        exposed_comm_s=step.exposed_comm_s,
-        comm_s=step.comm_s,
         tflops_per_chip=per_chip / 1e12,
         mfu=per_chip / chip.peak_bf16_flops,
         model_flops_per_step=flops,
-        hardware_flops_per_step=step.matmul_flops * chips,
         flops_convention=(
             "6*N'*tokens + 12*L*H*K*S*tokens (N': active, without input embedding; attention not causal-halved)"
         ),
-        memory_bytes=memory,
         layers_compiled=reading.compiled.layers,
-        hbm_bytes=int(chip.hbm_bytes),
-        fits=over == 0,
-        over_by_bytes=over,
-        advice=_advice(over, command, mesh),
-        exposed_by_link=step.exposed_by_link(),
-        top_ops=[
-            {
-                "name": o.name,
-                "op": o.op_name,
-                "runs": o.runs,
-                "seconds": o.seconds,
-                "bound": o.bound,
-                "flops": o.flops,
-                "bytes": o.bytes,
-                "xla_seconds": xla.ops.get(o.name) if xla else None,
-            }
-            for o in step.top_ops(10)
-        ],
-        compile_s=reading.compiled.compile_s,
-        predict_s=reading.read_s + time.perf_counter() - started,
-        efficiency=asdict(efficiency),
-        calibrated=calibration.calibrated(chip.name),
-        calibrated_on=calibration.source_chip(chip.name),
         attention_xla_s=attention_s[0],
         attention_flash_s=attention_s[1],
-        xla_compute_s=xla.compute_s if xla else None,
-        xla_comm_s=xla.comm_s if xla else None,
-        xla_base_s=xla.lab_compute_s if xla else None,
-        xla_unpriced=xla.unpriced if xla else 0,
-        host_bytes=int(reading.compiled.memory.get("host_temp_size", 0)),
-        devices_per_chip=chip.devices_per_chip,
-        disabled_passes=reading.compiled.disabled_passes,
-        synchronous_s=_synchronous(step.comms),
     )
-
-
-def _synchronous(comms) -> dict[str, float]:
-    """Exposed seconds of each kind of FSDP collective that the compiler ran synchronously every time (libtpu's
-    defaults on v4, v5p and v6e for the gathers; its ``%all-reduce-scatter`` fusions): none of it hides."""
-    fsdp = [c for c in comms if "fsdp" in c.axes and c.kind in ("all-gather", "reduce-scatter")]
-    kinds = {c.kind for c in fsdp} - {c.kind for c in fsdp if c.is_async}
-    return {kind: sum(c.exposed_s for c in fsdp if c.kind == kind) for kind in sorted(kinds)}
 
 
 def _chips(target, slices: int) -> int:
@@ -392,7 +285,7 @@ def _compile(model, scan: int, mesh, chip, command: Predict):
     )
     started = time.perf_counter()
     read = read_schedule(compiled.hlo, mesh, chip)
-    memory = _memory_bytes(compiled.memory)
+    memory = memory_bytes(compiled.memory)
     if scan < model.scan_length:
         depth = deeper(read.schedule, scan, model.scan_length)
         read, memory = read.read_as(depth.trips, depth.scale), depth.memory(memory)
@@ -417,29 +310,6 @@ def _saved_inputs_bytes(model, command: Predict) -> int:
     return model.layers * command.batch_per_device * command.seq * model.embed * itemsize
 
 
-def build_mesh(spec: str, devices, slices: int, dcn_axis: str):
-    """One slice's mesh spec, `dcn_axis` multiplied by the slices (TPU slices, or GPU nodes) and laid across them."""
-    # local: jax's mesh utilities start no backend but pull in JAX, which the CLI imports only when needed
-    import numpy as np
-    from jax.experimental import mesh_utils
-    from jax.sharding import AxisType, Mesh
-
-    from lab.mesh import AXES, MeshSpec
-
-    if dcn_axis not in AXES:
-        raise LabError(f"--dcn-axis {dcn_axis!r}: use one of {', '.join(AXES)}")
-    per_slice = len(devices) // slices
-    one = MeshSpec.parse(spec).resolve(per_slice)
-    if slices == 1:
-        return one.build(devices)
-    dcn = tuple(slices if a == dcn_axis else 1 for a in AXES)
-    nodes = devices[0].platform == "gpu"  # a GPU cluster's slices are its nodes, one process each
-    grid = mesh_utils.create_hybrid_device_mesh(
-        one.shape, dcn, list(devices), process_is_granule=nodes, allow_split_physical_axes=True
-    )
-    return Mesh(np.asarray(grid), AXES, axis_types=(AxisType.Explicit,) * len(AXES))
-
-
 def _chip(devices):
     # local: lab.targets.hardware is light, but keeps this module's import list to what the handler needs first
     from lab.targets.hardware import profile_for_device_kind
@@ -447,26 +317,7 @@ def _chip(devices):
     return profile_for_device_kind(devices[0].device_kind)
 
 
-def _memory_bytes(memory: dict[str, int]) -> int:
-    """HBM per chip: XLA's peak, or (with buffers in host memory, which that peak counts too) the device's buffers."""
-    if memory.get("peak_memory") and not memory.get("host_temp_size"):
-        return int(memory["peak_memory"])
-    return int(
-        memory.get("argument_size", 0)
-        + memory.get("output_size", 0)
-        + memory.get("temp_size", 0)
-        - memory.get("alias_size", 0)
-    )
-
-
-def _mesh_text(mesh) -> str:
-    used = [f"{a}={s}" for a, s in mesh.shape.items() if s > 1]
-    return ",".join(used) or "single device"
-
-
 def _advice(over: int, command: Predict, mesh) -> str:
-    if not over:
-        return ""
     ideas = []
     if command.remat != "full":
         ideas.append("--remat full")
@@ -474,21 +325,15 @@ def _advice(over: int, command: Predict, mesh) -> str:
         ideas.append(f"--batch-per-device {max(1, command.batch_per_device // 2)}")
     if mesh.shape["tensor"] == 1:
         ideas.append("a tensor axis (e.g. tensor=4) to split activations and weights")
-    more = (
-        "more nodes: gpu:<chip>:<nodes>x<gpus>"
-        if command.target.startswith("gpu")
-        else "a larger topology or more slices"
-    )
-    ideas.append(f"more chips on fsdp ({more})")
+    ideas.append(f"more chips on fsdp ({more_chips(command.target)})")
     return f"does not fit by {over / GiB:.2f} GiB per chip; try " + ", or ".join(ideas)
 
 
 def predict(command: Predict) -> int:
-    """The ``lab predict`` handler."""
+    """The ``lab predict`` handler for the lab's model (the user's own step, --fn: `lab.predict.program.predict`)."""
     result = run_prediction(command)
-    console = Console(width=160)
     if command.json:
         print(json.dumps(asdict(result)))
         return 0
-    show(result, console)
+    show(result, Console(width=160))
     return 0

@@ -1,5 +1,6 @@
 """``lab predict``'s terminal view: the prediction as a few lines, the exposed communication per link and the ten
-most expensive ops (``--json`` prints the same `lab.predict.command.Prediction` whole)."""
+most expensive ops (``--json`` prints the same `lab.predict.command.Prediction`, or with --fn
+`lab.predict.program.ProgramPrediction`, whole)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,36 @@ from rich.console import Console
 from rich.table import Table
 
 from lab.predict.calibration import CF_FOR_ALL_GATHER
-from lab.units import format_bytes
+from lab.units import format_bytes, format_seconds
 
 
 def show(p, console: Console) -> None:
     """`p` (a `lab.predict.command.Prediction`) as a few lines and two tables."""
+    header = [
+        f"{p.model} ({p.parameters / 1e9:.2f} B params), seq {p.seq}, batch {p.batch_per_device}/chip, "
+        f"remat {p.remat}, attention {p.attention}" + (", sequence parallel" if p.sequence_parallel else "")
+    ]
+    utilisation = [
+        f"model TFLOP/s   {p.tflops_per_chip:.1f} per chip, MFU {p.mfu:.1%}  [{p.flops_convention}]",
+        f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
+        f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
+    ]
+    if p.layers_compiled < p.layers:
+        header.append(f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)")
+    attention = [
+        f"attention       XLA's scores in HBM {format_seconds(p.attention_xla_s)}; a flash kernel's estimate "
+        f"{format_seconds(p.attention_flash_s)}: step with flash {format_seconds(p.step_with_flash_s)}"
+    ]
+    show_priced(p, header[:1], header[1:], utilisation + (attention if p.attention == "xla" else []), console)
+
+
+def show_priced(p, about: list[str], compiled: list[str], own: list[str], console: Console) -> None:
+    """A priced step (`lab.predict.command.PricedStep`): the lines `about` the program, where it runs, how it was
+    `compiled`, its step, its `own` lines (what its FLOPs mean), its memory, the compiler's own view, then the
+    links and the ten dearest ops."""
     fit = "fits" if p.fits else f"DOES NOT FIT ({p.advice})"
     lines = [
-        f"{p.model} ({p.parameters / 1e9:.2f} B params), seq {p.seq}, batch {p.batch_per_device}/chip, "
-        f"remat {p.remat}, attention {p.attention}",
+        *about,
         (
             f"{p.target} = {p.chips} GPUs, mesh {p.mesh}"
             if p.target.startswith("gpu:")
@@ -23,8 +45,7 @@ def show(p, console: Console) -> None:
             if p.devices_per_chip == 1
             else f"{p.target} x {p.slices} slice(s) = {p.chips} devices ({p.devices_per_chip} per chip: every 'per "
             f"chip' below is per device), mesh {p.mesh}"
-        )
-        + (", sequence parallel" if p.sequence_parallel else ""),
+        ),
         *(
             [
                 f"matmuls         priced at the chip's {p.matmul_precision} peak (compiled bf16: no quantize or "
@@ -33,26 +54,12 @@ def show(p, console: Console) -> None:
             if p.matmul_precision != "bf16"
             else []
         ),
-        *(
-            [f"compiled        {p.layers_compiled} layers, read as {p.layers} (lab.predict.depth)"]
-            if p.layers_compiled < p.layers
-            else []
-        ),
-        f"step            {p.step_s:.3f} s  (compute {p.compute_s:.3f} s + exposed communication "
-        f"{p.exposed_comm_s:.3f} s of {p.comm_s:.3f} s)",
-        f"model TFLOP/s   {p.tflops_per_chip:.1f} per chip, MFU {p.mfu:.1%}  [{p.flops_convention}]",
-        f"FLOPs per step  model {p.model_flops_per_step:.3e}, hardware {p.hardware_flops_per_step:.3e} "
-        f"({p.hardware_flops_per_step / p.model_flops_per_step:.2f}x: remat, one-hot embedding, chunked loss)",
+        *compiled,
+        f"step            {format_seconds(p.step_s)}  (compute {format_seconds(p.compute_s)} + exposed "
+        f"communication {format_seconds(p.exposed_comm_s)} of {format_seconds(p.comm_s)})",
+        *own,
         f"memory per chip {format_bytes(p.memory_bytes)} of {format_bytes(p.hbm_bytes)} HBM: {fit}"
         + (f"; {format_bytes(p.host_bytes)} offloaded to host memory" if p.host_bytes else ""),
-        *(
-            [
-                f"attention       XLA's scores in HBM {p.attention_xla_s:.3f} s; a flash kernel's estimate "
-                f"{p.attention_flash_s:.3f} s: step with flash {p.step_with_flash_s:.3f} s"
-            ]
-            if p.attention == "xla"
-            else []
-        ),
         *([_compilers_own(p)] if p.xla_compute_s is not None else []),
         *([_synchronous(p.synchronous_s)] if p.synchronous_s and not p.target.startswith("gpu:") else []),
         *(
@@ -70,21 +77,21 @@ def show(p, console: Console) -> None:
     for line in lines:
         console.print(line, highlight=False)
     links = Table(title="exposed communication per axis and link")
-    for column in ("axes on link", "exposed s"):
+    for column in ("axes on link", "exposed"):
         links.add_column(column)
     for name, seconds in sorted(p.exposed_by_link.items(), key=lambda kv: -kv[1]):
-        links.add_row(name, f"{seconds:.4f}")
+        links.add_row(name, format_seconds(seconds))
     console.print(links)
     ops = Table(title="ten most expensive ops")
     xla = p.xla_compute_s is not None
-    for column in ("op", "runs", "seconds", *(["compiler's s"] if xla else []), "bound", "TFLOP/run", "GB/run"):
+    for column in ("op", "runs", "time", *(["compiler's"] if xla else []), "bound", "TFLOP/run", "GB/run"):
         ops.add_column(column)
     for o in p.top_ops:
-        theirs = [f"{o['xla_seconds']:.4f}" if o["xla_seconds"] is not None else "-"] if xla else []
+        theirs = [format_seconds(o["xla_seconds"]) if o["xla_seconds"] is not None else "-"] if xla else []
         ops.add_row(
             o["op"][-70:],
             str(o["runs"]),
-            f"{o['seconds']:.4f}",
+            format_seconds(o["seconds"]),
             *theirs,
             o["bound"],
             f"{o['flops'] / 1e12:.2f}",
@@ -97,22 +104,23 @@ def _compilers_own(p) -> str:
     """The compiler's own estimate of the same ops (`lab.predict.xla_estimate`), beside the lab's."""
     if p.target.startswith("gpu:"):
         return (
-            f"XLA's own       compute {p.xla_compute_s:.3f} s, collectives {p.xla_comm_s:.3f} s (its GPU cost "
-            f"model per fusion, speed of light per collective, each whole), beside the lab's {p.compute_s:.3f} s "
-            f"and {p.comm_s:.3f} s"
+            f"XLA's own       compute {format_seconds(p.xla_compute_s)}, collectives {format_seconds(p.xla_comm_s)} "
+            "(its GPU cost model per fusion, speed of light per collective, each whole), beside the lab's "
+            f"{format_seconds(p.compute_s)} and {format_seconds(p.comm_s)}"
         )
     if not p.xla_base_s:
         return "libtpu's own    its schedule names none of the ops the lab priced"
     return (
-        f"libtpu's own    {p.xla_compute_s:.3f} s for the ops the lab prices at {p.xla_base_s:.3f} s "
-        f"({p.xla_compute_s / p.xla_base_s:.2f}x; {p.xla_unpriced} ops it formed after scheduling unnamed), "
-        f"synchronous collectives {p.xla_comm_s:.3f} s: its latency-hiding scheduler's cost model, op by op"
+        f"libtpu's own    {format_seconds(p.xla_compute_s)} for the ops the lab prices at "
+        f"{format_seconds(p.xla_base_s)} ({p.xla_compute_s / p.xla_base_s:.2f}x; {p.xla_unpriced} ops it formed "
+        "after scheduling unnamed), "
+        f"synchronous collectives {format_seconds(p.xla_comm_s)}: its latency-hiding scheduler's cost model, op by op"
     )
 
 
 def _synchronous(exposed: dict[str, float]) -> str:
     """The FSDP collectives libtpu ran synchronously every time; the flags MaxText's recipes overlap gathers with."""
-    kinds = " and ".join(f"{kind} ({seconds:.3f} s exposed)" for kind, seconds in exposed.items())
+    kinds = " and ".join(f"{kind} ({format_seconds(seconds)} exposed)" for kind, seconds in exposed.items())
     line = f"synchronous     every FSDP {kinds}: libtpu's schedule, with these flags, hides none of it"
     if "all-gather" in exposed:
         line += f'; MaxText\'s recipes overlap the gathers with --libtpu-flags "{CF_FOR_ALL_GATHER}"'

@@ -108,3 +108,34 @@ def check_pipelined_layers(compiled: int, stages: int) -> None:
             f"not {stages} (the pipeline's ticks, whose buffers would read as the layers'); give "
             f"{pipelined_layers(stages)}"
         )
+
+
+# the options that describe the lab's model, and those that describe the user's program (--fn)
+_MODEL_OPTIONS = (
+    "model",
+    "seq",
+    "batch_per_device",
+    "remat",
+    "attention",
+    "param_dtype",
+    "compute_dtype",
+    "sequence_parallel",
+    "layers_compiled",
+)
+_PROGRAM_OPTIONS = ("model_flops", "axis_types", "timeout")
+
+
+def check_program_options(command, defaults) -> None:
+    """--fn prices the user's step as written: the lab's model options cannot change it, and --fn's own options
+    mean nothing without it (`defaults`: the options class, whose attributes are the defaults)."""
+    options = _MODEL_OPTIONS if command.fn is not None else _PROGRAM_OPTIONS
+    given = [name for name in options if getattr(command, name) != getattr(defaults, name)]
+    if not given:
+        return
+    flags = ", ".join("--" + name.replace("_", "-") for name in given)
+    verb = "goes" if len(given) == 1 else "go"
+    if command.fn is not None:
+        raise LabError(
+            f"{flags} {verb} with the lab's model, not with --fn: your step is compiled as it is written; drop it"
+        )
+    raise LabError(f"{flags} {verb} with --fn (your own step): the lab's model counts its own; drop it")

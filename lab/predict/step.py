@@ -104,7 +104,7 @@ class Compiled:
     memory: dict[str, int]
     cost: dict[str, float]
     compile_s: float
-    layers: int
+    layers: int  # the model's layers compiled (0: a program of the user's, `lab.predict.program`)
     disabled_passes: tuple[str, ...] = ()  # compiler passes this step compiled without (see `_compile`)
     xla_times: dict[str, float] = field(default_factory=dict)  # the compiler's own seconds per run (`xla_estimate`)
 
@@ -144,6 +144,35 @@ def compile_step(
     sequence_parallel: bool = False,
 ) -> Compiled:
     """Lower and compile one training step of `model` over `mesh`, `batch_per_device` sequences per chip."""
+    started = time.perf_counter()
+    with jax.set_mesh(mesh):
+        step, args = step_program(
+            model,
+            mesh,
+            batch_per_device,
+            remat=remat,
+            param_dtype=param_dtype,
+            compute_dtype=compute_dtype,
+            strategy=strategy,
+            sequence_parallel=sequence_parallel,
+        )
+        lowered = step.lower(*args)
+        return compile_lowered(lowered, mesh, started, model.layers)
+
+
+def step_program(
+    model: ModelConfig,
+    mesh,
+    batch_per_device: int,
+    *,
+    remat: str = "full",
+    param_dtype: str = "float32",
+    compute_dtype: str = "bfloat16",
+    strategy: str = "zero3",
+    sequence_parallel: bool = False,
+) -> tuple:
+    """(the jitted step, its abstract arguments): the program `compile_step` compiles, in the form
+    ``lab predict --fn`` and ``lab inspect --fn`` take a user's (`lab.explanation.program`)."""
     policy = layout_remat(remat)
     if batch_per_device < 1:
         raise LabError(f"--batch-per-device {batch_per_device}: use 1 or more")
@@ -155,28 +184,31 @@ def compile_step(
         sequence_parallel=sequence_parallel,
     )
     trainer = _ChunkedLossTrainer(model, config, mesh)
-    global_batch = batch_per_device * mesh.devices.size
-    started = time.perf_counter()
-    with jax.set_mesh(mesh):
-        lowered = trainer.step.lower(trainer.abstract_state(), trainer.abstract_batch(global_batch))
-        try:
-            # the compiler's C++ log (libtpu's rematerialization warnings on a step over HBM) is not the user's:
-            # the prediction says what does not fit, and by how much
-            with quiet_native_stderr(), tempfile.TemporaryDirectory(prefix="lab-schedule-") as dumped:
-                platform = mesh.devices.flat[0].platform
-                compiled, disabled = _compile(lowered, _estimate_options(platform, dumped))
-                elapsed = time.perf_counter() - started
-                hlo = compiled.as_text()
-                times = _estimate_times(platform, hlo, dumped)
-        except jax.errors.JaxRuntimeError as err:
-            if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
-                raise
-            raise DoesNotFit(str(err).splitlines()[0][:200]) from None
+    return trainer.step, (trainer.abstract_state(), trainer.abstract_batch(batch_per_device * mesh.devices.size))
+
+
+def compile_lowered(lowered, mesh, started: float, layers: int = 0) -> Compiled:
+    """Compile a lowered step for `mesh`'s devices and read back what a prediction prices (any program: the lab's
+    step, or the user's, `lab.predict.program`); `started` is when its lowering began, which the compile time
+    counts from."""
+    try:
+        # the compiler's C++ log (libtpu's rematerialization warnings on a step over HBM) is not the user's:
+        # the prediction says what does not fit, and by how much
+        with quiet_native_stderr(), tempfile.TemporaryDirectory(prefix="lab-schedule-") as dumped:
+            platform = mesh.devices.flat[0].platform
+            compiled, disabled = _compile(lowered, _estimate_options(platform, dumped))
+            elapsed = time.perf_counter() - started
+            hlo = compiled.as_text()
+            times = _estimate_times(platform, hlo, dumped)
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err) and "Invalid TPU program" not in str(err):
+            raise
+        raise DoesNotFit(str(err).splitlines()[0][:200]) from None
     stats = compiled.memory_analysis()
     memory = {name[: -len("_in_bytes")]: int(getattr(stats, name)) for name in dir(stats) if name.endswith("_in_bytes")}
     cost = compiled.cost_analysis()
     cost = {k: float(v) for k, v in (cost or {}).items() if "{" not in k}
-    return Compiled(hlo, memory, cost, elapsed, model.layers, disabled, times)
+    return Compiled(hlo, memory, cost, elapsed, layers, disabled, times)
 
 
 # libtpu 0.0.42's pass that hoists a loop's all-reduces out of it fails a RET_CHECK on some steps whose weights are

@@ -432,7 +432,7 @@ def auto(mesh):  # the partitioner's: a constraint that differs is an assertion 
         (["--fn", "{tmp}/exits.py:step"], "importing"),
         (["--fn", "{tmp}/user.py:forever", "--timeout", "0.5"], "forever(mesh) did not finish within 0.5 s"),
         (["--fn", "{tmp}/user.py:fails", "--timeout", "-1"], "--timeout -1: must be at least 0"),
-        (["--fn", "{tmp}/sharded.py:explicit", "--mesh", "data=8"], "inspect it with --axis-types explicit"),
+        (["--fn", "{tmp}/sharded.py:explicit", "--mesh", "data=8"], "give --axis-types explicit"),
         (["--fn", "{tmp}/sharded.py:auto", "--mesh", "data=8", "--axis-types", "explicit"], "--axis-types auto"),
     ],
 )

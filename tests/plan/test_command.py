@@ -191,7 +191,7 @@ def test_the_closed_form_prices_a_collective_across_nodes_or_slices_as_the_compi
     from lab.plan.closed_form import _links, _seconds
     from lab.plan.command import Plan, problem_of
     from lab.plan.space import Layout
-    from lab.predict.command import build_mesh
+    from lab.predict.priced import build_mesh
     from lab.targets.devices import pod_devices
     from lab.targets.topology import placement, predict
 

@@ -42,7 +42,7 @@ def test_slices_are_joined_by_dcn():
 
 
 def test_an_axis_over_slices_and_chips_runs_in_two_tiers():
-    from lab.predict.command import build_mesh
+    from lab.predict.priced import build_mesh
 
     chip = profile("v5e")
     mesh = build_mesh("data=2,tensor=2", topology_devices("v5e:2x2", 2), 2, "data")  # data: 2 chips x 2 slices
@@ -61,7 +61,7 @@ def test_an_axis_over_slices_and_chips_runs_in_two_tiers():
 
 def test_an_axis_over_slices_and_one_chips_two_devices_pays_dcn_alone():
     """TPU7x: an axis over the two chiplets of one chip in each of 2 slices meets die to die, then on DCN (S / 2)."""
-    from lab.predict.command import build_mesh
+    from lab.predict.priced import build_mesh
 
     chip = profile("tpu7x")
     mesh = build_mesh("fsdp=4,tensor=2", topology_devices("tpu7x:2x2x1", 2), 2, "tensor")  # 2 devices x 2 slices
@@ -136,7 +136,7 @@ def test_sibling_groups_on_one_chip_share_its_links():
     each at half the chip's bandwidth; fsdp over both chiplets of every chip has the ports to itself."""
     from dataclasses import replace
 
-    from lab.predict.command import build_mesh
+    from lab.predict.priced import build_mesh
 
     chip = profile("tpu7x")
     devices = topology_devices("tpu7x:2x2x2")

@@ -1,0 +1,69 @@
+"""``lab predict --fn``: a user's own step compiled as written and priced as the lab's model is, and its bad inputs."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lab.cli import main
+from lab.targets.hardware import profile
+from tests.data.programs import priced
+
+pytestmark = pytest.mark.long  # libtpu compiles: scheduled first, with the other predict tests
+
+PROGRAMS = Path(priced.__file__)
+ON_V5E = ("--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--json")
+
+
+def _predict(capsys, *argv: str) -> dict:
+    assert main(["predict", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_labs_own_step_handed_over_as_a_program_is_priced_as_the_model_is(capsys):
+    model = _predict(
+        capsys, "--model", priced.SMALL, "--seq", str(priced.SEQ), "--batch-per-device", str(priced.BATCH_PER_DEVICE),
+        *ON_V5E,
+    )  # fmt: skip
+    program = _predict(capsys, "--fn", f"{PROGRAMS}:lab_model", "--axis-types", "explicit", *ON_V5E)
+    for key in ("step_s", "compute_s", "exposed_comm_s", "hardware_flops_per_step", "memory_bytes", "exposed_by_link"):
+        assert program[key] == model[key], key
+    assert program["program"].endswith("priced.py:lab_model") and program["mfu"] is None
+
+
+def test_a_matmuls_flops_are_counted_as_by_hand_and_the_model_flops_give_the_mfu(capsys):
+    flops = 2 * (2 * priced.ROWS * priced.WIDTH * priced.WIDTH)  # x @ w forward, x^T @ g for the gradient
+    out = _predict(capsys, "--fn", f"{PROGRAMS}:matmul_gradient", "--model-flops", str(flops / 2), *ON_V5E)
+    assert out["hardware_flops_per_step"] == flops
+    peak = profile("v5e").peak_bf16_flops
+    assert out["hfu"] == pytest.approx(flops / 4 / out["step_s"] / peak)
+    assert out["mfu"] == pytest.approx(out["hfu"] / 2)
+    assert out["step_s"] >= out["compute_s"] > 0 and out["fits"]
+    assert any("fsdp" in link for link in out["exposed_by_link"])  # w's columns gathered over fsdp
+
+
+def test_a_program_over_hbm_says_by_how_much(capsys):
+    out = _predict(capsys, "--fn", f"{PROGRAMS}:too_big", *ON_V5E)
+    assert not out["fits"] and out["over_by_bytes"] == out["memory_bytes"] - 16 * 2**30 > 0
+    assert "jax.checkpoint" in out["advice"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--fn", "{p}:matmul_gradient", "--remat", "minimal"], "--remat goes with the lab's model, not with --fn"),
+        (["--fn", "{p}:matmul_gradient", "--seq", "512", "--model", "llama3-70b"], "--model, --seq go with"),
+        (["--model-flops", "1e12"], "--model-flops goes with --fn"),
+        (["--fn", "{p}:matmul_gradient", "--model-flops", "-1"], "--model-flops"),
+        (["--fn", "{p}:no_such_step"], "has no 'no_such_step'"),
+        (["--fn", "{p}:matmul_gradient", "--target", "cpu:8"], "lab predict compiles for tpu:"),
+        (["--fn", "{p}:matmul_gradient", "--mesh", "fsdp=3"], "mesh fsdp=3 uses 3 devices"),
+        (["--fn", "{p}:too_big", "--mesh", "data=2,fsdp=2", "--timeout", "-1"], "--timeout"),
+    ],
+)
+def test_bad_inputs_are_one_line_and_exit_2(args, words, capsys):
+    argv = [a.format(p=PROGRAMS) for a in args]
+    target = [] if "--target" in argv else ["--target", "tpu:v5e:2x2"]
+    assert main(["predict", *argv, *target]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1 and "Traceback" not in err
