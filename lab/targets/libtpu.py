@@ -58,7 +58,7 @@ def prepare(flags: str = "") -> None:
     missing = [flag for flag in wanted if flag not in current]
     if not missing:
         return
-    if _started():
+    if _started:
         if missing == [NO_CRASH_ON_OOM]:
             return  # a step that does not fit then fails to compile, and `compile_step` says so
         raise LabError(
@@ -69,8 +69,14 @@ def prepare(flags: str = "") -> None:
 
 
 def check_environment() -> None:
-    """The flags of ``LIBTPU_INIT_ARGS`` as libtpu is about to read them, those not yet passed checked (`check`)."""
+    """The flags of ``LIBTPU_INIT_ARGS`` as libtpu is about to read them, those not yet passed checked (`check`);
+    from here on this process's libtpu has its flags (`prepare` can add none)."""
+    global _started
     check(tuple(os.environ.get("LIBTPU_INIT_ARGS", "").split()), "LIBTPU_INIT_ARGS")
+    _started = True
+
+
+_started = False  # whether libtpu has read its flags in this process: set by `check_environment`, just before
 
 
 _PASSED = {NO_CRASH_ON_OOM}  # the flags libtpu took in this process's checks
@@ -101,10 +107,3 @@ def check(flags: tuple[str, ...], source: str = "--libtpu-flags") -> None:
     last = (done.stderr.strip().splitlines() or ["no message"])[-1]
     detail = "; ".join(dict.fromkeys(errors)) if errors else last
     raise LabError(f"libtpu rejects {source} {' '.join(flags)!r}: {detail[:300]}")
-
-
-def _started() -> bool:
-    # local: the topology cache is the only record of whether libtpu has been loaded in this process
-    from lab.targets.devices import topology_devices
-
-    return topology_devices.cache_info().currsize > 0

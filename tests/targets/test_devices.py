@@ -100,3 +100,23 @@ def test_a_target_written_with_its_slices_is_one_slice_and_the_count_for_predict
     assert one_slice(one, 3) == (one, 3)
     with pytest.raises(LabError, match="give two slice counts"):
         one_slice(parse_target("tpu:v5e:4x4 slices=2"), 3)
+
+
+def test_flags_given_after_libtpu_started_are_refused_in_one_line():
+    done = run_python(
+        """
+        from lab.errors import LabError
+        from lab.targets import libtpu
+        from lab.targets.devices import topology_devices
+        libtpu.prepare("")
+        libtpu.prepare("")  # before libtpu starts, flags may be added as often as asked
+        topology_devices("v5e:2x2")
+        libtpu.prepare("")  # the same flags again: nothing to add
+        try:
+            libtpu.prepare("--xla_tpu_enable_async_collective_fusion=true")
+        except LabError as err:
+            print(err)
+        """
+    )
+    assert done.returncode == 0, done.stderr
+    assert "libtpu already started in this process without --xla_tpu_enable_async_collective_fusion" in done.stdout
