@@ -8,7 +8,10 @@ scheduled program (`lab.predict.ops`); nothing runs and nothing is allocated.
 It prints the step time, the model TFLOP/s per chip and MFU, the hardware
 FLOPs (remat included), memory per chip against HBM, the exposed communication
 per mesh axis and link, the ten most expensive ops and the compile time;
-``--json`` prints the same as one object.
+``--json`` prints the same as one object. What any prediction shares (the
+target, the mesh, the pricing of a compiled step) is `lab.predict.priced`;
+``--fn``, the user's own step in place of the lab's model, is
+`lab.predict.program`.
 
 On GPU the lab's attention is XLA's dot product (the flash kernel it compiles
 is Pallas's TPU kernel), where published GPU runs use cuDNN's flash attention.

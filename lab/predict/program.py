@@ -18,6 +18,9 @@ the compiled matmuls run (remat recompute included) and their utilisation of
 the chip's peak. Nothing is read at depth (`lab.predict.depth` needs the lab's
 layer scope): a step whose layers run under ``scan`` compiles as one body
 anyway.
+
+The compile and the reading are imported inside the function that needs them,
+as in `lab.predict.command`: libtpu must read the user's flags before it starts.
 """
 
 from __future__ import annotations
@@ -85,11 +88,10 @@ def predict_program(command: Predict) -> ProgramPrediction:
 
 def read_program(command: Predict) -> Reading:
     """The user's step compiled for the command's target and read, not yet priced."""
-    # local: the compile and the reading import JAX's TPU side, which must start after the flags are set
-    from lab.hlo.inspection import lower  # (`target_devices`), as in lab.predict.command
-    from lab.predict.ops import read_schedule  # (likewise)
-    from lab.predict.step import DoesNotFit, compile_lowered  # (likewise)
-    from lab.targets.hardware import profile_for_device_kind  # (likewise)
+    from lab.hlo.inspection import lower
+    from lab.predict.ops import read_schedule
+    from lab.predict.step import DoesNotFit, compile_lowered
+    from lab.targets.hardware import profile_for_device_kind
 
     command, target = checked_target(command)
     spec = command.fn
