@@ -31,12 +31,16 @@ def test_the_labs_own_step_handed_over_as_a_program_is_priced_as_the_model_is(ca
     assert program["program"].endswith("priced.py:lab_model") and program["mfu"] is None
 
 
-def test_a_matmuls_flops_are_counted_as_by_hand_and_the_model_flops_give_the_mfu(capsys):
+@pytest.mark.parametrize(
+    ("target", "mesh", "chip"), [("tpu:v5e:2x2", "fsdp=4", "v5e"), ("gpu:h100:1x8", "fsdp=8", "h100")]
+)
+def test_a_matmuls_flops_are_counted_as_by_hand_and_the_model_flops_give_the_mfu(target, mesh, chip, capsys):
     flops = 2 * (2 * priced.ROWS * priced.WIDTH * priced.WIDTH)  # x @ w forward, x^T @ g for the gradient
-    out = _predict(capsys, "--fn", f"{PROGRAMS}:matmul_gradient", "--model-flops", str(flops / 2), *ON_V5E)
+    where = ("--target", target, "--mesh", mesh, "--json")
+    out = _predict(capsys, "--fn", f"{PROGRAMS}:matmul_gradient", "--model-flops", str(flops / 2), *where)
     assert out["hardware_flops_per_step"] == flops
-    peak = profile("v5e").peak_bf16_flops
-    assert out["hfu"] == pytest.approx(flops / 4 / out["step_s"] / peak)
+    peak = profile(chip).peak_bf16_flops
+    assert out["hfu"] == pytest.approx(flops / out["chips"] / out["step_s"] / peak)
     assert out["mfu"] == pytest.approx(out["hfu"] / 2)
     assert out["step_s"] >= out["compute_s"] > 0 and out["fits"]
     assert any("fsdp" in link for link in out["exposed_by_link"])  # w's columns gathered over fsdp
