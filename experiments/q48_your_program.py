@@ -19,6 +19,11 @@ over ``fsdp``.
 #49 is in the same table: "ZeRO-3 / FSDP all-gather each weight before its
 matmul". With the shardings on the arguments only, the partitioner is free to
 move activations instead, and the page counts which it chose.
+
+On the TPU topology the same step is then priced as `lab predict --fn` prices
+it (`lab.predict.program`): step, exposed communication per link, memory per
+chip; the FLOPs its compiled matmuls run are checked against the example's
+own sizes, 6 x tokens x (2 x d_model x d_ff + d_model x vocab).
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from lab.explanation import program
 from lab.explanation.explain import Explanation, explain_inspection
 from lab.explanation.origins import compile_with_origins
 from lab.mesh import MeshSpec
+from lab.predict.command import Predict
+from lab.predict.program import predict_program
 from lab.provenance import Setup
 from lab.report import Result, Table
 from lab.targets.devices import DEFAULT_TARGET, devices_for
-from lab.units import format_bytes
+from lab.units import format_bytes, format_seconds
 from lab.verdict import Check, Claim, check
 
 QUESTION = "#48"
@@ -95,13 +102,29 @@ class Compiled:
 
 
 @dataclass(frozen=True)
+class Priced:
+    """The example's step priced compile-only, as `lab predict --fn` prices it."""
+
+    target: str
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    exposed_by_link: dict[str, float]
+    hardware_flops_per_step: float  # what the compiled matmuls run, all chips
+    memory_bytes: int
+    hbm_bytes: int
+
+
+@dataclass(frozen=True)
 class Observations:
     setup: Setup
     declared: tuple[Declared, ...]  # the step's arguments, read from the example's own pytrees
     parameters: tuple[str, ...]  # the example's parameter names, from its params tree
     planted_line: int  # the line of the example that carries MARKER
     here: Compiled
+    sizes: dict[str, int]  # the example's own D_MODEL, D_FF, VOCAB, BATCH, SEQ
     tpu: Compiled | None = None
+    priced: Priced | None = None
     tpu_unavailable: kit.Unavailable | None = None
 
 
@@ -117,18 +140,21 @@ def measure(config: Config) -> Observations:
     fn, args = program.build(builder, mesh, spec)
     here = _compiled(fn, args, mesh, config.target, file)
     tpu = kit.tpu_chips(config.tpu_topology)
-    compiled_tpu = None
+    compiled_tpu = priced = None
     if isinstance(tpu, kit.TpuChips):
         tpu_mesh = MeshSpec.parse(config.mesh).build(tpu.devices, explicit=False)
         tpu_fn, tpu_args = program.build(builder, tpu_mesh, spec, compile_only=True)
         compiled_tpu = _compiled(tpu_fn, tpu_args, tpu_mesh, tpu.target, file)
+        priced = _priced(predict_program(Predict(fn=spec, target=tpu.target, mesh=config.mesh)))
     return Observations(
         setup=Setup.of(config.target, devices, config.mesh),
         declared=_declared(args),
         parameters=tuple(jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(args[0])[0]),
         planted_line=next(n for n, line in enumerate(file.read_text().splitlines(), 1) if MARKER in line),
         here=here,
+        sizes={name: builder.__globals__[name] for name in ("D_MODEL", "D_FF", "VOCAB", "BATCH", "SEQ")},
         tpu=compiled_tpu,
+        priced=priced,
         tpu_unavailable=tpu if isinstance(tpu, kit.Unavailable) else None,
     )
 
@@ -142,6 +168,19 @@ def _compiled(fn, args, mesh, target: str, file: Path) -> Compiled:
         _rows(explained, file),
         tuple(Declared(i.name, i.global_shape) for i in explained.inputs),
         explained.memory.get("peak_memory", 0) or sum(explained.memory.values()),
+    )
+
+
+def _priced(p) -> Priced:
+    return Priced(
+        p.target,
+        p.step_s,
+        p.compute_s,
+        p.exposed_comm_s,
+        p.exposed_by_link,
+        p.hardware_flops_per_step,
+        p.memory_bytes,
+        p.hbm_bytes,
     )
 
 
@@ -189,6 +228,9 @@ def judge(obs: Observations, config: Config) -> Result:
     tables = [_table(obs.here), _origins_table(obs)]
     if obs.tpu:
         tables.append(_table(obs.tpu))
+    if obs.priced:
+        checks.append(_flops_check(obs.priced, obs.sizes))
+        tables.append(_priced_table(obs.priced))
     if obs.tpu_unavailable:
         tables.append(obs.tpu_unavailable.table())
     return Result(
@@ -231,6 +273,36 @@ def _checks(compiled: Compiled, obs: Observations) -> list[Check]:
         links = sorted({r.link or "?" for r in rows})
         checks.append(check(f"{at}: links the collectives cross", "ici", ",".join(links), kind="exact"))
     return checks
+
+
+def _flops_check(priced: Priced, sizes: dict[str, int]) -> Check:
+    """Every matmul of the step three times (forward, the input's gradient, the weight's): 2·tokens·m·n each."""
+    tokens = sizes["BATCH"] * sizes["SEQ"]
+    d, f, v = sizes["D_MODEL"], sizes["D_FF"], sizes["VOCAB"]
+    return check(
+        f"{priced.target}: matmul FLOPs a step, priced by lab predict --fn = 6·tokens·(2·d_model·d_ff + d_model·vocab)",
+        6 * tokens * (2 * d * f + d * v),
+        priced.hardware_flops_per_step,
+        kind="exact",
+    )
+
+
+def _priced_table(priced: Priced) -> Table:
+    links = "; ".join(f"{link} {format_seconds(s)}" for link, s in sorted(priced.exposed_by_link.items()))
+    return Table(
+        f"the step priced on {priced.target} (lab predict --fn, compile-only)",
+        ["step", "compute", "exposed communication", "exposed, per axis and link", "matmul FLOPs", "memory per chip"],
+        [
+            [
+                format_seconds(priced.step_s),
+                format_seconds(priced.compute_s),
+                format_seconds(priced.exposed_comm_s),
+                links or "-",
+                f"{priced.hardware_flops_per_step:.4g}",
+                f"{format_bytes(priced.memory_bytes)} of {format_bytes(priced.hbm_bytes)}",
+            ]
+        ],
+    )
 
 
 def _lines_check(obs: Observations) -> list[Check]:
@@ -324,6 +396,13 @@ def _summary(obs: Observations) -> str:
         f"planted norm. Weights moved {format_bytes(_moved_bytes(here, 'parameter'))} and activations "
         f"{format_bytes(_moved_bytes(here, 'activation'))} per step on {here.target}: with only the arguments' "
         "shardings, the partitioner chose what to move."
+        + (
+            f" Priced on {obs.priced.target} as lab predict --fn prices it: a step of "
+            f"{format_seconds(obs.priced.step_s)}, {format_seconds(obs.priced.exposed_comm_s)} of it waiting on "
+            "communication."
+            if obs.priced
+            else ""
+        )
     )
 
 
