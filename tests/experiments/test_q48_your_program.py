@@ -14,7 +14,7 @@ def result(devices):
 
 def test_every_collective_is_placed_and_the_planted_surprise_is_found_on_both_compilers(result):
     checks = pinned(result)
-    assert len(checks) == 10 and set(checks.values()) == {"agrees"}
+    assert len(checks) == 11 and set(checks.values()) == {"agrees"}
     assert "tpu:v5e:2x4: links the collectives cross" in checks
 
 
@@ -38,3 +38,17 @@ def test_a_wrong_line_or_a_missing_surprise_differs(result):
     moved = replace(obs, planted_line=obs.planted_line + 1)
     verdicts = {c.quantity: c.verdict for c in judge(moved, Config()).checks}
     assert verdicts["cpu:8: the surprise's line is the planted norm's"] == "differs"
+
+
+def test_the_priced_steps_flops_differ_when_the_example_is_another_size(result):
+    """The FLOPs check reads the example's sizes: a wider model the compiled step never ran differs."""
+    from dataclasses import replace
+
+    import dacite
+
+    from experiments.q48_your_program import Observations, judge
+
+    obs = dacite.from_dict(Observations, result.observations, config=dacite.Config(cast=[tuple]))
+    wider = replace(obs, sizes={**obs.sizes, "D_FF": 2 * obs.sizes["D_FF"]})
+    flops = [c.verdict for c in judge(wider, Config()).checks if "matmul FLOPs a step" in c.quantity]
+    assert flops == ["differs"]
