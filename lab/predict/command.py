@@ -34,17 +34,14 @@ starts, and the CLI imports this module before any target is chosen.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Literal
-
-from rich.console import Console
 
 from lab.errors import LabError
 from lab.model import check_flash_tiling
 from lab.predict import calibration
-from lab.predict.display import show
+from lab.predict.display import emit, show
 from lab.predict.options import (
     check_dropless,
     check_experts,
@@ -334,9 +331,4 @@ def _advice(over: int, command: Predict, mesh) -> str:
 
 def predict(command: Predict) -> int:
     """The ``lab predict`` handler for the lab's model (the user's own step, --fn: `lab.predict.program.predict`)."""
-    result = run_prediction(command)
-    if command.json:
-        print(json.dumps(asdict(result)))
-        return 0
-    show(result, Console(width=160))
-    return 0
+    return emit(run_prediction(command), show, command.json)

@@ -4,11 +4,23 @@ most expensive ops (``--json`` prints the same `lab.predict.command.Prediction`,
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 from rich.console import Console
 from rich.table import Table
 
 from lab.predict.calibration import CF_FOR_ALL_GATHER
 from lab.units import format_bytes, format_seconds
+
+
+def emit(prediction, show_it, as_json: bool) -> int:
+    """Print a prediction as one JSON object, or as `show_it` lays it out (`show`, or the user's step's view)."""
+    if as_json:
+        print(json.dumps(asdict(prediction)))
+    else:
+        show_it(prediction, Console(width=160))
+    return 0
 
 
 def show(p, console: Console) -> None:

@@ -25,9 +25,8 @@ as in `lab.predict.command`: libtpu must read the user's flags before it starts.
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import jax
 from rich.console import Console
@@ -37,7 +36,7 @@ from lab.errors import LabError
 from lab.explanation import program
 from lab.predict import calibration
 from lab.predict.command import Predict
-from lab.predict.display import show_priced
+from lab.predict.display import emit, show_priced
 from lab.predict.options import check_program_options
 from lab.predict.priced import (
     PricedStep,
@@ -126,12 +125,7 @@ def _advice(over: int, target: str) -> str:
 
 def predict(command: Predict) -> int:
     """The ``lab predict --fn`` handler: the user's own step, priced; tables, or --json."""
-    result = predict_program(command)
-    if command.json:
-        print(json.dumps(asdict(result)))
-        return 0
-    show_program(result, Console(width=160))
-    return 0
+    return emit(predict_program(command), show_program, command.json)
 
 
 def show_program(p: ProgramPrediction, console: Console) -> None:

@@ -132,30 +132,12 @@ def offloads(remat: str) -> bool:
     return remat.startswith((OFFLOAD_PREFIX, CUSTOM_PREFIX)) and bool(custom_places(remat)[1])
 
 
-def compile_step(
-    model: ModelConfig,
-    mesh,
-    batch_per_device: int,
-    *,
-    remat: str = "full",
-    param_dtype: str = "float32",
-    compute_dtype: str = "bfloat16",
-    strategy: str = "zero3",
-    sequence_parallel: bool = False,
-) -> Compiled:
-    """Lower and compile one training step of `model` over `mesh`, `batch_per_device` sequences per chip."""
+def compile_step(model: ModelConfig, mesh, batch_per_device: int, **options) -> Compiled:
+    """Lower and compile one training step of `model` over `mesh`, `batch_per_device` sequences per chip (`options`:
+    `step_program`'s remat, dtypes, strategy and sequence parallelism)."""
     started = time.perf_counter()
     with jax.set_mesh(mesh):
-        step, args = step_program(
-            model,
-            mesh,
-            batch_per_device,
-            remat=remat,
-            param_dtype=param_dtype,
-            compute_dtype=compute_dtype,
-            strategy=strategy,
-            sequence_parallel=sequence_parallel,
-        )
+        step, args = step_program(model, mesh, batch_per_device, **options)
         lowered = step.lower(*args)
         return compile_lowered(lowered, mesh, started, model.layers)
 
