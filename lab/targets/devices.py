@@ -127,7 +127,7 @@ def one_slice(target: Target, slices: int) -> tuple[Target, int]:
     take the count as ``--slices``; both given must agree."""
     if target.slices > 1 and slices not in (1, target.slices):
         raise LabError(f"--target {str(target)!r} and --slices {slices} give two slice counts: give the count once")
-    return replace(target, slices=1), max(slices, target.slices)
+    return replace(target, slices=1), target.slices if target.slices > 1 else slices  # --slices as given: checked
 
 
 def devices_for(target: Target | str) -> tuple:
