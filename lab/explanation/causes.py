@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from lab.explanation.origins import Decision, Propagation, Value
 from lab.hlo.collectives import Collective
-from lab.hlo.sources import Frame
+from lab.hlo.sources import Frame, op_of
 
 CAUSES = ("op", "loop predicate", "shard_map", "annotation")
 
@@ -131,7 +131,7 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
 def cause_before(collective: Collective, moved: str, consumer: str, line: Frame) -> Cause | None:
     """The op the reshard of input `moved` comes right before (`consumer`, its JAX op name, at the user's `line`),
     when it is one that needs the dimension the input is split on: the reshard moves the split off it."""
-    op = _op(consumer).split("-")[0]
+    op = op_of(consumer).split("-")[0]
     if op not in _BEFORE:
         return None
     does, change = _BEFORE[op]
@@ -190,7 +190,7 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     at_line = line.line if line else None
     asked = propagation.out_sharding(collective.op_name, at_line)
     if asked is not None:
-        op = _op(collective.op_name)
+        op = op_of(collective.op_name)
         return Cause(
             "annotation",
             "out_sharding",
@@ -206,14 +206,14 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
         found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
     if found is not None or not collective.result_shapes:
         return found
-    constrained = propagation.constrained(_op(collective.op_name), tuple(collective.result_shapes[0]))
+    constrained = propagation.constrained(op_of(collective.op_name), tuple(collective.result_shapes[0]))
     return _constrained(collective, *constrained, line, where, propagation) if constrained else None
 
 
 def _lays_out_itself(op: str) -> bool:
     """A matmul, a convolution or a reduction: its operands are laid out otherwise than its result by its own rule
     (a contracted dimension's split becomes a partial sum), not only by the annotations that reach it."""
-    return _op(op).startswith(("dot_general", "conv", "reduce"))
+    return op_of(op).startswith(("dot_general", "conv", "reduce"))
 
 
 def _axes(collective: Collective) -> str:
@@ -237,7 +237,7 @@ def _conflict(
     )
     if operand is None or not result.origins:
         return None
-    op = _op(decision.op)
+    op = op_of(decision.op)
     where = line.cited if line else "its line"
     deciding = _annotation(result, propagation) or line
     why = (
@@ -272,7 +272,7 @@ def _constrained(
     layouts = " and ".join(dict.fromkeys(v.sharding for v in operands))
     names = ", ".join(dict.fromkeys(v.name for v in operands))
     why = (
-        f"the with_sharding_constraint at {at} gives the {_op(decision.op)} at {where} the layout "
+        f"the with_sharding_constraint at {at} gives the {op_of(decision.op)} at {where} the layout "
         f"{result.sharding}, but its operands ({names}) come as {layouts} from "
         f"{' and '.join(dict.fromkeys(_described(v, propagation) for v in operands))}: the {collective.kind} over "
         f"{_axes(collective)} reshards between the two"
@@ -302,11 +302,6 @@ def _constraint_frame(origin: str, propagation: Propagation) -> Frame | None:
     """The line of the with_sharding_constraint Shardy calls `origin` (``constraint_0``), when it is one."""
     found = propagation.constraint_line(origin) if origin.startswith("constraint_") else None
     return Frame(found[0], found[1], "with_sharding_constraint") if found else None
-
-
-def _op(name: str) -> str:
-    """The op a JAX op name ends in: ``jit(f)/jit(_pad)/pad`` -> ``pad``."""
-    return name.rsplit("/", 1)[-1]
 
 
 def _described(value: Value, propagation: Propagation) -> str:

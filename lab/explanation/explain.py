@@ -46,7 +46,7 @@ from lab.explanation.partitioner import Remat
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute
 from lab.hlo.schedule import overlap_report
-from lab.hlo.sources import Frame, nearest_metadata, short_chain, stack_frames, stack_of
+from lab.hlo.sources import Frame, nearest_metadata, op_of, short_chain, stack_frames, stack_of
 from lab.hlo.text import module_name
 from lab.mesh import AXES, axes_of_groups
 from lab.roofline import Roofline, roofline
@@ -267,7 +267,7 @@ class Explanation:
                 e.link or "?",
                 _seconds(e.predicted_s),
                 _seconds(e.exposed_s),
-                short_chain(e.stack, (c.op_name or "").rsplit("/", 1)[-1]),
+                short_chain(e.stack, op_of(c.op_name or "")),
                 why,
                 style=style,
             )

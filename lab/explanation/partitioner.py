@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from lab.hlo.sources import StackFrames, source_of
+from lab.hlo.sources import StackFrames, op_of, source_of
 from lab.hlo.specs import partition_spec
 
 _REMAT = re.compile(
@@ -52,7 +52,7 @@ class Remat:
         at = f" at {line.cited}" if line else ""
         why = (
             f"XLA's partitioner knows no efficient way to reshard the result of the "
-            f"{self.op_name.rsplit('/', 1)[-1] or 'an op'}{at} from {source} to {target}: it gathers the value whole "
+            f"{op_of(self.op_name) or 'an op'}{at} from {source} to {target}: it gathers the value whole "
             "on every device, then keeps each device's part (an involuntary full rematerialization)"
         )
         return {"op": self.op_name, "line": str(line) if line else None, "from": source, "to": target, "why": why}

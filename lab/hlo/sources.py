@@ -72,6 +72,11 @@ def is_library(file: str) -> bool:
     return bool(_LIBRARY.search(file)) or file.startswith(_install_folders())
 
 
+def op_of(op_name: str) -> str:
+    """The op a JAX op name ends in: ``jit(f)/jit(_pad)/pad`` -> ``pad``."""
+    return op_name.rsplit("/", 1)[-1]
+
+
 @dataclass(frozen=True)
 class Frame:
     """One Python frame: file, line, function."""
