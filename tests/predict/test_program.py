@@ -7,6 +7,7 @@ import pytest
 
 from lab.cli import main
 from lab.targets.hardware import profile
+from tests.conftest import run_lab_json
 from tests.data.programs import priced
 
 pytestmark = pytest.mark.long  # libtpu compiles: scheduled first, with the other predict tests
@@ -46,8 +47,10 @@ def test_a_matmuls_flops_are_counted_as_by_hand_and_the_model_flops_give_the_mfu
     assert any("fsdp" in link for link in out["exposed_by_link"])  # w's columns gathered over fsdp
 
 
-def test_a_program_over_hbm_says_by_how_much(capsys):
-    out = _predict(capsys, "--fn", f"{PROGRAMS}:too_big", *ON_V5E)
+def test_a_program_over_hbm_says_by_how_much():
+    """In a fresh process, as a user runs it: a worker whose libtpu another test started without no-crash-on-OOM
+    has the compiler refuse the step instead (one line, exit 2), with no memory to price."""
+    out = run_lab_json(["predict", "--fn", f"{PROGRAMS}:too_big", *ON_V5E[:-1]])
     assert not out["fits"] and out["over_by_bytes"] == out["memory_bytes"] - 16 * 2**30 > 0
     assert "jax.checkpoint" in out["advice"]
 
