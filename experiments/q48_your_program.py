@@ -37,6 +37,7 @@ from experiments import kit
 from lab.explanation import program
 from lab.explanation.explain import Explanation, explain_inspection
 from lab.explanation.origins import compile_with_origins
+from lab.hlo.sources import op_of
 from lab.mesh import MeshSpec
 from lab.predict.command import Predict
 from lab.predict.program import predict_program
@@ -197,7 +198,7 @@ def _rows(explained: Explanation, file: Path) -> tuple[Row, ...]:
                 c.size_bytes,
                 c.repeats,
                 line,
-                (c.op_name or "").rsplit("/", 1)[-1],
+                op_of(c.op_name or ""),
                 e.origin.kind,
                 e.origin.name,
                 e.origin.why,

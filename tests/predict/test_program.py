@@ -13,7 +13,8 @@ from tests.data.programs import priced
 pytestmark = pytest.mark.long  # libtpu compiles: scheduled first, with the other predict tests
 
 PROGRAMS = Path(priced.__file__)
-ON_V5E = ("--target", "tpu:v5e:2x2", "--mesh", "fsdp=4", "--json")
+V5E = ("--target", "tpu:v5e:2x2", "--mesh", "fsdp=4")
+ON_V5E = (*V5E, "--json")
 
 
 def _predict(capsys, *argv: str) -> dict:
@@ -50,7 +51,7 @@ def test_a_matmuls_flops_are_counted_as_by_hand_and_the_model_flops_give_the_mfu
 def test_a_program_over_hbm_says_by_how_much():
     """In a fresh process, as a user runs it: a worker whose libtpu another test started without no-crash-on-OOM
     has the compiler refuse the step instead (one line, exit 2), with no memory to price."""
-    out = run_lab_json(["predict", "--fn", f"{PROGRAMS}:too_big", *ON_V5E[:-1]])
+    out = run_lab_json(["predict", "--fn", f"{PROGRAMS}:too_big", *V5E])  # run_lab_json adds --json
     assert not out["fits"] and out["over_by_bytes"] == out["memory_bytes"] - 16 * 2**30 > 0
     assert "jax.checkpoint" in out["advice"]
 

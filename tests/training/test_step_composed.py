@@ -361,10 +361,8 @@ def test_a_mixed_moe_stack_matches_one_device(devices):
     np.testing.assert_allclose([h["balance_loss"] for h in history], [h["balance_loss"] for h in control[2]], rtol=1e-5)
     shared = state.params["blocks"]["blocks"][1]["moe"]["shared"]["w_in"][...]
     assert shared.sharding.spec.partitions[1:] == ("fsdp", "tensor")  # [embed, mlp], Megatron-split
-    assert state.params["dense_blocks"]["attention"]["key_value"][...].sharding.spec.partitions[1:3] == (
-        "fsdp",
-        "tensor",
-    )
+    key_value = state.params["dense_blocks"]["attention"]["key_value"][...]  # latent attention's up-projection
+    assert key_value.sharding.spec.partitions[1:3] == ("fsdp", "tensor")
 
 
 GPT_OSS = replace(MOE, kv_heads=2, feed_forward="swiglu", biases=True, sinks=True, window=8, global_every=2)
