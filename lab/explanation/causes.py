@@ -20,7 +20,14 @@ whole first:
 * **shard_map**: a collective asked for by name inside ``shard_map`` (``psum``,
   ``all_gather``, ``ppermute``, ``all_to_all``, ``psum_scatter``);
 * **annotation**: a ``with_sharding_constraint`` / ``reshard`` / ``out_sharding``
-  that asks for a layout the computation does not have there.
+  that asks for a layout the computation does not have there;
+* **sum**: a reduction or a matmul (``reduce_sum``, ``dot_general``) summing
+  over a dimension the layouts split (Shardy's sharding rule lists the
+  dimensions an op sums over): each device sums its own part and an
+  all-reduce or reduce-scatter adds the parts. Tensor parallelism's
+  all-reduce, data parallelism's gradient sum, a loss over a split batch:
+  the layouts ask for it, so there is nothing to change; the annotation or
+  declaration that split the dimension is named.
 
 Anything else is the partitioner's own choice between the layouts the program
 declared (`attribution` names what it moves); no cause is guessed for it.
@@ -35,7 +42,7 @@ from lab.explanation.origins import Decision, Propagation, Value
 from lab.hlo.collectives import Collective
 from lab.hlo.sources import Frame, op_of
 
-CAUSES = ("op", "loop predicate", "shard_map", "annotation")
+CAUSES = ("op", "loop predicate", "shard_map", "annotation", "sum")
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class Cause:
 
     @property
     def asked(self) -> bool:
-        """The program asked for this collective by name (in shard_map): nothing to change, so no hint."""
+        """The program asked for this collective, by name (in shard_map) or by summing what its layouts split:
+        nothing to change, so no hint."""
         return self.hint is None
 
     def to_json(self) -> dict:
@@ -204,6 +212,8 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
         found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
+    if found is None and decision is not None:
+        found = _summed(collective, decision, line, where, propagation)
     if found is not None or not collective.result_shapes:
         return found
     constrained = propagation.constrained(op_of(collective.op_name), tuple(collective.result_shapes[0]))
@@ -281,6 +291,33 @@ def _constrained(
     return Cause("annotation", "with_sharding_constraint", deciding, why, hint)
 
 
+def _summed(
+    collective: Collective, decision: Decision, line: Frame | None, where: str, propagation: Propagation
+) -> Cause | None:
+    """An op that sums over a dimension its operands have split over every axis of the collective (an all-reduce or
+    a reduce-scatter): the collective adds the devices' partial sums, as the layouts ask."""
+    axes = set(collective.axes or ())
+    if collective.kind not in ("all-reduce", "reduce-scatter") or not axes:
+        return None
+    split = {
+        (value.name, axis): _origin_words(value.origins.get(axis, ""), value, propagation)
+        for value, dims in zip(decision.operands, decision.summed)
+        for d in dims
+        if d < len(value.dims)
+        for axis in value.dims[d]
+        if axis in axes
+    }
+    if {axis for _, axis in split} != axes:
+        return None
+    op = op_of(decision.op)
+    how = "; ".join(f"{name} split over {axis} by {words}" for (name, axis), words in split.items())
+    why = (
+        f"{op} at {where} sums over a dimension split over {_axes(collective)} ({how}): each device sums its own "
+        f"part, and the {collective.kind} adds the parts"
+    )
+    return Cause("sum", op, line, why, None)
+
+
 def _annotation_name(origin: str) -> str:
     """The JAX spelling of the annotation Shardy calls `origin`."""
     if origin.startswith("constraint_"):
@@ -310,6 +347,8 @@ def _described(value: Value, propagation: Propagation) -> str:
 
 
 def _origin_words(name: str, value: Value, propagation: Propagation) -> str:
+    if not name:
+        return "Shardy's propagation"
     if name == "self":
         return f"the sharding declared for {value.name}"
     if match := re.fullmatch(r"input: (\d+)", name):

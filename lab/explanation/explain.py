@@ -402,7 +402,7 @@ def explain_text(
             if consumer
             else cause_of(c, stack[0] if stack else None, propagation)
         )
-        origin = _asked(origins[c.name], c) if cause is not None and cause.asked else origins[c.name]
+        origin = _asked(origins[c.name], c, cause) if cause is not None and cause.asked else origins[c.name]
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(
@@ -514,13 +514,17 @@ def _roofline_line(r: Roofline | None) -> str:
     )
 
 
-def _asked(origin: Origin, collective: Collective) -> Origin:
+def _asked(origin: Origin, collective: Collective, cause: Cause) -> Origin:
     """An input the program moves by name (a ppermute in shard_map: a ring's next block) is moved, not resharded:
-    no declared layout differs from a wanted one."""
-    if origin.kind != "input":
-        return origin
+    no declared layout differs from a wanted one. A value nothing else explains, summed where the layouts split it,
+    is a computed value's partial sums: no layout the partitioner chose."""
     axes = ",".join(collective.axes or ()) or "its groups"
-    return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name")
+    if origin.kind == "input":
+        return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name")
+    if origin.kind == "surprise" and cause.kind == "sum":
+        shapes = ", ".join(str(list(s)) for s in collective.operand_shapes)
+        return replace(origin, kind="activation", why=f"shape {shapes}: a computed value's partial sums over {axes}")
+    return origin
 
 
 def _axes_cell(collective: Collective, mesh: dict[str, int] | None) -> str:

@@ -71,6 +71,7 @@ class Value:
     name: str  # an input's name (params['w']), or the operation that makes it
     sharding: str  # as a PartitionSpec: P('y', None, 'x'); "" when unknown
     origins: dict[str, str]  # mesh axis -> origin name ("self", "input: 0", "constraint_0", ...)
+    dims: tuple[tuple[str, ...], ...] = ()  # the mesh axes that split each dimension (the sharding, unspelled)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Decision:
     result: Value
     operands: tuple[Value, ...]
     elementwise: bool  # every operand indexed as the result: a layout differing between them is only a reshard
+    summed: tuple[tuple[int, ...], ...] = ()  # per operand, the dimensions the op sums over (reduces, contracts)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class Propagation:
             name, where = self._locations.get(_loc_ref(lowered.text), ("", None))
             asked = re.search(r"sdy\.sharding_constraint %[\w#]+ <@\w+, \[(.*?)\]>", lowered.text)
             if asked and name and not name.endswith("sharding_constraint"):
-                self._asked.setdefault((name, where[1] if where else None), _spec(asked[1]))
+                self._asked.setdefault((name, where[1] if where else None), _spec(_dims(asked[1])))
         for lowered, propagated in self._pairs:
             origin = re.search(r'sdy\.sharding_origin_name = "([^"]*)"', propagated.text)
             if propagated.kind == "sdy.reshard" and origin:
@@ -197,25 +199,26 @@ class Propagation:
         return self._arg_names.get(f"%arg{index}", f"input {index}")
 
     def _decision(self, op_name: str, op: _Op) -> Decision | None:
-        shardings, origins = _shardings(op.text), _origins(op.text)
-        if not shardings:
+        layouts, origins, summed = _layouts(op.text), _origins(op.text), _summed(op.text)
+        if not layouts and not summed:  # a sum's result may have no layout of its own: it is whole on each device
             return None
         operands = tuple(self._value(operand) for operand in op.operands)
-        result = Value(op_name, shardings[0], origins[0] if origins else {})
-        return Decision(op_name, result, operands, _elementwise(op.text))
+        return Decision(op_name, _laid_out(op_name, layouts, origins, 0), operands, _elementwise(op.text), summed)
 
     def _value(self, name: str) -> Value:
         if name in self._args:
             text, _ = self._args[name]
-            return Value(self._arg_names.get(name, name), *_first(_shardings(text), _origins(text)))
+            return _laid_out(self._arg_names.get(name, name), _layouts(text), _origins(text), 0)
         base, _, index = name.partition("#")
         made = self._made.get(base)
         if made is None:
             return Value(name, "", {})
-        shardings, origins = _shardings(made.text), _origins(made.text)
-        k = int(index or 0)
-        sharding = shardings[k] if k < len(shardings) else ""
-        return Value(made.kind.split(".")[-1], sharding, origins[k] if k < len(origins) else {})
+        origins = _origins(made.text)
+        constraint = re.search(r'sdy\.sharding_origin_name = "(constraint_\d+)"', made.text)
+        if made.kind == "sdy.reshard" and constraint:  # its own layout ("self") is the constraint's
+            origins = [{axis: constraint[1] if o == "self" else o for axis, o in each.items()} for each in origins]
+            return _laid_out("a constrained value", _layouts(made.text), origins, 0)
+        return _laid_out(made.kind.split(".")[-1], _layouts(made.text), origins, int(index or 0))
 
 
 class Compiled(NamedTuple):
@@ -274,8 +277,24 @@ def _elementwise(text: str) -> bool:
     return len(set(groups)) == 1
 
 
-def _first(shardings: list[str], origins: list[dict[str, str]]) -> tuple[str, dict[str, str]]:
-    return (shardings[0] if shardings else "", origins[0] if origins else {})
+def _summed(text: str) -> tuple[tuple[int, ...], ...]:
+    """Per operand, the dimensions Shardy's sharding rule for an op sums over: those holding a factor it lists as a
+    reduction (``([i, k], [k, j])->([i, j]) {...} reduction={k}``: a matmul's contracted dimension, a reduce's)."""
+    rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)(.*?)>", text)
+    reduced = re.search(r"reduction=\{([^}]*)\}", rule[3]) if rule else None
+    if reduced is None:
+        return ()
+    factors = set(re.findall(r"\w+", reduced[1]))
+    return tuple(
+        tuple(d for d, dim in enumerate(operand.split(", ")) if factors & set(re.findall(r"[a-z](?:_\d+)?", dim)))
+        for operand in re.findall(r"\[([^\]]*)\]", rule[1])
+    )
+
+
+def _laid_out(name: str, layouts: list[tuple[tuple[str, ...], ...]], origins: list[dict[str, str]], k: int) -> Value:
+    """Result `k` of an operation (or an argument) as a `Value`: "" and no axes where Shardy gave it no layout."""
+    dims = layouts[k] if k < len(layouts) else ()
+    return Value(name, _spec(dims) if k < len(layouts) else "", origins[k] if k < len(origins) else {}, dims)
 
 
 def _entry_ops(text: str) -> list[_Op]:
@@ -320,12 +339,22 @@ def _arguments(text: str) -> dict[str, tuple[str, str | None]]:
 
 def _shardings(text: str) -> list[str]:
     """The layouts an operation's attributes give its results (sdy.sharding), as PartitionSpecs."""
+    return [_spec(dims) for dims in _layouts(text)]
+
+
+def _layouts(text: str) -> list[tuple[tuple[str, ...], ...]]:
+    """The layouts an operation's attributes give its results (sdy.sharding): each dimension's mesh axes."""
     attribute = re.search(r"sdy\.sharding = #sdy\.sharding(?:_per_value)?<(.*?)>(?:,|\}\s*:|\})", text)
     if attribute is None and "sdy.reshard" in text:
         attribute = re.search(r"sdy\.reshard %[\w#]+ (<@\w+, \[.*?\]>)", text)
     if attribute is None:
         return []
-    return [_spec(dims) for dims in _SHARDINGS.findall(attribute.group(0))]
+    return [_dims(dims) for dims in _SHARDINGS.findall(attribute.group(0))]
+
+
+def _dims(text: str) -> tuple[tuple[str, ...], ...]:
+    """Shardy's ``{"y"}, {}, {"x", "z"}`` -> ``(("y",), (), ("x", "z"))``."""
+    return tuple(tuple(re.findall(r'"(\w+)"', dim)) for dim in re.findall(r"\{([^}]*)\}", text))
 
 
 def _origins(text: str) -> list[dict[str, str]]:
@@ -336,12 +365,11 @@ def _origins(text: str) -> list[dict[str, str]]:
     return [dict(_ORIGIN.findall(group)) for group in re.findall(r"\{[^}]*\}", attribute.group(1))]
 
 
-def _spec(dims: str) -> str:
-    """``[{"y"}, {}, {"x", "z"}]`` -> ``P('y', None, ('x', 'z'))``."""
-    parts = []
-    for dim in re.findall(r"\{([^}]*)\}", dims):
-        axes = re.findall(r'"(\w+)"', dim)
-        parts.append("None" if not axes else repr(axes[0]) if len(axes) == 1 else f"({', '.join(map(repr, axes))})")
+def _spec(dims: tuple[tuple[str, ...], ...]) -> str:
+    """``(("y",), (), ("x", "z"))`` (Shardy's ``[{"y"}, {}, {"x", "z"}]``) -> ``P('y', None, ('x', 'z'))``."""
+    parts = [
+        "None" if not axes else repr(axes[0]) if len(axes) == 1 else f"({', '.join(map(repr, axes))})" for axes in dims
+    ]
     return f"P({', '.join(parts)})"
 
 

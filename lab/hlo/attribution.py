@@ -211,13 +211,18 @@ def _origin(
     if kind == "gradient":
         targets = [graph.inputs[i] for i in dict.fromkeys(i for m in chosen for i in m.gradient)]
         names = ", ".join(i.name for i in targets)
-        elements = sum(i.elements for i in targets)
+        local, whole = sum(i.elements for i in targets), sum(math.prod(i.global_shape) for i in targets)
+        plural = "s" * (len(targets) > 1)
+        size = (
+            f"{whole:,} elements, the whole parameter{plural} (each device holds {local:,})"
+            if local != whole and sum(math.prod(m.shape) for m in chosen) == whole
+            else f"{local:,} elements per device, the size of the parameter{plural}"
+        )
         return Origin(
             kind,
             names,
             f"{'reduces' if collective.kind in _REDUCTIONS else 'moves'} the gradient of {names} over {axes}: the "
-            "result goes to its update or out of the step, "
-            f"{elements:,} elements per device, the size of the parameter{'s' * (len(targets) > 1)}{also}",
+            f"result goes to its update or out of the step, {size}{also}",
         )
     if kind == "activation":
         size = next(size for size in batches if size > 1 and size in chosen[0].shape)
@@ -528,7 +533,10 @@ def _returned_gradient(graph: Dataflow, position: int, weights: set[int]) -> int
     sizes = _sizes(graph, graph.entry, graph.root.operands[position])
     if len(sizes) != 1:
         return None
-    same = [i for i in sorted(weights) if graph.inputs[i].elements == sizes[0]]
+    # each device's shard of it, else the whole of it (a gradient the step returns unsplit)
+    same = [i for i in sorted(weights) if graph.inputs[i].elements == sizes[0]] or [
+        i for i in sorted(weights) if math.prod(graph.inputs[i].global_shape) == sizes[0]
+    ]
     outputs = [p for p, name in enumerate(graph.root.operands) if _sizes(graph, graph.entry, name) == sizes]
     rank = outputs.index(position)
     return same[rank] if rank < len(same) else None

@@ -121,3 +121,45 @@ def test_an_op_is_named_as_the_user_wrote_it(capsys, devices, tmp_path, name, op
     assert main(["inspect", "--fn", f"{tmp_path / 'ops.py'}:{name}", "--mesh", "data=2,fsdp=4", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert {c["cause"]["op"] for c in found["collectives"] if c["cause"]} == {op}
+
+
+def _marked_line(name: str, mark: str) -> int:
+    """The line of `name`'s builder marked ``# <mark>``."""
+    lines = PROGRAMS.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"def {name}("))
+    return next(i for i, line in enumerate(lines[start:], start + 1) if line.rstrip().endswith(f"# {mark}"))
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh", "op", "axis"),
+    [
+        ("sum_over_split_rows", "data=8", "reduce_sum", "data"),
+        ("row_parallel_matmul", "fsdp=2,tensor=4", "dot_general", "tensor"),
+    ],
+)
+def test_a_sum_over_a_split_dimension_names_the_sum_and_what_split_it(capsys, devices, name, mesh, op, axis):
+    found = _inspect(capsys, name, mesh)
+    (summed,) = [c for c in found["collectives"] if c["cause"] and c["cause"]["kind"] == "sum"]
+    assert summed["kind"] == "all-reduce" and summed["axes"] == [axis]
+    cause = summed["cause"]
+    assert cause["op"] == op and cause["line"] == f"{PROGRAMS}:{_deciding_line(name)}"
+    assert f"with_sharding_constraint at public_issues.py:{_marked_line(name, 'splits')}" in cause["why"]
+    # the layouts ask for it: no surprise, nothing to change
+    assert cause["hint"] is None and summed["hint"] is None and not summed["surprise"]
+    assert summed["origin"]["kind"] == "activation"
+
+
+def test_a_matmul_names_each_operand_the_layouts_split(capsys, devices):
+    found = _inspect(capsys, "row_parallel_matmul", "fsdp=2,tensor=4")
+    (summed,) = [c for c in found["collectives"] if c["cause"]]
+    assert "w_out split over tensor by the sharding declared for w_out" in summed["cause"]["why"]
+
+
+def test_a_gradient_the_step_returns_whole_is_a_gradient_of_the_split_weight(capsys, devices):
+    found = _inspect(capsys, "gradient_returned_whole", "data=8")
+    reduced = next(c for c in found["collectives"] if c["kind"] == "all-reduce")
+    assert (reduced["origin"]["kind"], reduced["origin"]["name"]) == ("gradient", "m")
+    assert "10,240 elements, the whole parameter (each device holds 1,280)" in reduced["origin"]["why"]
+    gathered = next(c for c in found["collectives"] if c["kind"] == "all-gather")
+    assert (gathered["origin"]["kind"], gathered["origin"]["name"]) == ("parameter", "m")
+    assert found["surprises"] == 0

@@ -111,3 +111,43 @@ def einsum_out_sharding_replicates(mesh):
         return jnp.einsum("bsd,df->bsf", x, w, out_sharding=P(None, None, None))  # decides
 
     return f, (_abstract(mesh, (8, 16, 32), P("data", None, None)), _abstract(mesh, (32, 64), P()))
+
+
+def sum_over_split_rows(mesh):
+    """jax-ml/jax#26946: an embedding's 17 rows constrained over 8 devices, then summed over the rows."""
+
+    def f(x):
+        embedding = jnp.arange(17 * 16, dtype=jnp.float32).reshape(17, 16) * x
+        embedding = jax.lax.with_sharding_constraint(embedding, NamedSharding(mesh, P("data", None)))  # splits
+        return embedding.sum(0)  # decides
+
+    return jax.jit(f), (jax.ShapeDtypeStruct((), jnp.float32),)
+
+
+def row_parallel_matmul(mesh):
+    """The scaling book's sharded MLP (jax-ml/scaling-book, jax-stuff.md): the hidden activations constrained to
+    split their features over tensor, then contracted with a W_out split the same way."""
+
+    def f(x, w_in, w_out):
+        hidden = jnp.einsum("bd,df->bf", x, w_in)
+        hidden = jax.lax.with_sharding_constraint(hidden, NamedSharding(mesh, P("fsdp", "tensor")))  # splits
+        return jnp.einsum("bf,df->bd", hidden, w_out)  # decides
+
+    x = _abstract(mesh, (128, 256), P("fsdp", None), jnp.bfloat16)
+    w = _abstract(mesh, (256, 1024), P(None, "tensor"), jnp.bfloat16)
+    return jax.jit(f), (x, w, w)
+
+
+def gradient_returned_whole(mesh):
+    """openxla/xla#10543 (from jax-ml/jax#20149): a one-hot target constrained over data against the logits of a
+    model whose features data splits; the step returns the model's gradient unsplit."""
+
+    def loss(m, toks):
+        logits = jnp.einsum("bld,md->blm", jnp.zeros((32, 128, 32)), m)
+        targets = jax.lax.with_sharding_constraint(jax.nn.one_hot(toks, 320), NamedSharding(mesh, P("data", None)))
+        return jnp.einsum("bld,bld->bl", targets, logits).mean()
+
+    return jax.jit(jax.value_and_grad(loss)), (
+        _abstract(mesh, (320, 32), P(None, "data")),
+        _abstract(mesh, (32, 128), P(), jnp.int32),
+    )
