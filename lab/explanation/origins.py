@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 from lab.explanation import partitioner
 from lab.explanation.partitioner import Remat
 from lab.hlo import Inspection, inspect_lowered, lower
+from lab.hlo.sources import is_library
 from lab.targets.devices import quiet_native_stderr
 
 OPTIONS = {  # XLA debug options, given to one compile: Shardy's verbose dump, and nothing else of a dump folder
@@ -379,7 +380,8 @@ def _loc_ref(line: str) -> str:
 
 
 def _locations(text: str) -> dict[str, tuple[str, tuple[str, int] | None]]:
-    """#locN -> (the JAX op name it names, the innermost (file, line) it reaches)."""
+    """#locN -> (the JAX op name it names, the innermost (file, line) it reaches outside a library, else the
+    innermost: a flax module's matmul, or nn.with_logical_constraint, is at the user's line that calls it)."""
     raw = {m[1]: m[2] for m in map(_LOC_DEF.match, text.splitlines()) if m}
     resolved: dict[str, tuple[str, tuple[str, int] | None]] = {}
 
@@ -390,7 +392,10 @@ def _locations(text: str) -> dict[str, tuple[str, tuple[str, int] | None]]:
         if file := re.match(r'"((?:[^"\\]|\\.)*)":(\d+):', body):
             found = ("", (file[1], int(file[2])))
         elif call := re.match(r"callsite\((#loc\d*) at (#loc\d*)\)", body):
-            found = resolve(call[1], depth + 1)  # the callee: innermost
+            found = resolve(call[1], depth + 1)  # the callee: innermost, unless a library's and the caller is yours
+            if found[1] is None or is_library(found[1][0]):
+                caller = resolve(call[2], depth + 1)[1]
+                found = (found[0], caller if caller is not None and not is_library(caller[0]) else found[1])
         elif named := re.match(r'"((?:[^"\\]|\\.)*)"\((#loc\d*)\)', body):
             name, where = resolve(named[2], depth + 1)
             found = (named[1] if "/" in named[1] or named[1].startswith("jit(") else name, where)

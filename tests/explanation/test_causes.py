@@ -135,12 +135,14 @@ def _marked_line(name: str, mark: str) -> int:
     [
         ("sum_over_split_rows", "data=8", "reduce_sum", "data"),
         ("row_parallel_matmul", "fsdp=2,tensor=4", "dot_general", "tensor"),
+        # flax's nn.with_logical_constraint and nn.Dense: named at the lines that call them, not at flax's own
+        ("flax_logical_constraint", "data=2,fsdp=2,tensor=2", "dot_general", "tensor"),
     ],
 )
 def test_a_sum_over_a_split_dimension_names_the_sum_and_what_split_it(capsys, devices, name, mesh, op, axis):
     found = _inspect(capsys, name, mesh)
-    (summed,) = [c for c in found["collectives"] if c["cause"] and c["cause"]["kind"] == "sum"]
-    assert summed["kind"] == "all-reduce" and summed["axes"] == [axis]
+    (summed,) = [c for c in found["collectives"] if c["cause"] and c["cause"]["kind"] == "sum" and c["axes"] == [axis]]
+    assert summed["kind"] == "all-reduce"
     cause = summed["cause"]
     assert cause["op"] == op and cause["line"] == f"{PROGRAMS}:{_deciding_line(name)}"
     assert f"with_sharding_constraint at public_issues.py:{_marked_line(name, 'splits')}" in cause["why"]

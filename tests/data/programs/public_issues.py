@@ -151,3 +151,34 @@ def gradient_returned_whole(mesh):
         _abstract(mesh, (320, 32), P(None, "data")),
         _abstract(mesh, (32, 128), P(), jnp.int32),
     )
+
+
+def flax_logical_constraint(mesh):
+    """Not from an issue: a flax linen MLP whose layouts come from logical axis names, the way MaxText writes
+    them; the constraint and the matmuls are in flax's code, called from the lines here."""
+    import flax.linen as nn
+
+    rules = (("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor"))
+    init = nn.initializers.lecun_normal()
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            up = nn.Dense(1024, use_bias=False, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))
+            down = nn.Dense(256, use_bias=False, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))
+            hidden = nn.with_logical_constraint(nn.relu(up(x)), ("batch", "mlp"))  # splits
+            return down(hidden)  # decides
+
+    model = MLP()
+    with nn.logical_axis_rules(rules):
+        boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((64, 256))))
+        shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.meta.unbox(boxed), shardings
+    )
+
+    def f(params, x):
+        with nn.logical_axis_rules(rules):
+            return model.apply(params, x)
+
+    return jax.jit(f), (params, _abstract(mesh, (64, 256), P("data", None)))
