@@ -9,8 +9,11 @@ tuple (or list) of positional arguments; a single non-sequence value is one
 argument. The lab chooses the devices (emulated CPU devices before JAX starts,
 or a compile-only topology) and builds the mesh before it imports the file,
 so the user's module may build arrays at import time on the right devices,
-and it calls ``NAME`` and compiles ``fn`` inside ``jax.set_mesh(mesh)``, as
-the user's own script would (flax's eager sharding needs a mesh in context).
+and it calls ``NAME`` and compiles ``fn`` with the mesh in context, as the
+user's own script would (`in_context`): ``jax.set_mesh(mesh)``, which flax's
+eager sharding and bare PartitionSpecs need, and the resource environment of
+``with mesh:``, where ``pjit``-era code (t5x, early MaxText) resolves its
+PartitionSpecs.
 
 Everything that can go wrong in someone else's code is one line here: a file
 or module that does not exist or raises on import, a NAME that is missing or
@@ -30,6 +33,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -66,7 +70,7 @@ def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> 
         raise LabError(f"--fn {spec!r}: {builder.__name__} must take one argument, the mesh: def NAME(mesh)") from None
     except ValueError:
         pass  # a builtin or C function without a signature: just call it
-    with blamed(spec, f"{builder.__name__}(mesh)", compile_only), jax.set_mesh(mesh):  # as the user's script runs it
+    with blamed(spec, f"{builder.__name__}(mesh)", compile_only), in_context(mesh):  # as the user's script runs it
         made = builder(mesh)
     if not (isinstance(made, (tuple, list)) and len(made) == 2 and callable(made[0])):
         raise LabError(
@@ -75,6 +79,19 @@ def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> 
         )
     fn, args = made
     return fn, tuple(args) if isinstance(args, (tuple, list)) else (args,)
+
+
+@contextlib.contextmanager
+def in_context(mesh) -> Iterator[None]:
+    """`mesh` in context for the user's code, as programs of each JAX era look for it: ``jax.set_mesh`` and, unless
+    JAX is configured to refuse it, the deprecated ``with mesh:`` that ``jax.experimental.pjit`` still reads."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.set_mesh(mesh))
+        if not jax.config.jax_disallow_mesh_context_manager:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "`with mesh:`", DeprecationWarning)
+                stack.enter_context(mesh)
+        yield
 
 
 def own_mesh(args, mesh):

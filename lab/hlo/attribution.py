@@ -136,7 +136,8 @@ class Dataflow:
     while_callers: dict[str, tuple[str, Instruction]]  # body computation -> (computation, while instruction)
     entry: str
     inputs: dict[int, Input]
-    root: Instruction | None  # the entry computation's ROOT: the step's outputs when it is a tuple
+    outputs: tuple[str, ...]  # the entry computation's values the step returns, in order (its ROOT's operands
+    # when that is a tuple or a combined all-reduce of them, else the ROOT itself)
     opcodes: dict[str, frozenset[str]] = field(default_factory=dict)  # computation -> the opcodes it holds
 
     @classmethod
@@ -308,8 +309,8 @@ def _dataflow(hlo_text: str, mesh: dict[str, int]) -> Dataflow:
         if computation == entry and instruction.opcode == "parameter":
             index = _parameter_number(instruction, 0)
             inputs[index] = _input(instruction, index, mesh)
-    root = root if root and _returns_each_operand(root) else None
-    return Dataflow(instructions, users, whiles, entry, inputs, root, {c: frozenset(o) for c, o in opcodes.items()})
+    outputs = () if root is None else tuple(root.operands) if _returns_each_operand(root) else (root.name,)
+    return Dataflow(instructions, users, whiles, entry, inputs, outputs, {c: frozenset(o) for c, o in opcodes.items()})
 
 
 def _returns_each_operand(root: Instruction) -> bool:
@@ -464,9 +465,9 @@ def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], t
         if (node.computation, node.name) in seen:
             continue
         seen.add((node.computation, node.name))
+        if node.computation == graph.entry and node.name in graph.outputs:
+            found.append(_returned_gradient(graph, graph.outputs.index(node.name), weights))
         for user in graph.users.get((node.computation, node.name), ()):
-            if graph.root is not None and user is graph.root:
-                found.append(_returned_gradient(graph, user.operands.index(node.name), weights))
             for operand in user.operands if user.opcode != "tuple" else ():  # a tuple combines nothing
                 if operand != node.name:
                     source = _trace_back(graph, user.computation, operand, None, 0)
@@ -530,13 +531,13 @@ def _carried_out(graph: Dataflow, root: Instruction, name: str) -> list[Instruct
 def _returned_gradient(graph: Dataflow, position: int, weights: set[int]) -> int | None:
     """A gradient returned by the step: the k-th output of a weight's size is the k-th weight of that size
     (gradients are returned as the same tree as the weights, so their order is the weights' order)."""
-    sizes = _sizes(graph, graph.entry, graph.root.operands[position])
+    sizes = _sizes(graph, graph.entry, graph.outputs[position])
     if len(sizes) != 1:
         return None
     # each device's shard of it, else the whole of it (a gradient the step returns unsplit)
     same = [i for i in sorted(weights) if graph.inputs[i].elements == sizes[0]] or [
         i for i in sorted(weights) if math.prod(graph.inputs[i].global_shape) == sizes[0]
     ]
-    outputs = [p for p, name in enumerate(graph.root.operands) if _sizes(graph, graph.entry, name) == sizes]
+    outputs = [p for p, name in enumerate(graph.outputs) if _sizes(graph, graph.entry, name) == sizes]
     rank = outputs.index(position)
     return same[rank] if rank < len(same) else None

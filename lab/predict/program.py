@@ -28,7 +28,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import jax
 from rich.console import Console
 
 from lab import inputs
@@ -102,9 +101,9 @@ def read_program(command: Predict) -> Reading:
         fn, args = program.build(builder, mesh, spec, compile_only=True)
         mesh = program.own_mesh(args, mesh)
         started = time.perf_counter()
-        with program.blamed(spec, "tracing it", compile_only=True), jax.set_mesh(mesh):
+        with program.blamed(spec, "tracing it", compile_only=True), program.in_context(mesh):
             lowered = lower(fn, *args, mesh=mesh)
-    with program.blamed(spec, "compiling it", compile_only=True), jax.set_mesh(mesh):
+    with program.blamed(spec, "compiling it", compile_only=True), program.in_context(mesh):
         try:
             compiled = compile_lowered(lowered, mesh, started)
         except DoesNotFit as err:

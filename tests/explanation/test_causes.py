@@ -165,3 +165,15 @@ def test_a_gradient_the_step_returns_whole_is_a_gradient_of_the_split_weight(cap
     gathered = next(c for c in found["collectives"] if c["kind"] == "all-gather")
     assert (gathered["origin"]["kind"], gathered["origin"]["name"]) == ("parameter", "m")
     assert found["surprises"] == 0
+
+
+@pytest.mark.filterwarnings("ignore:jax.experimental.pjit.pjit has been deprecated")
+def test_pjit_era_code_finds_its_mesh_and_a_lone_returned_gradient_is_one(capsys, devices):
+    found = _inspect(capsys, "pjit_era_gradient", "data=2,fsdp=4")
+    (reduced,) = found["collectives"]
+    assert (reduced["kind"], reduced["axes"]) == ("all-reduce", ["data"])
+    assert (reduced["origin"]["kind"], reduced["origin"]["name"]) == ("gradient", "w")
+    assert (
+        reduced["cause"]["kind"] == "sum"
+        and reduced["cause"]["line"] == f"{PROGRAMS}:{_deciding_line('pjit_era_gradient')}"
+    )

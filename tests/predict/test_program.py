@@ -48,6 +48,17 @@ def test_a_matmuls_flops_are_counted_as_by_hand_and_the_model_flops_give_the_mfu
     assert any("fsdp" in link for link in out["exposed_by_link"])  # w's columns gathered over fsdp
 
 
+@pytest.mark.filterwarnings("ignore:jax.experimental.pjit.pjit has been deprecated")
+def test_a_pjit_era_program_is_priced_as_the_same_step_written_today(capsys):
+    """Bare PartitionSpecs resolved in the mesh in context (``with mesh:``, which pjit reads): the same gradient of
+    sum(tanh(x @ w)) as `matmul_gradient`, so the same matmul FLOPs."""
+    corpus = PROGRAMS.parent / "public_issues.py"
+    out = _predict(
+        capsys, "--fn", f"{corpus}:pjit_era_gradient", "--target", "tpu:v5e:2x4", "--mesh", "data=2,fsdp=4", "--json"
+    )
+    assert out["hardware_flops_per_step"] == 2 * (2 * 64 * 128 * 256) and out["fits"]
+
+
 def test_a_program_over_hbm_says_by_how_much():
     """In a fresh process, as a user runs it: a worker whose libtpu another test started without no-crash-on-OOM
     has the compiler refuse the step instead (one line, exit 2), with no memory to price."""

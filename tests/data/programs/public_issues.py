@@ -182,3 +182,15 @@ def flax_logical_constraint(mesh):
             return model.apply(params, x)
 
     return jax.jit(f), (params, _abstract(mesh, (64, 256), P("data", None)))
+
+
+def pjit_era_gradient(mesh):
+    """Not from an issue: code of the pjit era (t5x, early MaxText), bare PartitionSpecs resolved in the mesh in
+    context, abstract arguments without shardings; the step returns one gradient, not a tuple."""
+    from jax.experimental.pjit import pjit
+
+    def f(x, w):
+        return jnp.tanh(x @ w).sum()  # decides
+
+    step = pjit(jax.grad(f, argnums=1), in_shardings=(P("data", None), P(None, "fsdp")), out_shardings=P(None, "fsdp"))
+    return step, (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128, 256), jnp.float32))
