@@ -24,10 +24,12 @@ whole first:
 * **sum**: a reduction or a matmul (``reduce_sum``, ``dot_general``) summing
   over a dimension the layouts split (Shardy's sharding rule lists the
   dimensions an op sums over): each device sums its own part and an
-  all-reduce or reduce-scatter adds the parts. Tensor parallelism's
-  all-reduce, data parallelism's gradient sum, a loss over a split batch:
-  the layouts ask for it, so there is nothing to change; the annotation or
-  declaration that split the dimension is named.
+  all-reduce or reduce-scatter adds the parts; the annotation or declaration
+  that split the dimension is named. Of activations or gradients (tensor
+  parallelism's all-reduce, data parallelism's gradient sum, a loss over a
+  split batch) the layouts ask for it, and the explanation drops its hint
+  (`lab.explanation.explain`); of anything else (a norm over a weight's split
+  dimension) it stays a surprise, with the change that avoids it.
 
 Anything else is the partitioner's own choice between the layouts the program
 declared (`attribution` names what it moves); no cause is guessed for it.
@@ -57,8 +59,8 @@ class Cause:
 
     @property
     def asked(self) -> bool:
-        """The program asked for this collective, by name (in shard_map) or by summing what its layouts split:
-        nothing to change, so no hint."""
+        """The program asked for this collective, by name (in shard_map) or by summing activations or gradients
+        that its layouts split: nothing to change, so no hint."""
         return self.hint is None
 
     def to_json(self) -> dict:
@@ -315,7 +317,9 @@ def _summed(
         f"{op} at {where} sums over a dimension split over {_axes(collective)} ({how}): each device sums its own "
         f"part, and the {collective.kind} adds the parts"
     )
-    return Cause("sum", op, line, why, None)
+    names = " and ".join(dict.fromkeys(name for name, _ in split))
+    hint = f"at {where}: sum along a dimension no mesh axis splits, or split {names} along one {op} keeps"
+    return Cause("sum", op, line, why, hint)
 
 
 def _annotation_name(origin: str) -> str:

@@ -87,7 +87,7 @@ class Explained:
         ppermute in shard_map) is never one, whatever the data it moves."""
         if self.cause is not None and self.cause.asked:
             return False
-        forced = self.cause is not None
+        forced = self.cause is not None and self.cause.kind != "sum"  # a sum is the layouts' own, not forced
         return self.origin.kind == "surprise" or (forced and self.origin.kind not in ("parameter", "gradient"))
 
     @property
@@ -402,7 +402,10 @@ def explain_text(
             if consumer
             else cause_of(c, stack[0] if stack else None, propagation)
         )
-        origin = _asked(origins[c.name], c, cause) if cause is not None and cause.asked else origins[c.name]
+        origin = origins[c.name]
+        if cause is not None and cause.kind == "sum" and origin.kind != "surprise":
+            cause = replace(cause, hint=None)  # activations' or gradients' partial sums: the layouts ask for them
+        origin = _with_cause(origin, c, cause) if cause is not None else origin
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(
@@ -514,16 +517,21 @@ def _roofline_line(r: Roofline | None) -> str:
     )
 
 
-def _asked(origin: Origin, collective: Collective, cause: Cause) -> Origin:
-    """An input the program moves by name (a ppermute in shard_map: a ring's next block) is moved, not resharded:
-    no declared layout differs from a wanted one. A value nothing else explains, summed where the layouts split it,
-    is a computed value's partial sums: no layout the partitioner chose."""
+def _with_cause(origin: Origin, collective: Collective, cause: Cause) -> Origin:
+    """The origin read again once the cause is known. An input the program moves by name (a ppermute in shard_map:
+    a ring's next block) is moved, not resharded: no declared layout differs from a wanted one. A value nothing else
+    explains, summed where the layouts split it, is partial sums of the program's own layout, not one the
+    partitioner chose."""
     axes = ",".join(collective.axes or ()) or "its groups"
-    if origin.kind == "input":
+    if cause.asked and origin.kind == "input":
         return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name")
-    if origin.kind == "surprise" and cause.kind == "sum":
+    if cause.kind == "sum" and origin.kind == "surprise":
         shapes = ", ".join(str(list(s)) for s in collective.operand_shapes)
-        return replace(origin, kind="activation", why=f"shape {shapes}: a computed value's partial sums over {axes}")
+        return replace(
+            origin,
+            why=f"shape {shapes}: neither an input moved, a gradient, nor batch-shaped: partial sums over {axes} of a "
+            "value the program's layouts split where it is summed",
+        )
     return origin
 
 

@@ -146,9 +146,14 @@ def test_a_sum_over_a_split_dimension_names_the_sum_and_what_split_it(capsys, de
     cause = summed["cause"]
     assert cause["op"] == op and cause["line"] == f"{PROGRAMS}:{_deciding_line(name)}"
     assert f"with_sharding_constraint at public_issues.py:{_marked_line(name, 'splits')}" in cause["why"]
-    # the layouts ask for it: no surprise, nothing to change
-    assert cause["hint"] is None and summed["hint"] is None and not summed["surprise"]
-    assert summed["origin"]["kind"] == "activation"
+    if name == "sum_over_split_rows":  # partial sums of neither activations nor gradients: a surprise, with a change
+        assert summed["surprise"] and summed["origin"]["kind"] == "surprise"
+        assert summed["hint"] == cause["hint"] and cause["hint"].startswith(
+            f"at public_issues.py:{_deciding_line(name)}: "
+        )
+    else:  # activations' partial sums: the layouts ask for them, nothing to change
+        assert cause["hint"] is None and summed["hint"] is None and not summed["surprise"]
+        assert summed["origin"]["kind"] == "activation"
 
 
 def test_a_matmul_names_each_operand_the_layouts_split(capsys, devices):
