@@ -214,8 +214,10 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
         found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
-    if found is None and decision is not None:
-        found = _summed(collective, decision, line, where, propagation)
+    if found is None and collective.result_shapes:  # a sum at its line, or the one inside a nested jit
+        axes, shape = set(collective.axes or ()), tuple(collective.result_shapes[0])
+        summing = decision or propagation.summing(op_of(collective.op_name), axes, shape)
+        found = _summed(collective, summing, line, where, propagation) if summing is not None else None
     if found is not None or not collective.result_shapes:
         return found
     constrained = propagation.constrained(op_of(collective.op_name), tuple(collective.result_shapes[0]))
@@ -301,13 +303,9 @@ def _summed(
     axes = set(collective.axes or ())
     if collective.kind not in ("all-reduce", "reduce-scatter") or not axes:
         return None
+    summed = [(value, axis) for value, axis in decision.summed_over() if axis in axes]
     split = {
-        (value.name, axis): _origin_words(value.origins.get(axis, ""), value, propagation)
-        for value, dims in zip(decision.operands, decision.summed)
-        for d in dims
-        if d < len(value.dims)
-        for axis in value.dims[d]
-        if axis in axes
+        (value.name, axis): _origin_words(value.origins.get(axis, ""), value, propagation) for value, axis in summed
     }
     if {axis for _, axis in split} != axes:
         return None
@@ -317,9 +315,19 @@ def _summed(
         f"{op} at {where} sums over a dimension split over {_axes(collective)} ({how}): each device sums its own "
         f"part, and the {collective.kind} adds the parts"
     )
-    names = " and ".join(dict.fromkeys(name for name, _ in split))
-    hint = f"at {where}: sum along a dimension no mesh axis splits, or split {names} along one {op} keeps"
+    sources = " and ".join(
+        dict.fromkeys(_splitter(value.origins.get(axis, ""), value, propagation) for value, axis in summed)
+    )
+    hint = f"at {where}: sum along a dimension no mesh axis splits, or split one {op} keeps, in {sources}"
     return Cause("sum", op, line, why, hint)
+
+
+def _splitter(name: str, value: Value, propagation: Propagation) -> str:
+    """Where a value's layout is written, in a hint's words: an input's declared sharding, or a constraint."""
+    if match := re.fullmatch(r"input: (\d+)", name):
+        return f"the sharding declared for {propagation.input_name(int(match[1]))}"
+    frame = _constraint_frame(name, propagation) if name.startswith("constraint_") else None
+    return f"the with_sharding_constraint at {frame.cited}" if frame else f"the sharding declared for {value.name}"
 
 
 def _annotation_name(origin: str) -> str:

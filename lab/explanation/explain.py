@@ -403,7 +403,7 @@ def explain_text(
             else cause_of(c, stack[0] if stack else None, propagation)
         )
         origin = origins[c.name]
-        if cause is not None and cause.kind == "sum" and origin.kind != "surprise":
+        if cause is not None and cause.kind == "sum" and origin.kind in ("activation", "gradient"):
             cause = replace(cause, hint=None)  # activations' or gradients' partial sums: the layouts ask for them
         origin = _with_cause(origin, c, cause) if cause is not None else origin
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
@@ -520,17 +520,18 @@ def _roofline_line(r: Roofline | None) -> str:
 def _with_cause(origin: Origin, collective: Collective, cause: Cause) -> Origin:
     """The origin read again once the cause is known. An input the program moves by name (a ppermute in shard_map:
     a ring's next block) is moved, not resharded: no declared layout differs from a wanted one. A value nothing else
-    explains, summed where the layouts split it, is partial sums of the program's own layout, not one the
-    partitioner chose."""
+    explains (or that only seems an input moved: a one-operand fusion that sums it), summed where the layouts split
+    it, is partial sums of the program's own layout: a surprise, but not a layout the partitioner chose."""
     axes = ",".join(collective.axes or ()) or "its groups"
     if cause.asked and origin.kind == "input":
         return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name")
-    if cause.kind == "sum" and origin.kind == "surprise":
+    if cause.kind == "sum" and origin.kind not in ("activation", "gradient"):  # not a move of an input either
         shapes = ", ".join(str(list(s)) for s in collective.operand_shapes)
-        return replace(
-            origin,
-            why=f"shape {shapes}: neither an input moved, a gradient, nor batch-shaped: partial sums over {axes} of a "
-            "value the program's layouts split where it is summed",
+        return Origin(
+            "surprise",
+            None,
+            f"shape {shapes}: neither activations nor a gradient: partial sums over {axes} of a value the program's "
+            "layouts split where it is summed",
         )
     return origin
 

@@ -85,6 +85,16 @@ class Decision:
     elementwise: bool  # every operand indexed as the result: a layout differing between them is only a reshard
     summed: tuple[tuple[int, ...], ...] = ()  # per operand, the dimensions the op sums over (reduces, contracts)
 
+    def summed_over(self) -> tuple[tuple[Value, str], ...]:
+        """(operand, mesh axis) for each axis that splits a dimension the op sums over."""
+        return tuple(
+            (value, axis)
+            for value, dims in zip(self.operands, self.summed)
+            for d in dims
+            if d < len(value.dims)
+            for axis in value.dims[d]
+        )
+
 
 @dataclass(frozen=True)
 class _Op:
@@ -179,6 +189,22 @@ class Propagation:
                 and any(v.sharding and v.sharding != decision.result.sharding for v in decision.operands)
             ):
                 found.append((decision, name[1]))
+        return found[0] if len(found) == 1 else None
+
+    def summing(self, primitive: str, axes: set[str], shape: tuple[int, ...]) -> Decision | None:
+        """The one operation of JAX primitive `primitive` (``reduce_sum``, ``dot_general``, ...) that sums over
+        dimensions its operands have split over exactly `axes`, its result `shape` on each device, or None.
+
+        This reaches an operation inside a nested jit (a ``jnp`` function: ``jnp.linalg.norm``), which Shardy's
+        module has inlined where the lowered one has a call, so that no location joins it to a line."""
+        kind = "stablehlo.reduce" if primitive.startswith("reduce_") else "stablehlo." + primitive
+        found = []
+        for op in self._propagated:
+            decision = self._decision(primitive, op) if op.kind == kind else None
+            if decision is None or {axis for _, axis in decision.summed_over()} != axes:
+                continue
+            if (self._local(op) if _SHARDINGS.search(op.text) else _result_shape(op)) == shape:
+                found.append(decision)
         return found[0] if len(found) == 1 else None
 
     def _local(self, op: _Op) -> tuple[int, ...] | None:
@@ -276,6 +302,12 @@ def _elementwise(text: str) -> bool:
         return False
     groups = re.findall(r"\[[^\]]*\]", rule[1]) + re.findall(r"\[[^\]]*\]", rule[2])
     return len(set(groups)) == 1
+
+
+def _result_shape(op: _Op) -> tuple[int, ...] | None:
+    """An operation's (last) result type's shape, as its text writes it."""
+    types = re.findall(r"tensor<((?:\d+x)*)\w+>", op.text)
+    return tuple(int(n) for n in types[-1].split("x") if n) if types else None
 
 
 def _summed(text: str) -> tuple[tuple[int, ...], ...]:

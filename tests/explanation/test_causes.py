@@ -182,3 +182,11 @@ def test_pjit_era_code_finds_its_mesh_and_a_lone_returned_gradient_is_one(capsys
         reduced["cause"]["kind"] == "sum"
         and reduced["cause"]["line"] == f"{PROGRAMS}:{_deciding_line('pjit_era_gradient')}"
     )
+
+
+def test_a_norm_over_a_weights_split_dimension_is_a_surprise_named_inside_its_jnp_function(capsys, devices):
+    found = _inspect(capsys, "norm_over_a_split_weight", "data=2,fsdp=4")
+    (norm,) = [c for c in found["collectives"] if c["surprise"]]
+    assert norm["cause"]["kind"] == "sum" and norm["cause"]["op"] == "reduce_sum" and "jit(norm)" in norm["op_name"]
+    assert norm["cause"]["line"] == f"{PROGRAMS}:{_deciding_line('norm_over_a_split_weight')}"
+    assert norm["hint"].endswith("in the sharding declared for w") and found["surprises"] == 1

@@ -194,3 +194,14 @@ def pjit_era_gradient(mesh):
 
     step = pjit(jax.grad(f, argnums=1), in_shardings=(P("data", None), P(None, "fsdp")), out_shardings=P(None, "fsdp"))
     return step, (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((128, 256), jnp.float32))
+
+
+def norm_over_a_split_weight(mesh):
+    """Not from an issue: weight normalisation (a norm over the dimension fsdp splits, inside jnp.linalg.norm's own
+    jit) before a matmul: the norm's sum is all-reduced every step."""
+
+    def f(w, x):
+        w = w / jnp.linalg.norm(w, axis=0, keepdims=True)  # decides
+        return x @ w
+
+    return jax.jit(f), (_abstract(mesh, (256, 1024), P("fsdp", None)), _abstract(mesh, (64, 256), P("data", None)))
