@@ -29,7 +29,11 @@ whole first:
   parallelism's all-reduce, data parallelism's gradient sum, a loss over a
   split batch) the layouts ask for it, and the explanation drops its hint
   (`lab.explanation.explain`); of anything else (a norm over a weight's split
-  dimension) it stays a surprise, with the change that avoids it.
+  dimension) it stays a surprise, with the change that avoids it;
+* **partitioner**: a collective over a mesh axis that no layout of the
+  program names, declared or propagated (Shardy's record names it nowhere):
+  the devices along it hold the same data, and XLA's partitioner chose on its
+  own to split an op's work among them and put the pieces back together.
 
 Anything else is the partitioner's own choice between the layouts the program
 declared (`attribution` names what it moves); no cause is guessed for it.
@@ -44,7 +48,7 @@ from lab.explanation.origins import Decision, Propagation, Value
 from lab.hlo.collectives import Collective
 from lab.hlo.sources import Frame, op_of
 
-CAUSES = ("op", "loop predicate", "shard_map", "annotation", "sum")
+CAUSES = ("op", "loop predicate", "shard_map", "annotation", "sum", "partitioner")
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     said = _said(collective, path, line, where)
     if said is not None or propagation is None:
         return said
-    return _recorded(collective, line, where, propagation)
+    return _recorded(collective, line, where, propagation) or _idle_axes(collective, line, where, propagation)
 
 
 def cause_before(collective: Collective, moved: str, consumer: str, line: Frame) -> Cause | None:
@@ -222,6 +226,24 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
         return found
     constrained = propagation.constrained(op_of(collective.op_name), tuple(collective.result_shapes[0]))
     return _constrained(collective, *constrained, line, where, propagation) if constrained else None
+
+
+def _idle_axes(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:
+    """A collective over mesh axes no layout of the program names: the partitioner's own use of idle devices."""
+    idle = [axis for axis in collective.axes or () if axis not in propagation.named_axes]
+    if not idle or not propagation.named_axes:
+        return None
+    axes, op = ",".join(idle), op_of(collective.op_name or "").split(":")[-1].rstrip(")")  # also one of a combined
+    why = (
+        f"no layout of the program names {axes} (Shardy's record splits nothing over it): the devices along it hold "
+        f"the same data, and XLA's partitioner chose to share {op}'s work at {where} among them; the "
+        f"{collective.kind} over {_axes(collective)} puts the pieces together"
+    )
+    hint = (
+        f"at {where}: lay {op}'s operands out over {axes} if those devices should share the work, or leave {axes} "
+        "out of the mesh"
+    )
+    return Cause("partitioner", op, line, why, hint)
 
 
 def _lays_out_itself(op: str) -> bool:

@@ -110,6 +110,10 @@ class Propagation:
     def __init__(self, propagated: str, lowered: str):
         mesh = _MESH.search(propagated)
         self._mesh = {axis: int(size) for axis, size in re.findall(r'"(\w+)"=(\d+)', mesh[0])} if mesh else {}
+        # the mesh axes any layout in the module names (declared, constrained or propagated): an axis outside them
+        # splits nothing Shardy decided, so a collective over it is the partitioner's own choice
+        layouts = _SHARDINGS.findall(propagated.replace(mesh[0], "") if mesh else propagated)
+        self.named_axes = frozenset(axis for layout in layouts for axis in re.findall(r'"(\w+)"', layout))
         self._propagated = _entry_ops(propagated)
         self._lowered = _entry_ops(lowered)
         self._locations = _locations(lowered)

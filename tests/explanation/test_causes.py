@@ -190,3 +190,17 @@ def test_a_norm_over_a_weights_split_dimension_is_a_surprise_named_inside_its_jn
     assert norm["cause"]["kind"] == "sum" and norm["cause"]["op"] == "reduce_sum" and "jit(norm)" in norm["op_name"]
     assert norm["cause"]["line"] == f"{PROGRAMS}:{_deciding_line('norm_over_a_split_weight')}"
     assert norm["hint"].endswith("in the sharding declared for w") and found["surprises"] == 1
+
+
+def test_collectives_over_an_axis_no_layout_names_are_the_partitioners_own(capsys, devices):
+    found = _inspect(capsys, "an_axis_no_layout_names", "data=2,fsdp=2,tensor=2")
+    over_tensor = [c for c in found["collectives"] if "tensor" in c["axes"]]
+    assert over_tensor and all(c["cause"]["kind"] == "partitioner" for c in over_tensor)
+    line = f"public_issues.py:{_deciding_line('an_axis_no_layout_names')}"
+    assert all(
+        c["hint"].startswith(f"at {line}: ") and c["hint"].endswith("leave tensor out of the mesh") for c in over_tensor
+    )
+    # the axes the program names are never the partitioner's
+    assert not any(
+        c["cause"] and c["cause"]["kind"] == "partitioner" for c in found["collectives"] if "tensor" not in c["axes"]
+    )

@@ -205,3 +205,21 @@ def norm_over_a_split_weight(mesh):
         return x @ w
 
     return jax.jit(f), (_abstract(mesh, (256, 1024), P("fsdp", None)), _abstract(mesh, (64, 256), P("data", None)))
+
+
+def an_axis_no_layout_names(mesh):
+    """Not from an issue: scanned layers whose weights fsdp splits and whose batch data and fsdp split, on a mesh
+    with a tensor axis the program never names; XLA's partitioner shares the matmuls over tensor on its own."""
+
+    def layer(h, w):
+        return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"], None  # decides
+
+    def loss(params, x):
+        h, _ = jax.lax.scan(jax.checkpoint(layer), x, params)
+        return jnp.mean(h**2)
+
+    params = {
+        "w1": _abstract(mesh, (4, 256, 1024), P(None, "fsdp", None)),
+        "w2": _abstract(mesh, (4, 1024, 256), P(None, None, "fsdp")),
+    }
+    return jax.jit(jax.value_and_grad(loss)), (params, _abstract(mesh, (32, 256), P(("data", "fsdp"), None)))
