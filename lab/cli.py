@@ -336,7 +336,7 @@ def _compiled_program(command: Inspect, mesh, compile_only: bool):
     if command.fn is not None:
         builder = program.load(command.fn)
         fn, args = program.build(builder, mesh, command.fn, compile_only=compile_only)
-        mesh = program.own_mesh(args, mesh)
+        mesh = program.own_mesh(args, mesh, command.fn)
         title = command.fn
     else:
         element = inputs.dtype("--dtype", command.dtype)

@@ -202,6 +202,10 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     """The cause Shardy's record shows at the collective's op: its own out_sharding=, two annotations that
     disagree, or a with_sharding_constraint that set the layout of the op it constrains (one no location joins)."""
     at_line = line.line if line else None
+    decision = propagation.decision(collective.op_name, at_line)
+    summed = _summed(collective, decision, line, where, propagation) if decision is not None else None
+    if summed is not None:  # partial sums: no out_sharding= or constraint would spare their reduction
+        return summed
     asked = propagation.out_sharding(collective.op_name, at_line)
     if asked is not None:
         op = op_of(collective.op_name)
@@ -213,14 +217,13 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
             f"the {collective.kind} over {_axes(collective)} makes the result so",
             f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
         )
-    decision = propagation.decision(collective.op_name, at_line)
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
     if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
         found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
-    if found is None and collective.result_shapes:  # a sum at its line, or the one inside a nested jit
+    if found is None and decision is None and collective.result_shapes:  # a sum inside a nested jit
         axes, shape = set(collective.axes or ()), tuple(collective.result_shapes[0])
-        summing = decision or propagation.summing(op_of(collective.op_name), axes, shape)
+        summing = propagation.summing(op_of(collective.op_name), axes, shape)
         found = _summed(collective, summing, line, where, propagation) if summing is not None else None
     if found is not None or not collective.result_shapes:
         return found

@@ -94,13 +94,25 @@ def in_context(mesh) -> Iterator[None]:
         yield
 
 
-def own_mesh(args, mesh):
+def own_mesh(args, mesh, spec: str):
     """The mesh of the first argument laid out on a mesh of its own over the same devices (a builder that made one
-    with jax.make_mesh and its own axis names: the collectives are named by those), else the lab's `mesh`."""
-    for leaf in jax.tree.leaves(args):
-        own = getattr(getattr(leaf, "sharding", None), "mesh", None)
-        if isinstance(own, jax.sharding.Mesh) and own != mesh and set(own.devices.flat) == set(mesh.devices.flat):
-            return own
+    with jax.make_mesh and its own axis names: the collectives are named by those), else the lab's `mesh`.
+
+    An argument whose sharding is a bare PartitionSpec (``ShapeDtypeStruct(..., sharding=P(...))``) is read with
+    the lab's mesh in context, as its step will be compiled; one naming axes that mesh does not have was made for
+    a mesh of the builder's own, which the lab cannot know: one line says what to write instead."""
+    with in_context(mesh):
+        for leaf in jax.tree.leaves(args):
+            try:
+                own = getattr(getattr(leaf, "sharding", None), "mesh", None)
+            except (TypeError, ValueError) as err:
+                raise LabError(
+                    f"--fn {spec!r}: an argument's sharding cannot be read on the lab's mesh ({_one_line(err)}); a "
+                    "bare PartitionSpec is resolved against the mesh in context: give it NamedSharding(mesh, P(...)) "
+                    "with the mesh your builder lays it out on"
+                ) from None
+            if isinstance(own, jax.sharding.Mesh) and own != mesh and set(own.devices.flat) == set(mesh.devices.flat):
+                return own
     return mesh
 
 

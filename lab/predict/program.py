@@ -99,7 +99,7 @@ def read_program(command: Predict) -> Reading:
     chip = profile_for_device_kind(devices[0].device_kind)
     with program.bounded(command.timeout):  # the user's code, not the compiler's: bounded
         fn, args = program.build(builder, mesh, spec, compile_only=True)
-        mesh = program.own_mesh(args, mesh)
+        mesh = program.own_mesh(args, mesh, spec)
         started = time.perf_counter()
         with program.blamed(spec, "tracing it", compile_only=True), program.in_context(mesh):
             lowered = lower(fn, *args, mesh=mesh)

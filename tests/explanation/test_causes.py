@@ -204,3 +204,13 @@ def test_collectives_over_an_axis_no_layout_names_are_the_partitioners_own(capsy
     assert not any(
         c["cause"] and c["cause"]["kind"] == "partitioner" for c in found["collectives"] if "tensor" not in c["axes"]
     )
+
+
+def test_partial_sums_are_a_sum_whatever_out_sharding_asks(capsys, devices):
+    """Explicit sharding: each op's result layout is written (an out_sharding=, or the type's), but no layout spares
+    the reduction of partial sums: the contraction, and the sum over the dimension a reshard split, are named."""
+    found = _inspect(capsys, "explicit_matmul_then_sum", "fsdp=2,tensor=4", "--axis-types", "explicit")
+    reductions = {tuple(c["axes"]): c["cause"] for c in found["collectives"] if c["kind"] == "all-reduce"}
+    assert (reductions[("tensor",)]["kind"], reductions[("tensor",)]["op"]) == ("sum", "dot_general")
+    assert reductions[("tensor",)]["line"] == f"{PROGRAMS}:{_deciding_line('explicit_matmul_then_sum')}"
+    assert (reductions[("fsdp",)]["kind"], reductions[("fsdp",)]["op"]) == ("sum", "reduce_sum")

@@ -400,6 +400,12 @@ def explicit(mesh):  # JAX's explicit sharding: reshard needs axes of type Expli
 def auto(mesh):  # the partitioner's: a constraint that differs is an assertion on axes of type Explicit
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
     return jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, "data")))), (x,)
+
+
+def bare_spec(mesh):  # a bare PartitionSpec made under a mesh of its own, which the builder does not return
+    with jax.set_mesh(jax.make_mesh((8,), ("x",), devices=mesh.devices.flat)):
+        x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=P("x", None))
+    return jax.jit(lambda x: x * 2), (x,)
 """
 
 
@@ -434,6 +440,7 @@ def auto(mesh):  # the partitioner's: a constraint that differs is an assertion 
         (["--fn", "{tmp}/user.py:fails", "--timeout", "-1"], "--timeout -1: must be at least 0"),
         (["--fn", "{tmp}/sharded.py:explicit", "--mesh", "data=8"], "give --axis-types explicit"),
         (["--fn", "{tmp}/sharded.py:auto", "--mesh", "data=8", "--axis-types", "explicit"], "--axis-types auto"),
+        (["--fn", "{tmp}/sharded.py:bare_spec", "--mesh", "data=8"], "give it NamedSharding(mesh, P(...))"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):

@@ -223,3 +223,15 @@ def an_axis_no_layout_names(mesh):
         "w2": _abstract(mesh, (4, 1024, 256), P(None, None, "fsdp")),
     }
     return jax.jit(jax.value_and_grad(loss)), (params, _abstract(mesh, (32, 256), P(("data", "fsdp"), None)))
+
+
+def explicit_matmul_then_sum(mesh):
+    """The JAX explicit-sharding tutorial's patterns (docs: Explicit sharding): a matmul contracting a dimension
+    tensor splits, with an out_sharding=, then a reshard and a sum over the dimension it splits."""
+
+    def f(x, w):
+        y = jnp.einsum("bd,df->bf", x, w, out_sharding=P("fsdp", "tensor"))  # decides
+        z = jax.sharding.reshard(y, P(None, "fsdp"))
+        return jnp.sum(z * 2.0, axis=1)
+
+    return jax.jit(f), (_abstract(mesh, (64, 128), P("fsdp", "tensor")), _abstract(mesh, (128, 256), P("tensor", None)))
