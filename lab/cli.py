@@ -345,8 +345,8 @@ def _compiled_program(command: Inspect, mesh, compile_only: bool):
         title = f"{command.program} over {','.join(command.axes)}"
     started = time.perf_counter()
     option = "--fn" if command.fn is not None else "--program"
-    with program.blamed(title, "compiling it", compile_only, option), program.in_context(mesh):  # as the user's would
-        compiled = compile_with_origins(fn, *args, mesh=mesh)
+    with program.blamed(title, "compiling it", compile_only, option):  # in the mesh's context, as the user's script
+        compiled = program.in_its_context(lambda: compile_with_origins(fn, *args, mesh=mesh), mesh)
     return title, compiled, time.perf_counter() - started, mesh
 
 

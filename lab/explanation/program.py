@@ -36,7 +36,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
@@ -45,6 +45,7 @@ from lab.interrupts import Terminated
 
 _LAB = str(Path(__file__).resolve().parent)
 _FORMS = "FILE.py:NAME or package.module:NAME, where NAME(mesh) returns (fn, args)"
+T = TypeVar("T")
 
 
 def load(spec: str) -> Callable:
@@ -92,6 +93,19 @@ def in_context(mesh) -> Iterator[None]:
                 warnings.filterwarnings("ignore", "`with mesh:`", DeprecationWarning)
                 stack.enter_context(mesh)
         yield
+
+
+def in_its_context(run: Callable[[], T], mesh) -> T:
+    """``run()``, the tracing of the user's step, with `mesh` in context (`in_context`); a step that brings a mesh
+    of its own (``jax.pmap``, which runs as a shard_map over its axis name; a shard_map over a mesh the builder
+    made and does not lay its arguments on) is traced again without it, as its own script runs it."""
+    try:
+        with in_context(mesh):
+            return run()
+    except ValueError as err:
+        if "should match the mesh passed to shard_map" not in str(err):
+            raise
+    return run()
 
 
 def own_mesh(args, mesh, spec: str):

@@ -101,8 +101,8 @@ def read_program(command: Predict) -> Reading:
         fn, args = program.build(builder, mesh, spec, compile_only=True)
         mesh = program.own_mesh(args, mesh, spec)
         started = time.perf_counter()
-        with program.blamed(spec, "tracing it", compile_only=True), program.in_context(mesh):
-            lowered = lower(fn, *args, mesh=mesh)
+        with program.blamed(spec, "tracing it", compile_only=True):
+            lowered = program.in_its_context(lambda: lower(fn, *args, mesh=mesh), mesh)
     with program.blamed(spec, "compiling it", compile_only=True), program.in_context(mesh):
         try:
             compiled = compile_lowered(lowered, mesh, started)

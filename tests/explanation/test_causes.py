@@ -214,3 +214,11 @@ def test_partial_sums_are_a_sum_whatever_out_sharding_asks(capsys, devices):
     assert (reductions[("tensor",)]["kind"], reductions[("tensor",)]["op"]) == ("sum", "dot_general")
     assert reductions[("tensor",)]["line"] == f"{PROGRAMS}:{_deciding_line('explicit_matmul_then_sum')}"
     assert (reductions[("fsdp",)]["kind"], reductions[("fsdp",)]["op"]) == ("sum", "reduce_sum")
+
+
+def test_a_pmap_step_is_traced_on_its_own_mesh(capsys, devices):
+    found = _inspect(capsys, "pmap_data_parallel", "data=8")
+    (mean,) = found["collectives"]
+    assert (mean["kind"], mean["axes"], mean["origin"]["kind"]) == ("all-reduce", ["data"], "gradient")
+    assert mean["cause"]["kind"] == "shard_map" and mean["cause"]["op"].startswith("psum")
+    assert mean["cause"]["line"] == f"{PROGRAMS}:{_deciding_line('pmap_data_parallel')}"

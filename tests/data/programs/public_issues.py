@@ -235,3 +235,16 @@ def explicit_matmul_then_sum(mesh):
         return jnp.sum(z * 2.0, axis=1)
 
     return jax.jit(f), (_abstract(mesh, (64, 128), P("fsdp", "tensor")), _abstract(mesh, (128, 256), P("tensor", None)))
+
+
+def pmap_data_parallel(mesh):
+    """The JAX docs' data parallelism with pmap (a pmean of the gradients over the pmapped axis): pmap brings a mesh
+    of its own, over its axis name."""
+
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.mean((x @ w) ** 2))(w)
+        return w - 1e-3 * jax.lax.pmean(g, axis_name="batch")  # decides
+
+    n = mesh.devices.size
+    fn = jax.pmap(step, axis_name="batch", devices=list(mesh.devices.flat))
+    return fn, (jax.ShapeDtypeStruct((n, 128, 64), jnp.float32), jax.ShapeDtypeStruct((n, 32, 128), jnp.float32))
