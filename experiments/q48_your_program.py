@@ -12,9 +12,9 @@ optax, the weights and both moments sharded over ``fsdp``, the batch over
 topology, and for every collective says which line of the example made it,
 the JAX op, and why it is there, by following its data in the optimized HLO
 (`lab.hlo.attribution`): a parameter moved, a gradient reduced, an input
-resharded, activations moved; whatever nothing explains is a *surprise*. The
-example plants one: the column norm of ``w_up`` sums over the rows XLA split
-over ``fsdp``.
+resharded, activations moved; whatever nothing explains, or a sum the layouts
+force on anything else, is a *surprise*. The example plants one: the column
+norm of ``w_up`` sums over the rows its declared sharding splits over ``fsdp``.
 
 #49 is in the same table: "ZeRO-3 / FSDP all-gather each weight before its
 matmul". With the shardings on the arguments only, the partitioner is free to
@@ -393,7 +393,7 @@ def _summary(obs: Observations) -> str:
     return (
         f"The example's step compiles to {len(here.rows)} collectives on {here.target}"
         + (f" and {len(obs.tpu.rows)} for {obs.tpu.target}" if obs.tpu else "")
-        + f"; each is traced to a line of the example and a reason. The one nothing explains is at {where}, the "
+        + f"; each is traced to a line of the example and a reason. The one surprise is at {where}, the "
         f"planted norm. Weights moved {format_bytes(_moved_bytes(here, 'parameter'))} and activations "
         f"{format_bytes(_moved_bytes(here, 'activation'))} per step on {here.target}: with only the arguments' "
         "shardings, the partitioner chose what to move."

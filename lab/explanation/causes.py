@@ -202,10 +202,10 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     """The cause Shardy's record shows at the collective's op: its own out_sharding=, two annotations that
     disagree, or a with_sharding_constraint that set the layout of the op it constrains (one no location joins)."""
     at_line = line.line if line else None
-    decision = propagation.decision(collective.op_name, at_line)
-    summed = _summed(collective, decision, line, where, propagation) if decision is not None else None
+    summed = _sum_of(collective, line, where, propagation)
     if summed is not None:  # partial sums: no out_sharding= or constraint would spare their reduction
         return summed
+    decision = propagation.decision(collective.op_name, at_line)
     asked = propagation.out_sharding(collective.op_name, at_line)
     if asked is not None:
         op = op_of(collective.op_name)
@@ -221,10 +221,6 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
         found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
-    if found is None and decision is None and collective.result_shapes:  # a sum inside a nested jit
-        axes, shape = set(collective.axes or ()), tuple(collective.result_shapes[0])
-        summing = propagation.summing(op_of(collective.op_name), axes, shape)
-        found = _summed(collective, summing, line, where, propagation) if summing is not None else None
     if found is not None or not collective.result_shapes:
         return found
     constrained = propagation.constrained(op_of(collective.op_name), tuple(collective.result_shapes[0]))
@@ -320,11 +316,31 @@ def _constrained(
     return Cause("annotation", "with_sharding_constraint", deciding, why, hint)
 
 
+def _sum_of(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:
+    """The sum the collective adds up: an op at its line that sums what the layouts split, or, where no op of that
+    name is joined to a line (inside a nested jit), the ones of its kind in Shardy's module that do so to a result
+    of the collective's shape."""
+    decisions = propagation.decisions(collective.op_name, line.line if line else None)
+    sums = (_summed(collective, d, line, where, propagation) for d in decisions)
+    found = next((cause for cause in sums if cause is not None), None)
+    if found is not None or decisions or not collective.result_shapes:
+        return found
+    axes, shape = set(collective.axes or ()), tuple(collective.result_shapes[0])
+    summing = propagation.summing(op_of(collective.op_name), axes, shape)
+    return _summed(collective, summing[0], line, where, propagation, len(summing)) if summing else None
+
+
 def _summed(
-    collective: Collective, decision: Decision, line: Frame | None, where: str, propagation: Propagation
+    collective: Collective,
+    decision: Decision,
+    line: Frame | None,
+    where: str,
+    propagation: Propagation,
+    alike: int = 1,
 ) -> Cause | None:
     """An op that sums over a dimension its operands have split over every axis of the collective (an all-reduce or
-    a reduce-scatter): the collective adds the devices' partial sums, as the layouts ask."""
+    a reduce-scatter): the collective adds the devices' partial sums, as the layouts ask. `alike`: how many such
+    ops the collective may come from (a norm over a tree's leaves, one per leaf), of which `decision` is one."""
     axes = set(collective.axes or ())
     if collective.kind not in ("all-reduce", "reduce-scatter") or not axes:
         return None
@@ -336,9 +352,10 @@ def _summed(
         return None
     op = op_of(decision.op)
     how = "; ".join(f"{name} split over {axis} by {words}" for (name, axis), words in split.items())
+    one = f"; one of {alike} alike" if alike > 1 else ""
     why = (
-        f"{op} at {where} sums over a dimension split over {_axes(collective)} ({how}): each device sums its own "
-        f"part, and the {collective.kind} adds the parts"
+        f"{op} at {where} sums over a dimension split over {_axes(collective)} ({how}{one}): each device sums its "
+        f"own part, and the {collective.kind} adds the parts"
     )
     sources = " and ".join(
         dict.fromkeys(_splitter(value.origins.get(axis, ""), value, propagation) for value, axis in summed)

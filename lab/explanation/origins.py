@@ -150,14 +150,19 @@ class Propagation:
 
     def decision(self, op_name: str, line: int | None) -> Decision | None:
         """The operation named `op_name` at `line` (the first such one that reshards), or None when not joined."""
-        found = None
+        found = self.decisions(op_name, line)
+        return next((d for d in found if any(v.sharding != d.result.sharding for v in d.operands)), None) or next(
+            iter(found), None
+        )
+
+    def decisions(self, op_name: str, line: int | None) -> list[Decision]:
+        """Every operation named `op_name` at `line` (a tree_map's line makes one per leaf)."""
+        found = []
         for _, propagated, at in self._named.get(op_name, ()):
             if line is not None and at is not None and at != line:
                 continue
             decision = self._decision(op_name, propagated)
-            if decision is not None and any(v.sharding != decision.result.sharding for v in decision.operands):
-                return decision
-            found = found or decision
+            found += [decision] if decision is not None else []
         return found
 
     def out_sharding(self, op_name: str, line: int | None) -> str | None:
@@ -195,12 +200,13 @@ class Propagation:
                 found.append((decision, name[1]))
         return found[0] if len(found) == 1 else None
 
-    def summing(self, primitive: str, axes: set[str], shape: tuple[int, ...]) -> Decision | None:
-        """The one operation of JAX primitive `primitive` (``reduce_sum``, ``dot_general``, ...) that sums over
-        dimensions its operands have split over exactly `axes`, its result `shape` on each device, or None.
+    def summing(self, primitive: str, axes: set[str], shape: tuple[int, ...]) -> list[Decision]:
+        """The operations of JAX primitive `primitive` (``reduce_sum``, ``dot_general``, ...) that sum over
+        dimensions their operands have split over exactly `axes`, their result `shape` on each device.
 
-        This reaches an operation inside a nested jit (a ``jnp`` function: ``jnp.linalg.norm``), which Shardy's
-        module has inlined where the lowered one has a call, so that no location joins it to a line."""
+        This reaches an operation inside a nested jit (a ``jnp`` function: ``jnp.linalg.norm``; a library's, as
+        ``optax.tree.norm``, one per leaf of a tree), which Shardy's module has inlined where the lowered one has a
+        call, so that no location joins it to a line."""
         kind = "stablehlo.reduce" if primitive.startswith("reduce_") else "stablehlo." + primitive
         found = []
         for op in self._propagated:
@@ -209,7 +215,7 @@ class Propagation:
                 continue
             if (self._local(op) if _SHARDINGS.search(op.text) else _result_shape(op)) == shape:
                 found.append(decision)
-        return found[0] if len(found) == 1 else None
+        return found
 
     def _local(self, op: _Op) -> tuple[int, ...] | None:
         """An operation's result shape on one device, in the layout Shardy gave it."""

@@ -83,6 +83,8 @@ _MOVES = frozenset(
         "transpose",
         "async-start",
         "async-done",
+        "slice-start",  # libtpu's asynchronous slices of a weight (put back together by a ConcatBitcast custom-call)
+        "slice-done",
     )
 )
 _NOT_DATA = frozenset(("constant", "iota", "partition-id", "replica-id", "after-all"))
@@ -139,6 +141,9 @@ class Dataflow:
     outputs: tuple[str, ...]  # the entry computation's values the step returns, in order (its ROOT's operands
     # when that is a tuple or a combined all-reduce of them, else the ROOT itself)
     opcodes: dict[str, frozenset[str]] = field(default_factory=dict)  # computation -> the opcodes it holds
+    callers: dict[str, tuple[str, Instruction]] = field(default_factory=dict)  # computation a fusion or call runs
+    # (libtpu's async collective fusions hold the collective itself) -> (computation, the one instruction calling it)
+    roots: dict[str, Instruction] = field(default_factory=dict)  # computation -> its ROOT instruction
 
     @classmethod
     def of(cls, hlo_text: str, mesh: dict[str, int] | None = None) -> Dataflow:
@@ -272,7 +277,7 @@ def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str
     and the sequence (dimension 1) of token ids [B, S] or of embeddings [B, S, D] (not the features of [B, D])."""
     found: dict[int, str] = {}
     for i in inputs:
-        if i.index in parameters or not i.local_shape:
+        if i.index in parameters or not i.local_shape or _OPTIMIZER_NAME.search(i.name):  # Adam's moments: weights'
             continue
         found.setdefault(i.global_shape[0], f"the batch of {i.name}")
         found.setdefault(i.local_shape[0], f"the batch of {i.name} per device")
@@ -287,6 +292,8 @@ def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str
 
 def _dataflow(hlo_text: str, mesh: dict[str, int]) -> Dataflow:
     instructions, users, whiles, entry, root = {}, defaultdict(list), {}, "", None
+    called: dict[str, list[tuple[str, Instruction]]] = defaultdict(list)
+    roots: dict[str, Instruction] = {}
     opcodes: dict[str, set[str]] = defaultdict(set)
     for computation in computations(hlo_text):
         entry = computation.name if computation.is_entry else entry
@@ -296,21 +303,35 @@ def _dataflow(hlo_text: str, mesh: dict[str, int]) -> Dataflow:
                 continue
             instructions[computation.name, instruction.name] = instruction
             opcodes[computation.name].add(instruction.opcode)
-            if computation.is_entry and instruction.line.lstrip().startswith("ROOT"):
-                root = instruction
+            if instruction.line.lstrip().startswith("ROOT"):
+                roots[computation.name] = instruction
+                root = instruction if computation.is_entry else root
             for operand in instruction.operands:
                 users[computation.name, operand].append(instruction)
             if instruction.opcode == "while":
                 body = instruction.attr(r"\bbody=%?([\w.\-]+)")
                 if body:
                     whiles[body] = (computation.name, instruction)
+            elif callee := instruction.attr(r"\bcalls=%?([\w.\-]+)"):
+                called[callee].append((computation.name, instruction))
     inputs = {}
     for (computation, _), instruction in instructions.items():
         if computation == entry and instruction.opcode == "parameter":
             index = _parameter_number(instruction, 0)
             inputs[index] = _input(instruction, index, mesh)
     outputs = () if root is None else tuple(root.operands) if _returns_each_operand(root) else (root.name,)
-    return Dataflow(instructions, users, whiles, entry, inputs, outputs, {c: frozenset(o) for c, o in opcodes.items()})
+    callers = {callee: sites[0] for callee, sites in called.items() if len(sites) == 1}
+    return Dataflow(
+        instructions,
+        users,
+        whiles,
+        entry,
+        inputs,
+        outputs,
+        {c: frozenset(o) for c, o in opcodes.items()},
+        callers,
+        roots,
+    )
 
 
 def _returns_each_operand(root: Instruction) -> bool:
@@ -424,10 +445,18 @@ def _trace_back(graph: Dataflow, computation: str, name: str, index: int | None,
         if computation == graph.entry:
             return _parameter_number(instruction, 0)
         caller = graph.while_callers.get(computation)
-        if caller is None or index is None:
+        if caller is not None:
+            outer, loop = caller
+            return (
+                _trace_back(graph, outer, loop.operands[0], index, depth + 1)
+                if loop.operands and index is not None
+                else None
+            )
+        if computation not in graph.callers:  # a fusion's or a call's parameter k is its caller's operand k
             return None
-        outer, loop = caller
-        return _trace_back(graph, outer, loop.operands[0], index, depth + 1) if loop.operands else None
+        outer, call = graph.callers[computation]
+        k = _parameter_number(instruction, -1)
+        return _trace_back(graph, outer, call.operands[k], index, depth + 1) if 0 <= k < len(call.operands) else None
     if opcode == "tuple":
         if index is None or index >= len(instruction.operands):
             return None
@@ -437,18 +466,44 @@ def _trace_back(graph: Dataflow, computation: str, name: str, index: int | None,
         if element is None or not instruction.operands:
             return None
         return _trace_back(graph, computation, instruction.operands[0], int(element), depth + 1)
+    if opcode == "while":  # element k of a loop's result: its initial element k, where the body passes it on as is
+        body = instruction.attr(r"\bbody=%?([\w.\-]+)")
+        if index is None or not body or not instruction.operands or not _passed_on(graph, body, index):
+            return None
+        return _trace_back(graph, computation, instruction.operands[0], index, depth + 1)
     data = [o for o in instruction.operands if not _is_constant(graph, computation, o)]
-    if opcode in _MOVES or (opcode == "fusion" and len(data) == 1):
+    if opcode in _MOVES or (opcode in ("fusion", "dynamic-update-slice") and len(data) == 1):
         return _trace_back(graph, computation, data[0], index, depth + 1) if data else None
+    if opcode in ("concatenate", "custom-call") and len(data) > 1:  # pieces of one input put back together
+        sources = {_trace_back(graph, computation, operand, None, depth + 1) for operand in data}
+        return sources.pop() if len(sources) == 1 and None not in sources else None
     return None
 
 
+def _passed_on(graph: Dataflow, body: str, k: int) -> bool:
+    """Whether a loop body returns element k of its carry as it received it (the weights a scanned forward pass
+    carries through every layer, for the backward loop after it)."""
+    root = graph.roots.get(body)
+    if root is None or root.opcode != "tuple" or k >= len(root.operands):
+        return False
+    value = graph.instructions.get((body, root.operands[k]))
+    while value is not None and value.opcode in ("copy", "bitcast") and len(value.operands) == 1:
+        value = graph.instructions.get((body, value.operands[0]))
+    if value is None or value.opcode != "get-tuple-element" or value.attr(r"\bindex=(\d+)") != str(k):
+        return False
+    carry = graph.instructions.get((body, value.operands[0]))
+    return carry is not None and carry.opcode == "parameter"
+
+
 def _is_constant(graph: Dataflow, computation: str, name: str) -> bool:
-    """Operands that carry no data of the program: constants, ids, and scalars (offsets, counters)."""
+    """Operands that carry no data of the program: constants, ids, scalars (offsets, counters), and a constant
+    broadcast (the zeros an all-gather written as an all-reduce adds each device's piece into)."""
     instruction = graph.instructions.get((computation, name))
     if instruction is None:
         return False
     shapes = arrays(instruction.shape)
+    if instruction.opcode == "broadcast":
+        return all(_is_constant(graph, computation, o) for o in instruction.operands)
     return instruction.opcode in _NOT_DATA or (len(shapes) == 1 and not shapes[0][1])
 
 
@@ -498,6 +553,9 @@ def _resized(graph: Dataflow, node: Instruction, user: Instruction) -> bool:
     if user.opcode == "fusion":
         held = graph.opcodes.get(user.attr(r"\bcalls=%?([\w.\-]+)") or "", frozenset())
     sizes, results = _sizes(graph, node.computation, node.name), _sizes_of(user.shape)
+    if len(sizes) == 1 and len(results) > 1 and 0 not in sizes + results:  # a multi-output fusion (an optimizer
+        # update) that slices this device's rows out of a whole reduced gradient: libtpu's reduce-scatter form
+        return "dynamic-slice" in held and any(r < sizes[0] and sizes[0] % r == 0 for r in results)
     if len(sizes) != 1 or len(results) != 1 or sizes == results or 0 in sizes + results:
         return False  # tuples are followed element by element (get-tuple-element), not here
     size, result = sizes[0], results[0]

@@ -315,7 +315,9 @@ def test_the_planted_surprise_comes_first_at_its_line_with_a_hint(capsys, device
     assert [c for c in found["collectives"] if c["surprise"]] == [surprise]  # each row says whether it is one
     assert (surprise["kind"], surprise["axes"]) == ("all-reduce", ["fsdp"])
     assert surprise["source"].endswith(f":{line_of('optax_train_step.py', 'the surprise')}")
-    assert "with_sharding_constraint" in surprise["hint"]
+    # the norm's sum over the dimension fsdp splits in w_up, inside jnp.linalg.norm: named, and what to change there
+    assert (surprise["cause"]["kind"], surprise["cause"]["op"]) == ("sum", "reduce_sum")
+    assert surprise["hint"].endswith("in the sharding declared for params['w_up']")
     gradients = [c for c in found["collectives"] if c["origin"]["kind"] == "gradient"]
     named = {n for c in gradients for n in c["origin"]["name"].split(", ")}
     assert named == {"params['embed']", "params['w_up']", "params['w_down']"}  # the weights, not AdamW's moments
@@ -339,6 +341,25 @@ def test_a_tpu_topology_compile_only_places_each_collective_on_ici_and_prices_it
     assert found["collectives"] and all(c["link"] == "ici" and c["predicted_s"] > 0 for c in found["collectives"])
     assert all(c["origin"]["kind"] in EXPLAINED for c in found["collectives"])
     assert found["roofline"]["chip"] == "v5e" and found["roofline"]["compute_s"] > 0
+
+
+def test_a_scanned_fsdp_step_on_tpu_has_every_gather_a_weight_and_every_reduction_a_gradient(capsys):
+    """libtpu wraps each collective in an async collective fusion, moves weights by asynchronous slices put back
+    together, carries them through the forward loop into the backward one (where remat gathers them again), gathers
+    a small weight as an all-reduce of zeros, and reduces a whole gradient to slice this device's rows in the
+    optimizer's fusion: each read through, so no FSDP collective of the lab's own step is a surprise."""
+    priced = Path(__file__).resolve().parents[1] / "data" / "programs" / "priced.py"
+    found = inspect_json(
+        capsys, "--fn", f"{priced}:lab_model", "--mesh", "fsdp=4", "--target", "tpu:v5e:2x2", "--axis-types", "explicit"
+    )
+    kinds = {c["name"]: (c["kind"], c["origin"]["kind"]) for c in found["collectives"]}
+    assert found["surprises"] == 0 and len(kinds) >= 20
+    assert all(origin == "parameter" for kind, origin in kinds.values() if kind == "all-gather")
+    assert all(origin == "gradient" for kind, origin in kinds.values() if kind == "reduce-scatter")
+    rematted = [
+        c for c in found["collectives"] if "rematted_computation" in (c["op_name"] or "") and c["kind"] == "all-gather"
+    ]
+    assert rematted and all(c["origin"]["name"].startswith("state.params['blocks']") for c in rematted)
 
 
 def test_the_python_api_renders_as_tables_html_and_json(devices):
