@@ -163,8 +163,8 @@ def attribute(graph: Dataflow, collectives: Sequence[Collective]) -> dict[str, O
     members = {c.name: _members(graph, c, weights) for c in collectives}
     receives_gradient = {i for ms in members.values() for m in ms for i in m.gradient}
     parameters = named | receives_gradient
-    batches = _batch_sizes(graph.inputs.values(), parameters)
-    return {c.name: _origin(c, members[c.name], parameters, batches, graph) for c in collectives}
+    batches, shifted = _batch_sizes(graph.inputs.values(), parameters), _shifted_sequences(graph.inputs.values())
+    return {c.name: _origin(c, members[c.name], parameters, batches, shifted, graph) for c in collectives}
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,12 @@ class _Member:
 
 
 def _origin(
-    collective: Collective, members: list[_Member], parameters: set[int], batches: dict[int, str], graph: Dataflow
+    collective: Collective,
+    members: list[_Member],
+    parameters: set[int],
+    batches: dict[int, str],
+    shifted: dict[int, str],
+    graph: Dataflow,
 ) -> Origin:
     axes = ",".join(collective.axes or ()) or "its groups"
     if collective.moves_nothing:
@@ -191,7 +196,7 @@ def _origin(
             "moves nothing: every replica group is one device (an axis of size 1), so each keeps its own data; "
             "XLA's simplifiers usually remove such a collective, and where one stays it sends no bytes",
         )
-    kinds = [_member_kind(m, parameters, batches) for m in members]
+    kinds = [_member_kind(m, parameters, batches, shifted) for m in members]
     named = [(kind, m) for kind, m in zip(kinds, members) if kind != "scalar"]
     if not named:
         if collective.kind in _REDUCTIONS:
@@ -231,11 +236,12 @@ def _origin(
             f"result goes to its update or out of the step, {size}{also}",
         )
     if kind == "activation":
-        size = next(size for size in batches if size > 1 and size in chosen[0].shape)
+        tokens = {**shifted, **batches}
+        size = next(size for size in tokens if size > 1 and size in chosen[0].shape)
         return Origin(
             kind,
             None,
-            f"shape {list(chosen[0].shape)} carries the tokens ({size} = {batches[size]}): moves activations{also}",
+            f"shape {list(chosen[0].shape)} carries the tokens ({size} = {tokens[size]}): moves activations{also}",
         )
     shapes = [list(m.shape) for m in chosen]
     return Origin(
@@ -246,7 +252,7 @@ def _origin(
     )
 
 
-def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str]) -> str:
+def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str], shifted: dict[int, str]) -> str:
     if member.moved is not None:
         return "parameter" if member.moved in parameters else "input"
     if math.prod(member.shape) == 1:
@@ -255,7 +261,9 @@ def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str])
         return "gradient"
     if any(size > 1 and size in member.shape for size in batches):
         return "activation"
-    return "gradient" if member.gradient else "surprise"
+    if member.gradient:
+        return "gradient"
+    return "activation" if any(size > 1 and size in member.shape for size in shifted) else "surprise"
 
 
 def _share(collective: Collective, moved: list[Input]) -> str:
@@ -270,6 +278,16 @@ def _share(collective: Collective, moved: list[Input]) -> str:
     if result > whole:  # made from it (a broadcast, a comparison), or carried with others in one collective
         return f"{result:,} elements, more than its {whole:,}: made from it, or carried with other arrays"
     return f"{result:,} of its {whole:,} elements"
+
+
+def _shifted_sequences(inputs: Iterable[Input]) -> dict[int, str]:
+    """The sequence of S + 1 token ids [B, S + 1] read as inputs and targets shifted by one: S, weaker evidence than
+    a dimension an input has (a weight's width may be S too), so read after a gradient's flow."""
+    return {
+        i.global_shape[1] - 1: f"the sequence of {i.name}, less the token only a target reads"
+        for i in inputs
+        if len(i.local_shape) == 2 and i.dtype[:1] in ("s", "u")
+    }
 
 
 def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str]:

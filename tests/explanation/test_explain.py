@@ -586,3 +586,25 @@ def test_the_partitioners_involuntary_rematerialization_is_told_at_its_line_in_p
     assert remat["line"] == f"{tmp_path / 'remat.py'}:11" and remat["op"].endswith("bd,df->bf/dot_general")
     assert (remat["from"], remat["to"]) == ("P('data', None)", "P(None, 'tensor')")
     assert "Involuntary" not in done.stderr
+
+
+SHIFTED_TOKENS = """HloModule jit_step, num_partitions=2
+
+ENTRY %main (p0: s32[4,65], p1: f32[16,32]) -> f32[64,16] {
+  %p0 = s32[4,65]{1,0} parameter(0), sharding={devices=[2,1]<=[2]}, metadata={op_name="tokens"}
+  %p1 = f32[16,32]{1,0} parameter(1), sharding={replicated}, metadata={op_name="params['w']"}
+  %t = f32[4,65]{1,0} convert(%p0)
+  %s = f32[4,64]{1,0} slice(%t), slice={[0:4], [0:64]}
+  %w = f32[4,16]{1,0} slice(%p1), slice={[0:4], [0:16]}
+  %x = f32[64,16]{1,0} dot(%s, %w), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  ROOT %a2a = f32[64,16]{1,0} all-to-all(%x), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+}
+"""
+
+
+def test_s_plus_one_token_ids_make_an_activation_of_the_sequence_s():
+    """Token ids [B, S + 1] (inputs and targets shifted by one): a value with a dimension S carries the tokens."""
+    from lab.explanation.explain import explain_hlo
+
+    (moved,) = explain_hlo(SHIFTED_TOKENS, (2, 1, 1, 1, 1)).collectives
+    assert moved.origin.kind == "activation" and "64 = the sequence of tokens, less the token" in moved.origin.why
