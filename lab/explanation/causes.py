@@ -199,13 +199,13 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
 
 
 def _recorded(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:
-    """The cause Shardy's record shows at the collective's op: its own out_sharding=, two annotations that
-    disagree, or a with_sharding_constraint that set the layout of the op it constrains (one no location joins)."""
+    """The cause Shardy's record shows at the collective's op: a sum over what the layouts split, its own
+    out_sharding=, two annotations that disagree, or a with_sharding_constraint that set the layout of the op it
+    constrains (one no location joins)."""
     at_line = line.line if line else None
     summed = _sum_of(collective, line, where, propagation)
     if summed is not None:  # partial sums: no out_sharding= or constraint would spare their reduction
         return summed
-    decision = propagation.decision(collective.op_name, at_line)
     asked = propagation.out_sharding(collective.op_name, at_line)
     if asked is not None:
         op = op_of(collective.op_name)
@@ -217,6 +217,7 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
             f"the {collective.kind} over {_axes(collective)} makes the result so",
             f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
         )
+    decision = propagation.decision(collective.op_name, at_line)
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
     if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
