@@ -8,21 +8,29 @@ collectives of a training step:
 * **parameter**: the operand is an input of the entry computation reached
   through data movement only (copies, converts, bitcasts, slices, the loop
   carry of a ``while``, another collective): the gather of a weight sharded
-  over ``fsdp`` (ZeRO-3's all-gather) reads the weight itself;
+  over ``fsdp`` (ZeRO-3's all-gather) reads the weight itself. On TPU the
+  walk also crosses the fusion that holds the collective (libtpu's async
+  collective fusions), asynchronous slices of a weight put back together, a
+  forward loop that passes the weights on to the backward one, and the zeros
+  an all-gather written as an all-reduce adds each piece into;
 * **gradient**: a reduction (all-reduce, reduce-scatter) whose result flows,
   through elementwise work only, into the update of an input with the same
-  number of elements: the reduction of that weight's gradient over ``data``;
-  followed through slices (ZeRO-1 updates its rows of it), into the buffer a
-  scanned backward stacks it in and out of the loop's carry. A permute, gather
+  number of elements, or out of the step in its place: the reduction of that
+  weight's gradient over ``data``; followed through slices (ZeRO-1 updates its
+  rows of it, libtpu's optimizer fusion slices this device's rows out of a
+  whole reduced gradient), into the buffer a scanned backward stacks it in and
+  out of the loop's carry. A permute, gather
   or all-to-all carries one only in the backward pass (``transpose(jvp(...))``)
   and at the weight's size; after the backward, a weight-sized one moving a
   value into its weight's update is that updated weight: a **parameter**;
 * **input**: data movement of an input that is not a parameter: its declared
   sharding differs from the one the computation wants (a reshard);
 * **activation**: a value computed in the step whose shape carries the tokens
-  (a dimension equal to the batch, or the sequence, of an input that is not a
-  parameter), or a scalar reduced across the batch (the loss): tensor
-  parallelism's all-reduce, MoE's all-to-all, sequence parallelism's gathers;
+  (a dimension equal to the batch, or the sequence, of an input that is neither
+  a parameter nor optimizer state; S of S + 1 token ids only after a
+  gradient's flow is ruled out), or a scalar reduced across the batch (the
+  loss): tensor parallelism's all-reduce, MoE's all-to-all, sequence
+  parallelism's gathers;
 * **surprise**: nothing above. These are listed first: a sharding the user did
   not ask for, a reduction over a sharded dimension of a weight, a layout the
   partitioner chose; pin the layout at that line with
