@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lab.explanation.origins import Decision, Propagation, Value
+from lab.explanation.origins import Decision, Propagation, Value, resharding
 from lab.hlo.collectives import Collective
 from lab.hlo.sources import Frame, op_of
 
@@ -203,7 +203,8 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     out_sharding=, two annotations that disagree, or a with_sharding_constraint that set the layout of the op it
     constrains (one no location joins)."""
     at_line = line.line if line else None
-    summed = _sum_of(collective, line, where, propagation)
+    decisions = propagation.decisions(collective.op_name, at_line)
+    summed = _sum_of(collective, decisions, line, where, propagation)
     if summed is not None:  # partial sums: no out_sharding= or constraint would spare their reduction
         return summed
     asked = propagation.out_sharding(collective.op_name, at_line)
@@ -217,7 +218,7 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
             f"the {collective.kind} over {_axes(collective)} makes the result so",
             f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
         )
-    decision = propagation.decision(collective.op_name, at_line)
+    decision = resharding(decisions)
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
     if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
@@ -317,11 +318,12 @@ def _constrained(
     return Cause("annotation", "with_sharding_constraint", deciding, why, hint)
 
 
-def _sum_of(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:
-    """The sum the collective adds up: an op at its line that sums what the layouts split, or, where no op of that
-    name is joined to a line (inside a nested jit), the ones of its kind in Shardy's module that do so to a result
-    of the collective's shape."""
-    decisions = propagation.decisions(collective.op_name, line.line if line else None)
+def _sum_of(
+    collective: Collective, decisions: list[Decision], line: Frame | None, where: str, propagation: Propagation
+) -> Cause | None:
+    """The sum the collective adds up: an op at its line (`decisions`) that sums what the layouts split, or, where
+    no op of that name is joined to a line (inside a nested jit), the ones of its kind in Shardy's module that do
+    so to a result of the collective's shape."""
     sums = (_summed(collective, d, line, where, propagation) for d in decisions)
     found = next((cause for cause in sums if cause is not None), None)
     if found is not None or decisions or not collective.result_shapes:
@@ -358,19 +360,10 @@ def _summed(
         f"{op} at {where} sums over a dimension split over {_axes(collective)} ({how}{one}): each device sums its "
         f"own part, and the {collective.kind} adds the parts"
     )
-    sources = " and ".join(
-        dict.fromkeys(_splitter(value.origins.get(axis, ""), value, propagation) for value, axis in summed)
+    hint = f"at {where}: sum along a dimension no mesh axis splits, or split one {op} keeps, in " + " and ".join(
+        dict.fromkeys(split.values())
     )
-    hint = f"at {where}: sum along a dimension no mesh axis splits, or split one {op} keeps, in {sources}"
     return Cause("sum", op, line, why, hint)
-
-
-def _splitter(name: str, value: Value, propagation: Propagation) -> str:
-    """Where a value's layout is written, in a hint's words: an input's declared sharding, or a constraint."""
-    if match := re.fullmatch(r"input: (\d+)", name):
-        return f"the sharding declared for {propagation.input_name(int(match[1]))}"
-    frame = _constraint_frame(name, propagation) if name.startswith("constraint_") else None
-    return f"the with_sharding_constraint at {frame.cited}" if frame else f"the sharding declared for {value.name}"
 
 
 def _annotation_name(origin: str) -> str:
@@ -407,7 +400,7 @@ def _origin_words(name: str, value: Value, propagation: Propagation) -> str:
     if name == "self":
         return f"the sharding declared for {value.name}"
     if match := re.fullmatch(r"input: (\d+)", name):
-        return f"the sharding declared for input {propagation.input_name(int(match[1]))}"
+        return f"the sharding declared for {propagation.input_name(int(match[1]))}"
     if match := re.fullmatch(r"output: (\d+)", name):
         return f"the sharding declared for output {match[1]} (out_shardings)"
     if name.startswith("constraint_"):

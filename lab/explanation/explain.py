@@ -87,7 +87,7 @@ class Explained:
         ppermute in shard_map) is never one, whatever the data it moves."""
         if self.cause is not None and self.cause.asked:
             return False
-        forced = self.cause is not None and self.cause.kind != "sum"  # a sum is the layouts' own, not forced
+        forced = self.cause is not None
         return self.origin.kind == "surprise" or (forced and self.origin.kind not in ("parameter", "gradient"))
 
     @property
@@ -402,10 +402,7 @@ def explain_text(
             if consumer
             else cause_of(c, stack[0] if stack else None, propagation)
         )
-        origin = origins[c.name]
-        if cause is not None and cause.kind == "sum" and origin.kind in ("activation", "gradient"):
-            cause = replace(cause, hint=None)  # activations' or gradients' partial sums: the layouts ask for them
-        origin = _with_cause(origin, c, cause) if cause is not None else origin
+        origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(
@@ -517,23 +514,25 @@ def _roofline_line(r: Roofline | None) -> str:
     )
 
 
-def _with_cause(origin: Origin, collective: Collective, cause: Cause) -> Origin:
-    """The origin read again once the cause is known. An input the program moves by name (a ppermute in shard_map:
-    a ring's next block) is moved, not resharded: no declared layout differs from a wanted one. A value nothing else
-    explains (or that only seems an input moved: a one-operand fusion that sums it), summed where the layouts split
-    it, is partial sums of the program's own layout: a surprise, but not a layout the partitioner chose."""
+def _with_cause(origin: Origin, collective: Collective, cause: Cause) -> tuple[Origin, Cause]:
+    """The origin and cause read together. An input the program moves by name (a ppermute in shard_map: a ring's
+    next block) is moved, not resharded: no declared layout differs from a wanted one. Partial sums of activations
+    or gradients are what the layouts ask for: nothing to change, so no hint. Partial sums of anything else (also
+    what only seems an input moved: a one-operand fusion that sums it) are a surprise, but not a layout the
+    partitioner chose."""
     axes = ",".join(collective.axes or ()) or "its groups"
     if cause.asked and origin.kind == "input":
-        return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name")
-    if cause.kind == "sum" and origin.kind not in ("activation", "gradient"):  # not a move of an input either
-        shapes = ", ".join(str(list(s)) for s in collective.operand_shapes)
-        return Origin(
-            "surprise",
-            None,
-            f"shape {shapes}: neither activations nor a gradient: partial sums over {axes} of a value the program's "
-            "layouts split where it is summed",
-        )
-    return origin
+        return replace(origin, why=f"moves {origin.name} over {axes}, as the program asks by name"), cause
+    if cause.kind != "sum":
+        return origin, cause
+    if origin.kind in ("activation", "gradient"):
+        return origin, replace(cause, hint=None)
+    shapes = ", ".join(str(list(s)) for s in collective.operand_shapes)
+    why = (
+        f"shape {shapes}: neither activations nor a gradient: partial sums over {axes} of a value the program's "
+        "layouts split where it is summed"
+    )
+    return Origin("surprise", None, why), cause
 
 
 def _axes_cell(collective: Collective, mesh: dict[str, int] | None) -> str:

@@ -148,13 +148,6 @@ class Propagation:
         found = sorted(folder.glob(f"shardy/*/{PROPAGATED}"))
         return cls(found[-1].read_text(), lowered) if found else None
 
-    def decision(self, op_name: str, line: int | None) -> Decision | None:
-        """The operation named `op_name` at `line` (the first such one that reshards), or None when not joined."""
-        found = self.decisions(op_name, line)
-        return next((d for d in found if any(v.sharding != d.result.sharding for v in d.operands)), None) or next(
-            iter(found), None
-        )
-
     def decisions(self, op_name: str, line: int | None) -> list[Decision]:
         """Every operation named `op_name` at `line` (a tree_map's line makes one per leaf)."""
         found = []
@@ -213,21 +206,16 @@ class Propagation:
             decision = self._decision(primitive, op) if op.kind == kind else None
             if decision is None or {axis for _, axis in decision.summed_over()} != axes:
                 continue
-            if (self._local(op) if _SHARDINGS.search(op.text) else _result_shape(op)) == shape:
+            if self._local(op) == shape:
                 found.append(decision)
         return found
 
     def _local(self, op: _Op) -> tuple[int, ...] | None:
-        """An operation's result shape on one device, in the layout Shardy gave it."""
-        types = re.findall(r"tensor<((?:\d+x)*)\w+>", op.text)
-        dims = _SHARDINGS.search(op.text)
-        if not types or dims is None:
-            return None
-        split = [
-            math.prod(self._mesh.get(a, 0) for a in re.findall(r'"(\w+)"', d))
-            for d in re.findall(r"\{([^}]*)\}", dims[1])
-        ]
-        shape = [int(n) for n in types[-1].split("x") if n]
+        """An operation's result shape on one device, in the layout Shardy gave it (whole where it gave none)."""
+        shape, layouts = _result_shape(op), _layouts(op.text)
+        if shape is None or not layouts:
+            return shape
+        split = [math.prod(self._mesh.get(a, 0) for a in axes) for axes in layouts[0]]
         if len(split) != len(shape) or 0 in split:
             return None
         return tuple(n // k for n, k in zip(shape, split))
@@ -312,6 +300,14 @@ def _elementwise(text: str) -> bool:
         return False
     groups = re.findall(r"\[[^\]]*\]", rule[1]) + re.findall(r"\[[^\]]*\]", rule[2])
     return len(set(groups)) == 1
+
+
+def resharding(decisions: list[Decision]) -> Decision | None:
+    """Of the operations at one line, the first that reshards (an operand laid out otherwise than its result),
+    else the first."""
+    return next((d for d in decisions if any(v.sharding != d.result.sharding for v in d.operands)), None) or next(
+        iter(decisions), None
+    )
 
 
 def _result_shape(op: _Op) -> tuple[int, ...] | None:

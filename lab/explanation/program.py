@@ -86,13 +86,11 @@ def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> 
 def in_context(mesh) -> Iterator[None]:
     """`mesh` in context for the user's code, as programs of each JAX era look for it: ``jax.set_mesh`` and, unless
     JAX is configured to refuse it, the deprecated ``with mesh:`` that ``jax.experimental.pjit`` still reads."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(jax.set_mesh(mesh))
-        if not jax.config.jax_disallow_mesh_context_manager:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "`with mesh:`", DeprecationWarning)
-                stack.enter_context(mesh)
-        yield
+    legacy = contextlib.nullcontext() if jax.config.jax_disallow_mesh_context_manager else mesh
+    with jax.set_mesh(mesh), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`with mesh:`", DeprecationWarning)
+        with legacy:
+            yield
 
 
 def in_its_context(run: Callable[[], T], mesh) -> T:
