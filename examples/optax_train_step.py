@@ -12,6 +12,11 @@ normalization, Salimans & Kingma 2016). The norm sums over the rows, which
 are split over `fsdp`, so XLA inserts an all-reduce of per-column partial
 sums that neither a weight, a gradient nor the batch explains. `lab inspect`
 lists it first, at the line below that computes the norm.
+
+It finds a second one, not planted: the embedding lookup. The table's rows
+(the vocabulary) are split over `fsdp`, so each device looks up the rows it
+holds and an all-reduce adds the partial lookups, activations of the batch's
+size, where a ZeRO-3 reader expects the table gathered.
 """
 
 import jax

@@ -162,8 +162,8 @@ def measure(config: Config) -> Observations:
 
 def _compiled(fn, args, mesh, target: str, file: Path) -> Compiled:
     with jax.set_mesh(mesh):
-        found, propagation, _ = compile_with_origins(fn, *args, mesh=mesh)
-    explained = explain_inspection(found, mesh, target=target, propagation=propagation)
+        found, propagation, _, names = compile_with_origins(fn, *args, mesh=mesh)
+    explained = explain_inspection(found, mesh, target=target, propagation=propagation, names=names)
     return Compiled(
         target,
         _rows(explained, file),

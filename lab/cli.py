@@ -377,8 +377,10 @@ def inspect(command: Inspect) -> int:
     compile_only = parse_target(command.target).compile_only
     mesh = spec.build(devices, explicit=command.axis_types == "explicit")
     with program.bounded(command.timeout if command.fn is not None else 0):  # the user's code, not the lab's
-        title, (found, propagation, remats), compile_s, mesh = _compiled_program(command, mesh, compile_only)
-    explained = explain_inspection(found, mesh, target=command.target, propagation=propagation, remats=remats)
+        title, (found, propagation, remats, names), compile_s, mesh = _compiled_program(command, mesh, compile_only)
+    explained = explain_inspection(
+        found, mesh, target=command.target, propagation=propagation, remats=remats, names=names
+    )
     # the files first: a folder that cannot be written is one line, with no report printed before it
     written = found.dump(command.save_hlo) if command.save_hlo is not None else None
     if command.json:

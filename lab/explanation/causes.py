@@ -18,9 +18,13 @@ whole first:
 * **loop predicate**: a ``while_loop`` under ``vmap`` runs until every batch
   element is done, so each iteration all-reduces whether any still runs;
 * **shard_map**: a collective asked for by name inside ``shard_map`` (``psum``,
-  ``all_gather``, ``ppermute``, ``all_to_all``, ``psum_scatter``);
-* **annotation**: a ``with_sharding_constraint`` / ``reshard`` / ``out_sharding``
-  that asks for a layout the computation does not have there;
+  ``all_gather``, ``ppermute``, ``all_to_all``, ``psum_scatter``), or its
+  transpose in the backward pass; there autodiff also sums the gradient of a
+  value the in_specs replicate over an axis (``psum_invariant``, the transpose
+  of the implicit ``pvary``);
+* **annotation**: a ``with_sharding_constraint`` / ``out_sharding`` that asks
+  for a layout the computation does not have there, or a ``reshard``, which
+  asks for the move itself (nothing to change);
 * **sum**: a reduction or a matmul (``reduce_sum``, ``dot_general``) summing
   over a dimension the layouts split (Shardy's sharding rule lists the
   dimensions an op sums over): each device sums its own part and an
@@ -42,7 +46,7 @@ declared (`attribution` names what it moves); no cause is guessed for it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lab.explanation.origins import Decision, Propagation, Value, resharding
 from lab.hlo.collectives import Collective
@@ -126,13 +130,15 @@ _BY_NAME = (
     "pshuffle",
     "reduce_scatter",
 )
+_SPELLED = {"psum_invariant": "psum", "reduce_scatter": "psum_scatter"}  # JAX's primitive -> the function called
 _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 
 
 def cause_of(collective: Collective, line: Frame | None, propagation: Propagation | None = None) -> Cause | None:
     """The op or annotation that decided `collective` (at the user's `line`), or None when nothing names one: its op
     name, or Shardy's record of where the layouts at that op came from (`propagation`)."""
-    path = tuple((collective.op_name or "").split("/"))
+    collective = replace(collective, op_name=_first_member(collective.op_name or ""))
+    path = tuple(collective.op_name.split("/"))
     if not path[-1]:
         return None
     where = line.cited if line else "its line"
@@ -140,6 +146,13 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     if said is not None or propagation is None:
         return said
     return _recorded(collective, line, where, propagation) or _idle_axes(collective, line, where, propagation)
+
+
+def _first_member(op_name: str) -> str:
+    """XLA's name for collectives it combined, ``jit(f)/(transpose(jvp())/reduce_sum:jvp()/reduce_sum)``, read as its
+    first member's (``jit(f)/transpose(jvp())/reduce_sum``); any other op name as it is."""
+    combined = re.fullmatch(r"(.*?)/\((.*)\)", op_name)
+    return f"{combined[1]}/{combined[2].split(':')[0]}" if combined else op_name
 
 
 def cause_before(collective: Collective, moved: str, consumer: str, line: Frame) -> Cause | None:
@@ -152,6 +165,20 @@ def cause_before(collective: Collective, moved: str, consumer: str, line: Frame)
     where = line.cited
     why = f"{op} at {where} {does}: the {collective.kind} over {_axes(collective)} reshards {moved} before it"
     return Cause("op", op, line, why, f"at {where}: {change}, or declare the input split along another dimension")
+
+
+def _by_name(op: str, path: tuple[str, ...], where: str, axes: str) -> str:
+    """Why a collective inside shard_map is there: the program asks for it by name, or, in the backward pass
+    (``transpose(...)`` in its op name), autodiff writes the transpose of what it asks for; JAX's ``psum_invariant``
+    there is the transpose of the implicit ``pvary`` of a value the in_specs replicate over the axis."""
+    if not any(part.startswith("transpose(") for part in path):
+        return f"asked for by name: {_SPELLED.get(op, op)} inside shard_map at {where}, over {axes}"
+    if op == "psum_invariant":
+        return (
+            f"autodiff sums a gradient over {axes}: a value the in_specs replicate over {axes} meets values that "
+            f"vary over it at {where} (psum_invariant, the transpose of shard_map's implicit pvary)"
+        )
+    return f"the backward pass of the collective at {where}: {op} over {axes}, the transpose of what is asked there"
 
 
 def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, where: str) -> Cause | None:
@@ -168,7 +195,15 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
             f"at {where}: give in_specs/out_specs the layout the values already have",
         )
     if "shard_map" in path[:-1] and op.startswith(_BY_NAME):
-        return Cause("shard_map", op, line, f"asked for by name: {op} inside shard_map at {where}, over {axes}", None)
+        return Cause("shard_map", op, line, _by_name(op, path, where, axes), None)
+    if op == "reshard":  # jax.sharding.reshard: the move itself is what the program asks for
+        return Cause(
+            "annotation",
+            op,
+            line,
+            f"asked for: reshard at {where} moves the value to another layout, and the {kind} over {axes} is that move",
+            None,
+        )
     if op in _ANNOTATIONS or any(part.startswith(_ANNOTATIONS) for part in path[1:]):
         return Cause(
             "annotation",
@@ -234,7 +269,7 @@ def _idle_axes(collective: Collective, line: Frame | None, where: str, propagati
     idle = [axis for axis in collective.axes or () if axis not in propagation.named_axes]
     if not idle or not propagation.named_axes:
         return None
-    axes, op = ",".join(idle), op_of(collective.op_name or "").split(":")[-1].rstrip(")")  # also one of a combined
+    axes, op = ",".join(idle), op_of(collective.op_name)
     why = (
         f"no layout of the program names {axes} (Shardy's record splits nothing over it): the devices along it hold "
         f"the same data, and XLA's partitioner chose to share {op}'s work at {where} among them; the "

@@ -29,7 +29,7 @@ the same rows (a surprise counted in one is flagged in the others).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -301,8 +301,8 @@ def explain(fn, *args: Any, mesh=None, target: str | None = None, **kwargs: Any)
     if not callable(fn):
         raise LabError(f"explain needs a function, not {type(fn).__name__}")
     mesh = mesh if mesh is not None else _mesh_of((args, kwargs))
-    found, propagation, remats = compile_with_origins(fn, *args, mesh=mesh, **kwargs)
-    return explain_inspection(found, mesh, target=target, propagation=propagation, remats=remats)
+    found, propagation, remats, names = compile_with_origins(fn, *args, mesh=mesh, **kwargs)
+    return explain_inspection(found, mesh, target=target, propagation=propagation, remats=remats, names=names)
 
 
 def explain_inspection(
@@ -312,9 +312,11 @@ def explain_inspection(
     target: str | None = None,
     propagation: Propagation | str | None = None,
     remats: Sequence[Remat] = (),
+    names: Mapping[str, str] | None = None,
 ) -> Explanation:
-    """The explanation of a program already compiled and inspected (with Shardy's record and the partitioner's
-    rematerializations, when they were asked for: `lab.explanation.origins.compile_with_origins`)."""
+    """The explanation of a program already compiled and inspected (with Shardy's record, the partitioner's
+    rematerializations and the program's names of its inputs, when they were asked for:
+    `lab.explanation.origins.compile_with_origins`)."""
     devices = list(mesh.devices.flat) if mesh is not None else []
     chip = _chip(devices)
     shown = target or (f"{devices[0].platform}:{len(devices)}" if devices else "?")
@@ -333,6 +335,7 @@ def explain_inspection(
         if isinstance(propagation, str)
         else "not asked for (compile with lab.explanation.origins.compile_with_origins)",
         remats=remats,
+        names=names,
     )
 
 
@@ -384,8 +387,9 @@ def explain_text(
     propagation: Propagation | None = None,
     origins_missing: str = "a dump holds no record of them (inspect the program with --fn)",
     remats: Sequence[Remat] = (),
+    names: Mapping[str, str] | None = None,
 ) -> Explanation:
-    graph = Dataflow.of(hlo_text, mesh_sizes)
+    graph = Dataflow.of(hlo_text, mesh_sizes, names)
     origins = attribute(graph, collectives)
     frames = stack_frames(hlo_text)
     overlaps = _overlaps(hlo_text, chip, mesh_sizes) if chip is not None else {}
@@ -405,8 +409,12 @@ def explain_text(
         origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
-    explained.sort(
-        key=lambda e: (0 if e.is_surprise else order[e.origin.kind], -e.collective.size_bytes * (e.count or 1))
+    explained.sort(  # surprises first, of them first those nothing in the program asks for
+        key=lambda e: (
+            0 if e.is_surprise else order[e.origin.kind],
+            e.origin.kind != "surprise",
+            -e.collective.size_bytes * (e.count or 1),
+        )
     )
     return Explanation(
         module=module_name(hlo_text),
@@ -419,7 +427,7 @@ def explain_text(
         roofline=rooflined,
         origins=record_line(
             propagation,
-            decided=sum(e.cause is not None and e.cause.kind == "annotation" for e in explained),
+            decided=sum(e.cause is not None and e.cause.kind == "annotation" and not e.cause.asked for e in explained),
             blind=sum(not e.stack or all(f.in_library for f in e.stack) for e in explained),
             missing=origins_missing,
         ),

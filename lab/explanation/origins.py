@@ -35,12 +35,14 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from lab.explanation import partitioner
 from lab.explanation.partitioner import Remat
+from lab.explanation.program import leaf_names
 from lab.hlo import Inspection, inspect_lowered, lower
 from lab.hlo.sources import is_library
 from lab.targets.devices import quiet_native_stderr
@@ -107,7 +109,7 @@ class _Op:
 class Propagation:
     """The module after Shardy's propagation, joined to the lowered module's locations."""
 
-    def __init__(self, propagated: str, lowered: str):
+    def __init__(self, propagated: str, lowered: str, names: Mapping[str, str] | None = None):
         mesh = _MESH.search(propagated)
         self._mesh = {axis: int(size) for axis, size in re.findall(r'"(\w+)"=(\d+)', mesh[0])} if mesh else {}
         # the mesh axes any layout in the module names (declared, constrained or propagated): an axis outside them
@@ -118,7 +120,8 @@ class Propagation:
         self._lowered = _entry_ops(lowered)
         self._locations = _locations(lowered)
         self._args = _arguments(propagated)
-        self._arg_names = {arg: name for arg, (_, name) in _arguments(lowered).items() if name}
+        names = names or {}  # JAX's argument names -> the program's (`lab.explanation.program.leaf_names`)
+        self._arg_names = {arg: names.get(name, name) for arg, (_, name) in _arguments(lowered).items() if name}
         self._made = {r.split("#")[0]: op for op in self._propagated for r in op.results}
         self._users: dict[str, list[_Op]] = {}  # a value -> the operations that take it
         for op in self._propagated:
@@ -143,10 +146,10 @@ class Propagation:
         self.joined = bool(self._pairs)
 
     @classmethod
-    def read(cls, folder: Path, lowered: str) -> Propagation | None:
+    def read(cls, folder: Path, lowered: str, names: Mapping[str, str] | None = None) -> Propagation | None:
         """From the dump folder of one compile with `OPTIONS` (None when Shardy wrote nothing: not its partitioner)."""
         found = sorted(folder.glob(f"shardy/*/{PROPAGATED}"))
-        return cls(found[-1].read_text(), lowered) if found else None
+        return cls(found[-1].read_text(), lowered, names) if found else None
 
     def decisions(self, op_name: str, line: int | None) -> list[Decision]:
         """Every operation named `op_name` at `line` (a tree_map's line makes one per leaf)."""
@@ -252,6 +255,7 @@ class Compiled(NamedTuple):
     inspection: Inspection
     propagation: Propagation | str  # Shardy's record, or why there is none
     remats: tuple[Remat, ...]  # the values XLA's partitioner said it replicated whole to reshard them
+    names: Mapping[str, str] = {}  # JAX's names of its inputs -> the program's (`lab.explanation.program.leaf_names`)
 
 
 def compile_with_origins(fn, *args: Any, mesh=None, **kwargs: Any) -> Compiled:
@@ -260,16 +264,19 @@ def compile_with_origins(fn, *args: Any, mesh=None, **kwargs: Any) -> Compiled:
     Shardy; the user's XLA_FLAGS dump, which the lab leaves where they asked for it); the partitioner's
     rematerializations, from its log (`lab.explanation.partitioner`; the rest of the log goes on to stderr)."""
     lowered = lower(fn, *args, mesh=mesh, **kwargs)
+    names = leaf_names(fn, args)
     dumped = "--xla_dump_to" in os.environ.get("XLA_FLAGS", "")
     with quiet_native_stderr() as log, tempfile.TemporaryDirectory(prefix="lab-shardy-") as folder:
         found = inspect_lowered(lowered, mesh, compiler_options=None if dumped else {"xla_dump_to": folder, **OPTIONS})
-        propagation = None if dumped else Propagation.read(Path(folder), lowered.as_text(debug_info=True))
+        propagation = None if dumped else Propagation.read(Path(folder), lowered.as_text(debug_info=True), names)
     remats, rest = partitioner.read(log)
     if rest:
         print("\n".join(rest), file=sys.stderr)
     if dumped:
-        return Compiled(found, "not read: XLA_FLAGS dumps this compile, to the folder asked for", remats)
-    return Compiled(found, propagation or "none recorded: the partitioner is not Shardy, or wrote nothing", remats)
+        return Compiled(found, "not read: XLA_FLAGS dumps this compile, to the folder asked for", remats, names)
+    return Compiled(
+        found, propagation or "none recorded: the partitioner is not Shardy, or wrote nothing", remats, names
+    )
 
 
 def record_line(propagation: Propagation | None, *, decided: int, blind: int, missing: str) -> str:

@@ -82,6 +82,25 @@ def build(builder: Callable, mesh, spec: str, *, compile_only: bool = False) -> 
     return fn, tuple(args) if isinstance(args, (tuple, list)) else (args,)
 
 
+def leaf_names(fn: Callable, args: tuple[Any, ...]) -> dict[str, str]:
+    """The names JAX gives the leaves of flax NNX objects that ``nnx.jit`` passes flattened, by position
+    (``model.states[0][3]``) -> the names ``jax.jit`` gives the same leaves (``model.l2.kernel.value``).
+
+    ``nnx.jit`` hands JAX each object's state as one list of leaves, in the order the object flattens as a pytree;
+    other arguments are named by JAX as the user wrote them, and keep their names."""
+    nnx = sys.modules.get("flax.nnx")  # only a program that imported it passes NNX objects
+    try:
+        arguments = inspect.signature(fn).bind(*args).arguments
+    except (TypeError, ValueError):
+        return {}
+    names = {}
+    for name, value in arguments.items():
+        if nnx is not None and nnx.graph.is_graph_node(value):
+            leaves = jax.tree_util.tree_flatten_with_path(value)[0]
+            names |= {f"{name}.states[0][{k}]": name + jax.tree_util.keystr(path) for k, (path, _) in enumerate(leaves)}
+    return names
+
+
 @contextlib.contextmanager
 def in_context(mesh) -> Iterator[None]:
     """`mesh` in context for the user's code, as programs of each JAX era look for it: ``jax.set_mesh`` and, unless
@@ -182,13 +201,16 @@ def blamed(spec: str, doing: str, compile_only: bool = False, option: str = "--f
 
 def _hint(err: BaseException, compile_only: bool, option: str) -> str:
     """What to change in the lab's command for a failure the user's code did not cause: a program written for the
-    other kind of mesh axes (JAX's explicit sharding against its automatic one), or arrays on a compile-only target."""
+    other kind of mesh axes (JAX's explicit sharding against its automatic one), an op only TPU's and GPU's
+    compilers have, or arrays on a compile-only target."""
     if option != "--fn":
         return ""
     if "of type: AxisType.Auto" in str(err):  # out_sharding=, reshard: explicit sharding's annotations
         return "; the program shards explicitly (out_sharding=, reshard): give --axis-types explicit"
     if "of type `Explicit`" in str(err):  # with_sharding_constraint is an assertion on explicit axes
         return "; the program leaves layouts to the partitioner: give --axis-types auto (the default)"
+    if "not supported by XLA:CPU" in str(err):  # ragged_all_to_all: TPU's and GPU's compilers have it
+        return "; XLA:CPU cannot compile it: compile for a TPU or GPU target, e.g. --target tpu:v5e:2x4"
     if compile_only:
         return (
             "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "

@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lab.collectives import KINDS
@@ -154,9 +154,10 @@ class Dataflow:
     roots: dict[str, Instruction] = field(default_factory=dict)  # computation -> its ROOT instruction
 
     @classmethod
-    def of(cls, hlo_text: str, mesh: dict[str, int] | None = None) -> Dataflow:
-        """Read once; with the `mesh` (axis -> size, in order) the inputs' shardings read as PartitionSpecs too."""
-        return _dataflow(hlo_text, mesh or {})
+    def of(cls, hlo_text: str, mesh: dict[str, int] | None = None, names: Mapping[str, str] | None = None) -> Dataflow:
+        """Read once; with the `mesh` (axis -> size, in order) the inputs' shardings read as PartitionSpecs too, and
+        with `names` (JAX's name of an input -> the program's) the inputs named as the program names them."""
+        return _dataflow(hlo_text, mesh or {}, names or {})
 
     @property
     def entry_inputs(self) -> tuple[Input, ...]:
@@ -316,7 +317,7 @@ def _batch_sizes(inputs: Iterable[Input], parameters: set[int]) -> dict[int, str
 # --------------------------------------------------------------------------- walking the graph
 
 
-def _dataflow(hlo_text: str, mesh: dict[str, int]) -> Dataflow:
+def _dataflow(hlo_text: str, mesh: dict[str, int], names: Mapping[str, str]) -> Dataflow:
     instructions, users, whiles, entry, root = {}, defaultdict(list), {}, "", None
     called: dict[str, list[tuple[str, Instruction]]] = defaultdict(list)
     roots: dict[str, Instruction] = {}
@@ -344,7 +345,7 @@ def _dataflow(hlo_text: str, mesh: dict[str, int]) -> Dataflow:
     for (computation, _), instruction in instructions.items():
         if computation == entry and instruction.opcode == "parameter":
             index = _parameter_number(instruction, 0)
-            inputs[index] = _input(instruction, index, mesh)
+            inputs[index] = _input(instruction, index, mesh, names)
     outputs = () if root is None else tuple(root.operands) if _returns_each_operand(root) else (root.name,)
     callers = {callee: sites[0] for callee, sites in called.items() if len(sites) == 1}
     return Dataflow(
@@ -372,11 +373,12 @@ def _parameter_number(instruction: Instruction, default: int) -> int:
     return int(match[1]) if match else default
 
 
-def _input(instruction: Instruction, index: int, mesh: dict[str, int]) -> Input:
+def _input(instruction: Instruction, index: int, mesh: dict[str, int], names: Mapping[str, str]) -> Input:
     shapes = arrays(instruction.shape)
     dtype, local = shapes[0] if len(shapes) == 1 else ("", ())
     sharding = instruction.attr(r"sharding=(\{[^}]*\})") or ""
     name = instruction.metadata.get("op_name") or instruction.name
+    name = names.get(name, name)
     spec = partition_spec(sharding, mesh) if mesh else None
     return Input(index, name, local, _global_shape(local, sharding), sharding, dtype, spec)
 
@@ -403,9 +405,14 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
         data = data[:1]  # (input, output buffer, and four arrays of offsets and sizes)
     results = _results(graph, instruction, len(data))
     total = sum(math.prod(s) for s in collective.result_shapes)
+    # the step's last op, a combined all-reduce of what it returns: member k is its output k
+    returned = len(data) > 1 and graph.outputs == tuple(data) and graph.roots.get(graph.entry) is instruction
     members = []
     for k, operand in enumerate(data):
-        gradient = _gradient_of(graph, results[k], weights, total) if k < len(results) else ()
+        if returned:
+            gradient = tuple(i for i in [_returned_gradient(graph, k, weights)] if i is not None)
+        else:
+            gradient = _gradient_of(graph, results[k], weights, total) if k < len(results) else ()
         result = collective.result_shapes
         carried = {total, math.prod(result[k])} if k < len(result) else {total}
         sized = _weight_sized(graph, gradient, carried)
@@ -552,7 +559,9 @@ def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], t
             for operand in user.operands if user.opcode != "tuple" else ():  # a tuple combines nothing
                 if operand != node.name:
                     source = _trace_back(graph, user.computation, operand, None, 0)
-                    if source in weights and graph.inputs[source].elements in elements:
+                    if source in weights and (
+                        graph.inputs[source].elements in elements or _updates_a_slice(graph, user, source, elements)
+                    ):
                         found.append(source)
             if user.line.lstrip().startswith("ROOT") and user.computation in graph.while_callers:
                 frontier += _carried_out(graph, user, node.name)  # a loop's carry: on past the loop
@@ -570,6 +579,21 @@ def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], t
     # when the collective carries several gradients in one buffer (XLA:GPU's combiner concatenates them)
     weights_found = tuple(i for i in found if not _OPTIMIZER_NAME.search(graph.inputs[i].name))
     return weights_found or tuple(found[:1])
+
+
+def _updates_a_slice(graph: Dataflow, user: Instruction, source: int, elements: set[int]) -> bool:
+    """`user` combines the value with this device's slice of input `source` (a dynamic-slice inside it, its result
+    the value's size and a fraction of the input's): the update of the rows of a weight the value is the gradient of
+    (a replicated bias whose gradient the layouts split)."""
+    held = graph.opcodes.get(user.attr(r"\bcalls=%?([\w.\-]+)") or "", frozenset()) | {user.opcode}
+    results, whole = _sizes_of(user.shape), graph.inputs[source].elements
+    return (
+        "dynamic-slice" in held
+        and len(results) == 1
+        and results[0] in elements
+        and whole > results[0] > 1
+        and whole % results[0] == 0
+    )
 
 
 def _resized(graph: Dataflow, node: Instruction, user: Instruction) -> bool:

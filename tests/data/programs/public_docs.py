@@ -274,3 +274,81 @@ def flax_nnx_scanned_train_step(mesh):
     model, optimizer = nnx.eval_shape(build)
     x = _abstract(mesh, (8, 1024), P("data", None))
     return train_step, (model, optimizer, x, x)
+
+
+# https://flax.readthedocs.io/en/latest/mnist_tutorial.html: the train step as NNX writes it, `@nnx.jit` with
+# `nnx.value_and_grad` and `nnx.Optimizer`; its Linear kernels split as the flax_gspmd guide splits them. nnx.jit
+# hands JAX each object's leaves by position (`model.states[0][3]`)
+def flax_nnx_jit_train_step(mesh):
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.l1 = nnx.Linear(512, 2048, kernel_init=nnx.with_partitioning(init, ("fsdp", "tensor")), rngs=rngs)
+            self.l2 = nnx.Linear(2048, 512, kernel_init=nnx.with_partitioning(init, ("tensor", "fsdp")), rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.relu(self.l1(x)))
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx.value_and_grad(lambda model: jnp.mean((model(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    def build():
+        model = MLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    with jax.set_mesh(mesh):
+        model, optimizer = nnx.eval_shape(build)
+    x = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp"), None)))
+    return train_step, (model, optimizer, x, x)
+
+
+# https://docs.jax.dev/en/latest/notebooks/shard_map.html (all_gather, psum_scatter) as Megatron's sequence
+# parallelism uses them (Korthikanti et al. 2022, "Reducing Activation Recomputation"): the sequence gathered over
+# tensor before the column-parallel matmul, the row-parallel one's partial sums scattered back over it; the weights'
+# gradients are returned, psum'd over data by autodiff as the step's last op
+def sequence_parallel_mlp(mesh):
+    def mlp(x, w1, w2):
+        x = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+        y = jax.nn.gelu(x @ w1) @ w2
+        return jax.lax.psum_scatter(y, "tensor", scatter_dimension=1, tiled=True)
+
+    specs = (P("data", "tensor", None), P(None, "tensor"), P("tensor", None))
+    sharded = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=specs[0])
+    step = jax.jit(jax.grad(lambda x, w1, w2: jnp.sum(sharded(x, w1, w2) ** 2), argnums=(1, 2)))
+    shapes = ((8, 512, 256), (256, 1024), (1024, 256))
+    return step, tuple(
+        jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+        for shape, spec in zip(shapes, specs)
+    )
+
+
+# https://docs.jax.dev/en/latest/notebooks/explicit-sharding.html: a matmul's out_sharding, then `reshard` to
+# another layout; the move is what reshard asks for
+def explicit_reshard(mesh):
+    def f(x, w):
+        y = jnp.dot(x, w, out_sharding=P("data", None))
+        return jnp.sum(jax.sharding.reshard(y, P(None, "tensor")) * 2, axis=0)
+
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", "tensor")))
+    w = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P("tensor", None)))
+    return jax.jit(f), (x, w)
+
+
+# https://docs.jax.dev/en/latest/_autosummary/jax.lax.ragged_all_to_all.html: MoE dispatch of ragged groups of
+# tokens over the expert axis (XLA:CPU has no ragged-all-to-all; TPU's and GPU's compilers do)
+def ragged_dispatch(mesh):
+    def dispatch(x, send_sizes, recv_sizes):
+        in_offsets, out_offsets = jnp.cumsum(send_sizes) - send_sizes, jnp.cumsum(recv_sizes) - recv_sizes
+        out = jnp.zeros_like(x)
+        return jax.lax.ragged_all_to_all(x, out, in_offsets, send_sizes, out_offsets, recv_sizes, axis_name="expert")
+
+    n = mesh.shape["expert"]
+    sharded = jax.shard_map(dispatch, mesh=mesh, in_specs=(P("expert"),) * 3, out_specs=P("expert"))
+    x = jax.ShapeDtypeStruct((n * 128, 256), jnp.float32, sharding=NamedSharding(mesh, P("expert")))
+    sizes = jax.ShapeDtypeStruct((n * n,), jnp.int32, sharding=NamedSharding(mesh, P("expert")))
+    return jax.jit(sharded), (x, sizes, sizes)
