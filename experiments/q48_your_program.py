@@ -37,7 +37,6 @@ from experiments import kit
 from lab.explanation import program
 from lab.explanation.explain import Explanation, explain_inspection
 from lab.explanation.origins import compile_with_origins
-from lab.hlo.sources import op_of
 from lab.mesh import MeshSpec
 from lab.predict.command import Predict
 from lab.predict.program import predict_program
@@ -198,7 +197,7 @@ def _rows(explained: Explanation, file: Path) -> tuple[Row, ...]:
                 c.size_bytes,
                 c.repeats,
                 line,
-                op_of(c.op_name or ""),
+                e.op,
                 e.origin.kind,
                 e.origin.name,
                 e.origin.why,

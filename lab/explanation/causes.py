@@ -137,7 +137,7 @@ _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 def cause_of(collective: Collective, line: Frame | None, propagation: Propagation | None = None) -> Cause | None:
     """The op or annotation that decided `collective` (at the user's `line`), or None when nothing names one: its op
     name, or Shardy's record of where the layouts at that op came from (`propagation`)."""
-    collective = replace(collective, op_name=_first_member(collective.op_name or ""))
+    collective = replace(collective, op_name=first_member(collective.op_name or ""))
     path = tuple(collective.op_name.split("/"))
     if not path[-1]:
         return None
@@ -148,7 +148,7 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     return _recorded(collective, line, where, propagation) or _idle_axes(collective, line, where, propagation)
 
 
-def _first_member(op_name: str) -> str:
+def first_member(op_name: str) -> str:
     """XLA's name for collectives it combined, ``jit(f)/(transpose(jvp())/reduce_sum:jvp()/reduce_sum)``, read as its
     first member's (``jit(f)/transpose(jvp())/reduce_sum``); any other op name as it is."""
     combined = re.fullmatch(r"(.*?)/\((.*)\)", op_name)

@@ -40,7 +40,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.errors import LabError
-from lab.explanation.causes import Cause, cause_before, cause_of
+from lab.explanation.causes import Cause, cause_before, cause_of, first_member
 from lab.explanation.origins import Propagation, compile_with_origins, record_line
 from lab.explanation.partitioner import Remat
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
@@ -72,6 +72,11 @@ class Explained:
     where: str | None  # the placement in words ("ICI x:4 ring")
     predicted_s: float | None  # per run, on the target's chip profile
     overlap_s: float | None = None  # compute the schedule runs while it is in flight (async pairs), per run
+
+    @property
+    def op(self) -> str:
+        """The JAX op it was inserted for (of collectives XLA combined, the first one's)."""
+        return op_of(first_member(self.collective.op_name or ""))
 
     @property
     def exposed_s(self) -> float | None:
@@ -267,7 +272,7 @@ class Explanation:
                 e.link or "?",
                 _seconds(e.predicted_s),
                 _seconds(e.exposed_s),
-                short_chain(e.stack, op_of(c.op_name or "")),
+                short_chain(e.stack, e.op),
                 why,
                 style=style,
             )
