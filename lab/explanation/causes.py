@@ -14,7 +14,8 @@ whole first:
   along the split dimension), a ``gather`` or ``scatter`` that indexes the
   split dimension, a ``reshape`` that merges or splits it: the data is
   gathered or transposed (all-gather, all-to-all) or the partial lookups are
-  summed (all-reduce);
+  summed (all-reduce); a ``jnp.roll`` along a split dimension is a shift
+  between neighbours that the program asks for (a circular pipeline's step);
 * **loop predicate**: a ``while_loop`` under ``vmap`` runs until every batch
   element is done, so each iteration all-reduces whether any still runs;
 * **shard_map**: a collective asked for by name inside ``shard_map`` (``psum``,
@@ -130,6 +131,7 @@ _BY_NAME = (
     "pshuffle",
     "reduce_scatter",
 )
+_ROLL = re.compile(r"\bjit\(_roll_(static|dynamic)\)")  # jnp.roll's nested jit, forward or transposed
 _SPELLED = {"psum_invariant": "psum", "reduce_scatter": "psum_scatter"}  # JAX's primitive -> the function called
 _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 
@@ -196,6 +198,15 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
         )
     if "shard_map" in path[:-1] and op.startswith(_BY_NAME):
         return Cause("shard_map", op, line, _by_name(op, path, where, axes), None)
+    if any(_ROLL.search(part) for part in path):  # jnp.roll over a split dimension: the shift is the permute
+        return Cause(
+            "op",
+            "roll",
+            line,
+            f"asked for: jnp.roll at {where} shifts a dimension split over {axes}, so each device's edge moves to its "
+            f"neighbour: the {kind} is that shift (a circular pipeline's step to the next stage, a stencil's halo)",
+            None,
+        )
     if op == "reshard":  # jax.sharding.reshard: the move itself is what the program asks for
         return Cause(
             "annotation",

@@ -198,6 +198,17 @@ def test_an_explicit_reshard_is_the_move_it_asks_for(capsys, devices):
     assert found["surprises"] == 0 and "0 collective(s) decided by a conflicting annotation" in found["origins"]
 
 
+def test_a_roll_over_the_stage_axis_is_the_pipelines_shift_forward_and_back(capsys, devices):
+    """A pipeline vmapped over stage-sharded states, rotated to the next stage with jnp.roll: each roll is a permute
+    over stage, and so is its transpose in the backward pass (XLA writes it as a pad and a split); both are the
+    shift the program asks for, at the roll's line, none a surprise; the weights' gradient is summed over data."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:rolled_pipeline", "--mesh", "data=2,stage=4")
+    permutes = [c for c in found["collectives"] if c["kind"] == "collective-permute"]
+    assert {(tuple(c["axes"]), c["cause"]["op"], c["hint"]) for c in permutes} == {(("stage",), "roll", None)}
+    assert len({c["source"] for c in permutes}) == 1 and len(permutes) == 4 * 3  # 4 rolls, each forward and back
+    assert found["surprises"] == 0
+
+
 def test_a_ragged_all_to_all_compiles_for_tpu_and_on_cpu_says_where_it_does(capsys, devices):
     """MoE dispatch with ragged_all_to_all: asked for by name over expert on a TPU topology; XLA:CPU cannot compile
     it, and the one line says which targets can."""

@@ -352,3 +352,21 @@ def ragged_dispatch(mesh):
     x = jax.ShapeDtypeStruct((n * 128, 256), jnp.float32, sharding=NamedSharding(mesh, P("expert")))
     sizes = jax.ShapeDtypeStruct((n * n,), jnp.int32, sharding=NamedSharding(mesh, P("expert")))
     return jax.jit(sharded), (x, sizes, sizes)
+
+
+# https://github.com/AI-Hypercomputer/maxtext (src/maxtext/layers/pipeline.py): a pipeline as a vmap over the
+# stage-sharded axis of the stages' weights and states (spmd_axis_name="stage"), each iteration's outputs rotated to
+# the next stage; here with jnp.roll, where MaxText rotates with a ppermute inside shard_map
+def rolled_pipeline(mesh):
+    stages = mesh.shape["stage"]
+    layout = NamedSharding(mesh, P("stage", "data"))
+
+    def loss(weights, state):
+        for _ in range(stages):
+            state = jax.vmap(lambda w, x: jnp.tanh(x @ w), spmd_axis_name="stage")(weights, state)
+            state = jax.lax.with_sharding_constraint(jnp.roll(state, 1, axis=0), layout)
+        return jnp.sum(state**2)
+
+    weights = jax.ShapeDtypeStruct((stages, 256, 256), jnp.float32, sharding=NamedSharding(mesh, P("stage")))
+    state = jax.ShapeDtypeStruct((stages, 32, 256), jnp.float32, sharding=layout)
+    return jax.jit(jax.grad(loss)), (weights, state)
