@@ -413,6 +413,7 @@ def explain_text(
         )
         origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
+    explained = _summed_twice(explained)
     order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
     explained.sort(  # surprises first, of them first those nothing in the program asks for
         key=lambda e: (
@@ -525,6 +526,36 @@ def _roofline_line(r: Roofline | None) -> str:
         f"{_seconds(r.communication_s)} -> {r.bound}-bound; {_seconds(r.overlapped_s)} if all overlaps, "
         f"{_seconds(r.serial_s)} if nothing does"
     )
+
+
+def _summed_twice(explained: list[Explained]) -> list[Explained]:
+    """A psum or pmean the program asks for in shard_map of a gradient autodiff has already summed over the same
+    axes gets a hint: the gradient of a value the in_specs replicate is summed by autodiff (``psum_invariant``, the
+    transpose of the implicit ``pvary``), so a second reduction, a habit of pmap-era code, returns the devices' sum
+    where their mean was meant (a pmean of a sum), or that sum times the devices (a psum)."""
+    summed = {
+        (e.origin.name, tuple(e.collective.axes or ())): e
+        for e in explained
+        if e.origin.kind == "gradient"
+        and e.cause is not None
+        and e.cause.op == "psum_invariant"
+        and "transpose(" in (e.collective.op_name or "")
+    }
+    again = []
+    for e in explained:
+        axes = tuple(e.collective.axes or ())
+        first = summed.get((e.origin.name, axes))
+        if first is not None and e is not first and e.cause is not None and e.cause.kind == "shard_map":
+            where = e.cause.line.cited if e.cause.line else "its line"
+            at = first.cause.line.cited if first.cause.line else "its line"
+            hint = (
+                f"at {where}: the gradient of {e.origin.name} is summed over {','.join(axes)} twice: autodiff already "
+                f"summed it at {at} (the in_specs replicate it there), so this gives the devices' sum where a mean "
+                "was meant (a pmean of a sum), or that sum times the devices (a psum); drop it"
+            )
+            e = replace(e, cause=replace(e.cause, hint=hint))
+        again.append(e)
+    return again
 
 
 def _with_cause(origin: Origin, collective: Collective, cause: Cause) -> tuple[Origin, Cause]:

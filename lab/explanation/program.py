@@ -211,12 +211,25 @@ def _hint(err: BaseException, compile_only: bool, option: str) -> str:
         return "; the program leaves layouts to the partitioner: give --axis-types auto (the default)"
     if "not supported by XLA:CPU" in str(err):  # ragged_all_to_all: TPU's and GPU's compilers have it
         return "; XLA:CPU cannot compile it: compile for a TPU or GPU target, e.g. --target tpu:v5e:2x4"
+    if compile_only and _this_machines_devices(str(err)):
+        return (
+            "; on a compile-only target jax.devices() lists this machine's devices, not the target's: build the "
+            "mesh from mesh.devices, the target's, which NAME(mesh) is given"
+        )
     if compile_only:
         return (
             "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "
             "jax.eval_shape) and create no arrays"
         )
     return ""
+
+
+def _this_machines_devices(message: str) -> bool:
+    """A mesh of ``jax.devices()`` on a compile-only target: this machine's devices, too few to reshape (one CPU)
+    or of another platform than the target's mesh."""
+    return "cannot reshape array of size" in message or (
+        "Received incompatible devices" in message and "on platform CPU" in message
+    )
 
 
 def _import_file(spec: str, path: Path):

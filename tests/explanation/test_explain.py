@@ -95,6 +95,11 @@ def test_what_each_example_communicates_and_why(capsys, devices):
 DOCS = Path(__file__).resolve().parents[1] / "data" / "programs" / "public_docs.py"
 
 
+def line_of_docs(marker: str) -> int:
+    lines = DOCS.read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if marker in line)
+
+
 def test_a_weight_as_wide_as_the_batch_is_reduced_as_a_gradient(capsys, devices):
     """JAX's data-and-tensor-parallel MLP, its hidden width equal to the batch: the combined all-reduce over data
     carries every weight's gradient (each of a weight's size), the all-reduces over tensor the activations."""
@@ -207,6 +212,19 @@ def test_a_roll_over_the_stage_axis_is_the_pipelines_shift_forward_and_back(caps
     assert {(tuple(c["axes"]), c["cause"]["op"], c["hint"]) for c in permutes} == {(("stage",), "roll", None)}
     assert len({c["source"] for c in permutes}) == 1 and len(permutes) == 4 * 3  # 4 rolls, each forward and back
     assert found["surprises"] == 0
+
+
+def test_a_gradient_summed_twice_in_shard_map_gets_a_hint_at_the_second_sum(capsys, devices):
+    """pmap-era code in shard_map: autodiff sums the replicated weights' gradient (psum_invariant), and the step's
+    own pmean sums it again, returning the devices' sum where a mean was meant; the second sum's line says so."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:pmap_era_pmean_of_grads", "--mesh", "data=2,fsdp=2,tensor=2")
+    autodiff, asked = sorted(found["collectives"], key=lambda c: "transpose(" not in c["op_name"])
+    assert [(c["origin"]["kind"], c["origin"]["name"], c["axes"]) for c in (autodiff, asked)] == [
+        ("gradient", "w", ["data", "fsdp"])
+    ] * 2
+    assert autodiff["hint"] is None and autodiff["cause"]["why"].startswith("autodiff sums a gradient")
+    pmean = line_of_docs("grads = jax.lax.pmean(grads")
+    assert asked["hint"].startswith(f"at public_docs.py:{pmean}: the gradient of w is summed over data,fsdp twice")
 
 
 def test_a_ragged_all_to_all_compiles_for_tpu_and_on_cpu_says_where_it_does(capsys, devices):
@@ -496,6 +514,14 @@ def auto(mesh):  # the partitioner's: a constraint that differs is an assertion 
     return jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh, P(None, "data")))), (x,)
 
 
+def own_devices(mesh):  # a mesh of jax.devices(): this machine's, which on a compile-only target are not the target's
+    import numpy as np
+    from jax.sharding import Mesh
+
+    own = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "mp"))
+    return jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(own, P("dp"))),)
+
+
 def bare_spec(mesh):  # a bare PartitionSpec made under a mesh of its own, which the builder does not return
     with jax.set_mesh(jax.make_mesh((8,), ("x",), devices=mesh.devices.flat)):
         x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=P("x", None))
@@ -535,6 +561,7 @@ def bare_spec(mesh):  # a bare PartitionSpec made under a mesh of its own, which
         (["--fn", "{tmp}/sharded.py:explicit", "--mesh", "data=8"], "give --axis-types explicit"),
         (["--fn", "{tmp}/sharded.py:auto", "--mesh", "data=8", "--axis-types", "explicit"], "--axis-types auto"),
         (["--fn", "{tmp}/sharded.py:bare_spec", "--mesh", "data=8"], "give it NamedSharding(mesh, P(...))"),
+        (["--fn", "{tmp}/sharded.py:own_devices", "--target", "tpu:v5e:2x4"], "build the mesh from mesh.devices"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):

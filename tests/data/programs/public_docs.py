@@ -370,3 +370,21 @@ def rolled_pipeline(mesh):
     weights = jax.ShapeDtypeStruct((stages, 256, 256), jnp.float32, sharding=NamedSharding(mesh, P("stage")))
     state = jax.ShapeDtypeStruct((stages, 32, 256), jnp.float32, sharding=layout)
     return jax.jit(jax.grad(loss)), (weights, state)
+
+
+# https://github.com/google/flax (examples/imagenet/train.py, under pmap: `grads = lax.pmean(grads,
+# axis_name='batch')`) ported to shard_map as written: there autodiff already sums the gradient of the weights the
+# in_specs replicate, so the pmean returns the devices' sum of gradients where their mean was meant
+def pmap_era_pmean_of_grads(mesh):
+    def loss(w, x):
+        return jnp.mean((x @ w) ** 2)
+
+    def step(w, x):
+        grads = jax.grad(loss)(w, x)
+        grads = jax.lax.pmean(grads, ("data", "fsdp"))
+        return w - 0.1 * grads
+
+    sharded = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(("data", "fsdp"))), out_specs=P())
+    w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+    return jax.jit(sharded), (w, x)
