@@ -132,6 +132,7 @@ _BY_NAME = (
     "reduce_scatter",
 )
 _ROLL = re.compile(r"\bjit\(_roll_(static|dynamic)\)")  # jnp.roll's nested jit, forward or transposed
+_MOVES = ("all-gather", "all-to-all", "collective-permute")  # collectives that move data, summing nothing
 _SPELLED = {"psum_invariant": "psum", "reduce_scatter": "psum_scatter"}  # JAX's primitive -> the function called
 _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 
@@ -266,7 +267,9 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
         )
     decision = resharding(decisions)
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
-    if found is None and decision is not None and not _lays_out_itself(decision.op):  # a concatenate, a pad, ...
+    # a concatenate, a pad, ... whose result a constraint laid out; or a matmul's, moved by a gather, a permute or an
+    # all-to-all (its own rule sums, and a sum is tried above: what moves its result is the constraint's)
+    if found is None and decision is not None and (not _lays_out_itself(decision.op) or collective.kind in _MOVES):
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
         found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
     if found is not None or not collective.result_shapes:

@@ -372,13 +372,20 @@ def step(mesh):  # GShard's einsum dispatch with a capacity (MaxText's capacity 
 
 def test_a_dispatch_mask_carries_the_tokens_of_its_group(capsys, devices, tmp_path):
     """One group of 64 tokens per device: the router's masks travel as [1, 64, ...], the per-device batch 1 and
-    the sequence 64; they are the tokens' activations, not surprises."""
+    the sequence 64; they are the tokens' activations, not surprises. The one surprise is the dispatch: the constraint
+    after its einsum splits the experts' dimension, so XLA gathers every device's tokens (x whole, 8 x an all-to-all's
+    bytes) where GShard's dispatch is an all-to-all; the constraint is named at its line."""
     (tmp_path / "moe.py").write_text(CAPACITY_MOE)
     found = inspect_json(capsys, "--fn", f"{tmp_path / 'moe.py'}:step", "--mesh", "expert=8")
     masks = [c for c in found["collectives"] if c["size_bytes"] == 2048 and c["kind"] != "all-reduce"]
     assert masks and all(c["origin"]["kind"] == "activation" for c in masks)
     assert all("(64 = the sequence of x" in c["origin"]["why"] for c in masks)
-    assert found["surprises"] == 0
+    (dispatch,) = [c for c in found["collectives"] if c["surprise"]]
+    assert (dispatch["kind"], dispatch["origin"]["kind"], dispatch["origin"]["name"]) == ("all-gather", "input", "x")
+    constraint = CAPACITY_MOE.splitlines().index(
+        next(line for line in CAPACITY_MOE.splitlines() if "ex = jax.lax" in line)
+    )
+    assert dispatch["cause"]["why"].startswith(f"the with_sharding_constraint at moe.py:{constraint + 1} gives the")
 
 
 def test_totals_over_a_loop_of_unknown_length_say_they_are_a_floor(capsys, devices, tmp_path):
