@@ -28,9 +28,10 @@ collectives of a training step:
 * **activation**: a value computed in the step whose shape carries the tokens
   (a dimension equal to the batch, or the sequence, of an input that is neither
   a parameter nor optimizer state; S of S + 1 token ids only after a
-  gradient's flow is ruled out), or a scalar reduced across the batch (the
-  loss): tensor parallelism's all-reduce, MoE's all-to-all, sequence
-  parallelism's gathers;
+  gradient's flow is ruled out), a scalar reduced across the batch (the
+  loss), or a reduce's statistics of the batch (a router's load per expert)
+  summed over the axes the batch is split over: tensor parallelism's
+  all-reduce, MoE's all-to-all, sequence parallelism's gathers;
 * **surprise**: nothing above. These are listed first: a sharding the user did
   not ask for, a reduction over a sharded dimension of a weight, a layout the
   partitioner chose; pin the layout at that line with
@@ -173,7 +174,8 @@ def attribute(graph: Dataflow, collectives: Sequence[Collective]) -> dict[str, O
     receives_gradient = {i for ms in members.values() for m in ms for i in m.gradient}
     parameters = named | receives_gradient
     batches, shifted = _batch_sizes(graph.inputs.values(), parameters), _shifted_sequences(graph.inputs.values())
-    return {c.name: _origin(c, members[c.name], parameters, batches, shifted, graph) for c in collectives}
+    split = _batch_axes(graph.inputs.values(), parameters)
+    return {c.name: _origin(c, members[c.name], parameters, batches, shifted, graph, split) for c in collectives}
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ def _origin(
     batches: dict[int, str],
     shifted: dict[int, str],
     graph: Dataflow,
+    batch_axes: dict[str, str],
 ) -> Origin:
     axes = ",".join(collective.axes or ()) or "its groups"
     if collective.moves_nothing:
@@ -253,12 +256,31 @@ def _origin(
             f"shape {list(chosen[0].shape)} carries the tokens ({size} = {tokens[size]}): moves activations{also}",
         )
     shapes = [list(m.shape) for m in chosen]
+    listed = f"{'shapes' if len(shapes) > 1 else 'shape'} {', '.join(map(str, shapes))}"
+    over = set(collective.axes or ())
+    if collective.kind in _REDUCTIONS and over and over <= set(batch_axes) and _reduces(collective):
+        batch = batch_axes[next(iter(over))]
+        return Origin(
+            "activation",
+            None,
+            f"{listed}: statistics of the batch (a reduce over it, which leaves no batch dimension) summed over "
+            f"{axes}, the axes {batch} is split over{also}",
+        )
     return Origin(
         kind,
         None,
-        f"{'shapes' if len(shapes) > 1 else 'shape'} {', '.join(map(str, shapes))}: neither an input moved, a "
-        "gradient, nor batch-shaped; the partitioner chose a layout here that the program does not declare",
+        f"{listed}: neither an input moved, a gradient, nor batch-shaped; the partitioner chose a layout here that "
+        "the program does not declare",
     )
+
+
+def _reduces(collective: Collective) -> bool:
+    """Whether JAX's op at the collective is a reduction (reduce_sum, reduce_max, ...; of collectives XLA
+    combined, ``(a/reduce_sum:b/reduce_sum)``, each one)."""
+    op_name = collective.op_name or ""
+    combined = re.fullmatch(r"(.*?)/\((.*)\)", op_name)
+    members = combined[2].split(":") if combined else [op_name]
+    return all(op.rsplit("/", 1)[-1].startswith("reduce_") for op in members)
 
 
 def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str], shifted: dict[int, str]) -> str:
@@ -287,6 +309,19 @@ def _share(collective: Collective, moved: list[Input]) -> str:
     if result > whole:  # made from it (a broadcast, a comparison), or carried with others in one collective
         return f"{result:,} elements, more than its {whole:,}: made from it, or carried with other arrays"
     return f"{result:,} of its {whole:,} elements"
+
+
+def _batch_axes(inputs: Iterable[Input], parameters: set[int]) -> dict[str, str]:
+    """The mesh axes the batch (dimension 0) of an input that is no parameter or optimizer state is split over
+    (read from its PartitionSpec), each -> the words that name it (``the batch of tokens``)."""
+    found: dict[str, str] = {}
+    for i in inputs:
+        if i.index in parameters or not i.local_shape or not i.spec or _OPTIMIZER_NAME.search(i.name):
+            continue
+        first = re.match(r"P\((\([^)]*\)|'[^']*'|None)", i.spec)
+        for axis in re.findall(r"'(\w+)'", first[1]) if first else ():
+            found.setdefault(axis, f"the batch of {i.name}")
+    return found
 
 
 def _shifted_sequences(inputs: Iterable[Input]) -> dict[int, str]:

@@ -388,6 +388,31 @@ def test_a_dispatch_mask_carries_the_tokens_of_its_group(capsys, devices, tmp_pa
     assert dispatch["cause"]["why"].startswith(f"the with_sharding_constraint at moe.py:{constraint + 1} gives the")
 
 
+ROUTER_LOAD = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def load(mesh):  # a router's load per expert, summed over the tokens of a batch split over data and fsdp
+    def f(x, w):
+        return jax.nn.softmax(jnp.einsum("bsd,de->bse", x, w), axis=-1).sum((0, 1))
+
+    x = jax.ShapeDtypeStruct((16, 64, 128), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
+    w = jax.ShapeDtypeStruct((128, 8), jnp.float32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(f), (x, w)
+"""
+
+
+def test_a_statistic_of_the_batch_summed_over_its_axes_is_the_batchs(capsys, devices, tmp_path):
+    """A reduce over the batch leaves no batch dimension to read it by: the load per expert, [8], summed over the
+    axes the batch is split over, is a statistic of the batch, not a surprise."""
+    (tmp_path / "router.py").write_text(ROUTER_LOAD)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'router.py'}:load", "--mesh", "data=2,fsdp=4")
+    (summed,) = found["collectives"]
+    assert (summed["kind"], summed["axes"], summed["origin"]["kind"]) == ("all-reduce", ["data", "fsdp"], "activation")
+    assert summed["origin"]["why"].startswith("shape [8]: statistics of the batch")
+    assert found["surprises"] == 0
+
+
 def test_totals_over_a_loop_of_unknown_length_say_they_are_a_floor(capsys, devices, tmp_path):
     (tmp_path / "loop.py").write_text(UNKNOWN_TRIPS)
     found = inspect_json(capsys, "--fn", f"{tmp_path / 'loop.py'}:loop", "--mesh", "fsdp=8")
