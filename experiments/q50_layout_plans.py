@@ -340,10 +340,12 @@ pipeline's micro-batches M and a remat policy. Per chip (`lab.plan.closed_form`)
   its roofline, max(FLOPs / (peak x e_matmul), bytes / (HBM bandwidth x e_hbm)) with the chip's constants (lab
   predict's): the matmuls (forward once, backward twice, plus what remat recomputes, which under `full` is all but
   the out-projection and W_out; the flash kernel's tiles on and below the causal diagonal, its backward seven
-  products of the scores' size against a dot's four; the one-hot embedding and the head run whole on every tensor
-  and stage device) and the HBM-bound ops (norms, residual adds, rotary, the activation,
-  XLA attention's softmax, the saved activations written and read back, the loss's fp32 logits, and AdamW reading
-  and writing 16 bytes of state per stored parameter). Exposed communication: fsdp's per-layer gathers and
+  products of the scores' size against a dot's four, each of its three kernels against the bytes of its operands
+  and results, the softmax statistics among them as fp32 rows of 128 lanes, whichever is longer: on the proxies'
+  16-wide heads the bytes; the one-hot embedding and the head run whole on every tensor and stage device) and the
+  HBM-bound ops (norms, residual adds, rotary, the activation, XLA attention's softmax, the flash backward's
+  broadcasts of its statistics, the saved activations written and read back, the loss's fp32 logits, and AdamW
+  reading and writing 16 bytes of state per stored parameter). Exposed communication: fsdp's per-layer gathers and
   reduce-scatters beyond the layer's compute where libtpu runs them asynchronously, else whole (and over every
   chip of a slice libtpu compiles a reduce-scatter as a synchronous all-reduce of the whole gradient, and across
   slices the reduce-scatter within a slice waits: exposed whole), the vocabulary tables' gathers and reductions,

@@ -28,8 +28,11 @@ closed form and the compiled prediction price alike):
   (under ``full`` all but the out-projection and W_out, whose outputs the
   backward never reads); attention's QK^T and AV (the causal flash kernel: the
   tiles on and below the diagonal, its backward seven products against a
-  dot's four); the embedding (a one-hot matmul) and the head, run whole on
-  every ``tensor`` and ``stage`` device;
+  dot's four, each of its kernels at its own roofline: its operands and
+  results, the softmax statistics among them as fp32 rows of 128 lanes, weigh
+  more than its FLOPs when heads are narrow and sequences short); the
+  embedding (a one-hot matmul) and the head, run whole on every ``tensor`` and
+  ``stage`` device;
 * the HBM-bound ops: the norms, residual adds, rotary, the MLP's activation
   and XLA attention's fp32 softmax, each reading its inputs and writing its
   output once (twice over in the backward); what the forward saves, written
@@ -97,6 +100,8 @@ PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and 
 ACTIVATION_BYTES = 2  # bf16 compute
 LOSS_CHUNK = 1024  # tokens of a sequence whose logits exist at once (lab.predict.step.LOSS_CHUNK)
 FLASH_BACKWARD = 7 / 2  # the flash kernel's backward products of the scores' size per forward one (a dot's: 2)
+DKV_PRODUCTS, DQ_PRODUCTS = 4, 3  # of its backward's seven: QK^T, dO V^T, dV and dK; QK^T, dO V^T and dQ
+STAT_LANES = 128  # the flash kernel keeps a query row's softmax statistics as fp32 rows of the TPU's 128 lanes
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class Estimate:
     layout: Layout
     memory: Memory
     flops_per_chip: float  # hardware FLOPs (recompute included)
-    matmul_s: float  # the matmuls, each at its own roofline
+    matmul_s: float  # the matmuls and attention's kernels, each at its own roofline
     hbm_s: float  # the HBM-bound ops: norms, activations, softmax, the loss, saved stacks, the AdamW update
     bubble_s: float
     axes: tuple[AxisCost, ...]
@@ -416,6 +421,21 @@ def _core_flops(model, tensor: int) -> float:
     return 4 * s * h * flash_head_width(model.head_dim + model.rope_dim) / tensor * live
 
 
+def _flash_bytes(model, tensor: int) -> tuple[float, float, float, float]:
+    """HBM bytes per token of one layer's flash kernels, each its operands and results as
+    `jax.experimental.pallas.ops.tpu.flash_attention` declares them (the compiled prediction prices a kernel so):
+    (the forward, which reads q, k and v, the K/V heads repeated to H, writes o, bf16, and each query row's softmax
+    statistics l and m as fp32 rows of the TPU's 128 lanes; the backward's dK/dV kernel, which reads q, k, v, dO and
+    the rows l, m and di = rowsum(o . dO) and writes dk and dv; its dQ kernel, which reads the same but di at the key
+    block's width and writes dq; the broadcasts that make those rows, written once and shared). Its K/V blocks
+    re-read per query block stay on chip at the block sizes the lab gives it (`lab.model.FLASH_BLOCK`)."""
+    heads = model.heads / tensor
+    row = ACTIVATION_BYTES * heads * flash_head_width(model.head_dim + model.rope_dim)  # q, k, v, o, dO, ...
+    stats = 4 * heads * STAT_LANES  # one fp32 statistic's row
+    wide = 4 * heads * min(FLASH_BLOCK, model.seq)  # di at the key block's width, for the dQ kernel
+    return 4 * row + 2 * stats, 6 * row + 3 * stats, 5 * row + 2 * stats + wide, 3 * stats + wide
+
+
 def _block_forward_flops(model, tensor: int) -> float:
     """Forward matmul FLOPs per token of one layer on one tensor shard."""
     return sum(2 * width * k * n for width, k, n in _block_matmuls(model, tensor)) + _core_flops(model, tensor)
@@ -466,10 +486,22 @@ class _Roofline:
         return max(2 * tokens * k * n / self.flops_per_s, moved / self.bytes_per_s)
 
     def layer_forward(self, model, tensor: int, tokens: float) -> tuple[float, float]:
-        """(matmul s, HBM-bound s) of one layer's forward over `tokens`."""
+        """(weight matmuls s, HBM-bound s) of one layer's forward over `tokens` (attention's core: `core`)."""
         dots = sum(self.matmul(tokens * width, k, n) for width, k, n in _block_matmuls(model, tensor))
-        dots += tokens * _core_flops(model, tensor) / self.flops_per_s
         return dots, tokens * _elementwise_bytes(model, tensor) / self.bytes_per_s
+
+    def core(self, model, tensor: int, tokens: float) -> tuple[float, float, float]:
+        """(forward s, backward s, backward HBM-bound s) of attention's QK^T and AV over `tokens`. XLA's dots run at
+        the matmul rate, twice in the backward; the flash kernels each at its own roofline, its FLOPs or its bytes
+        (`_flash_bytes`) whichever is longer, the statistics' broadcasts at HBM's rate (the splash kernel of a
+        sliding window by its FLOPs: its own statistics are not modelled)."""
+        flops = tokens * _core_flops(model, tensor) / self.flops_per_s
+        if model.attention != "flash" or model.window:
+            return flops, 2 * flops + tokens * _kernel_backward_flops(model, tensor) / self.flops_per_s, 0.0
+        forward, dkv, dq, broadcasts = (tokens * b / self.bytes_per_s for b in _flash_bytes(model, tensor))
+        per_product = flops / 2  # the forward's two products, QK^T and AV
+        backward = max(DKV_PRODUCTS * per_product, dkv) + max(DQ_PRODUCTS * per_product, dq)
+        return max(flops, forward), backward, broadcasts
 
 
 def _roofline(problem: Problem) -> _Roofline:
@@ -509,13 +541,16 @@ def _layer(problem: Problem, layout: Layout, tokens: float, model) -> _Layer:
     saved is written once and read back once (the scan stacks it per layer)."""
     t, roof = layout.sizes["tensor"], _roofline(problem)
     dots, moved = roof.layer_forward(model, t, tokens)
+    core, core_backward, broadcasts = roof.core(model, t, tokens)
     saved_s = saved_per_layer(model, tokens, t, layout.remat, model.attention) / roof.bytes_per_s
     if layout.remat == "full":
-        redo = (dots - sum(roof.matmul(tokens * w, k, n) for w, k, n in _unread_outputs(model, t)), moved)
+        redo = (dots + core - sum(roof.matmul(tokens * w, k, n) for w, k, n in _unread_outputs(model, t)), moved)
     else:
-        redo = (tokens * _recompute(model, layout.remat, t) / roof.flops_per_s, 0.0)
-    kernel = tokens * _kernel_backward_flops(model, t) / roof.flops_per_s
-    return _Layer((dots, moved + saved_s), (2 * dots + kernel + redo[0], 2 * moved + redo[1] + saved_s))
+        redo = (core if layout.remat == "minimal" else 0.0, 0.0)  # minimal: the core, whose output is no dot's
+    return _Layer(
+        (dots + core, moved + saved_s),
+        (2 * dots + core_backward + redo[0], 2 * moved + broadcasts + redo[1] + saved_s),
+    )
 
 
 def _vocab_s(problem: Problem, layout: Layout, tokens: float) -> tuple[float, float]:
