@@ -50,6 +50,7 @@ import re
 from dataclasses import dataclass, replace
 
 from lab.explanation.origins import Decision, Propagation, Value, resharding
+from lab.hlo.attribution import op_names
 from lab.hlo.collectives import Collective
 from lab.hlo.sources import Frame, op_of
 
@@ -132,7 +133,7 @@ _BY_NAME = (
     "reduce_scatter",
 )
 _ROLL = re.compile(r"\bjit\(_roll_(static|dynamic)\)")  # jnp.roll's nested jit, forward or transposed
-_MOVES = ("all-gather", "all-to-all", "collective-permute")  # collectives that move data, summing nothing
+_MOVING = ("all-gather", "all-to-all", "collective-permute")  # the collectives that move data, summing nothing
 _SPELLED = {"psum_invariant": "psum", "reduce_scatter": "psum_scatter"}  # JAX's primitive -> the function called
 _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 
@@ -140,7 +141,7 @@ _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
 def cause_of(collective: Collective, line: Frame | None, propagation: Propagation | None = None) -> Cause | None:
     """The op or annotation that decided `collective` (at the user's `line`), or None when nothing names one: its op
     name, or Shardy's record of where the layouts at that op came from (`propagation`)."""
-    collective = replace(collective, op_name=first_member(collective.op_name or ""))
+    collective = replace(collective, op_name=op_names(collective.op_name or "")[0])  # of combined ones, the first
     path = tuple(collective.op_name.split("/"))
     if not path[-1]:
         return None
@@ -149,13 +150,6 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
     if said is not None or propagation is None:
         return said
     return _recorded(collective, line, where, propagation) or _idle_axes(collective, line, where, propagation)
-
-
-def first_member(op_name: str) -> str:
-    """XLA's name for collectives it combined, ``jit(f)/(transpose(jvp())/reduce_sum:jvp()/reduce_sum)``, read as its
-    first member's (``jit(f)/transpose(jvp())/reduce_sum``); any other op name as it is."""
-    combined = re.fullmatch(r"(.*?)/\((.*)\)", op_name)
-    return f"{combined[1]}/{combined[2].split(':')[0]}" if combined else op_name
 
 
 def cause_before(collective: Collective, moved: str, consumer: str, line: Frame) -> Cause | None:
@@ -269,7 +263,7 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
     found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
     # a concatenate, a pad, ... whose result a constraint laid out; or a matmul's, moved by a gather, a permute or an
     # all-to-all (its own rule sums, and a sum is tried above: what moves its result is the constraint's)
-    if found is None and decision is not None and (not _lays_out_itself(decision.op) or collective.kind in _MOVES):
+    if found is None and decision is not None and (not _lays_out_itself(decision.op) or collective.kind in _MOVING):
         constraint = next((o for o in decision.result.origins.values() if o.startswith("constraint_")), None)
         found = _constrained(collective, decision, constraint, line, where, propagation) if constraint else None
     if found is not None or not collective.result_shapes:

@@ -40,11 +40,11 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.errors import LabError
-from lab.explanation.causes import Cause, cause_before, cause_of, first_member
+from lab.explanation.causes import Cause, cause_before, cause_of
 from lab.explanation.origins import Propagation, compile_with_origins, record_line
 from lab.explanation.partitioner import Remat
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
-from lab.hlo.attribution import Dataflow, Input, Origin, attribute
+from lab.hlo.attribution import Dataflow, Input, Origin, attribute, op_names
 from lab.hlo.schedule import overlap_report
 from lab.hlo.sources import Frame, nearest_metadata, op_of, short_chain, stack_frames, stack_of
 from lab.hlo.text import module_name
@@ -76,7 +76,7 @@ class Explained:
     @property
     def op(self) -> str:
         """The JAX op it was inserted for (of collectives XLA combined, the first one's)."""
-        return op_of(first_member(self.collective.op_name or ""))
+        return op_of(op_names(self.collective.op_name or "")[0])
 
     @property
     def exposed_s(self) -> float | None:

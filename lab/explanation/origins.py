@@ -255,7 +255,7 @@ class Compiled(NamedTuple):
     inspection: Inspection
     propagation: Propagation | str  # Shardy's record, or why there is none
     remats: tuple[Remat, ...]  # the values XLA's partitioner said it replicated whole to reshard them
-    names: Mapping[str, str] = {}  # JAX's names of its inputs -> the program's (`lab.explanation.program.leaf_names`)
+    names: Mapping[str, str]  # JAX's names of its inputs -> the program's (`lab.explanation.program.leaf_names`)
 
 
 def compile_with_origins(fn, *args: Any, mesh=None, **kwargs: Any) -> Compiled:

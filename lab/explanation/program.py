@@ -90,12 +90,12 @@ def leaf_names(fn: Callable, args: tuple[Any, ...]) -> dict[str, str]:
     other arguments are named by JAX as the user wrote them, and keep their names."""
     nnx = sys.modules.get("flax.nnx")  # only a program that imported it passes NNX objects
     try:
-        arguments = inspect.signature(fn).bind(*args).arguments
+        arguments = inspect.signature(fn).bind(*args).arguments if nnx is not None else {}
     except (TypeError, ValueError):
         return {}
     names = {}
     for name, value in arguments.items():
-        if nnx is not None and nnx.graph.is_graph_node(value):
+        if nnx.graph.is_graph_node(value):
             leaves = jax.tree_util.tree_flatten_with_path(value)[0]
             names |= {f"{name}.states[0][{k}]": name + jax.tree_util.keystr(path) for k, (path, _) in enumerate(leaves)}
     return names

@@ -274,13 +274,17 @@ def _origin(
     )
 
 
-def _reduces(collective: Collective) -> bool:
-    """Whether JAX's op at the collective is a reduction (reduce_sum, reduce_max, ...; of collectives XLA
-    combined, ``(a/reduce_sum:b/reduce_sum)``, each one)."""
-    op_name = collective.op_name or ""
+def op_names(op_name: str) -> list[str]:
+    """The JAX op names a collective's holds: its own, or of collectives XLA combined into one,
+    ``jit(f)/(transpose(jvp())/reduce_sum:jvp()/reduce_sum)``, each member's (``jit(f)/transpose(jvp())/reduce_sum``,
+    ``jit(f)/jvp()/reduce_sum``)."""
     combined = re.fullmatch(r"(.*?)/\((.*)\)", op_name)
-    members = combined[2].split(":") if combined else [op_name]
-    return all(op.rsplit("/", 1)[-1].startswith("reduce_") for op in members)
+    return [f"{combined[1]}/{member}" for member in combined[2].split(":")] if combined else [op_name]
+
+
+def _reduces(collective: Collective) -> bool:
+    """Whether JAX's op at the collective is a reduction (reduce_sum, reduce_max, ...; of combined ones, each)."""
+    return all(op.rsplit("/", 1)[-1].startswith("reduce_") for op in op_names(collective.op_name or ""))
 
 
 def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str], shifted: dict[int, str]) -> str:
