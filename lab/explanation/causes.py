@@ -18,6 +18,12 @@ whole first:
   between neighbours that the program asks for (a circular pipeline's step);
 * **loop predicate**: a ``while_loop`` under ``vmap`` runs until every batch
   element is done, so each iteration all-reduces whether any still runs;
+* **loop motion**: a sum XLA moved out of a loop (a ``scan``, a
+  ``fori_loop``): the op name is the loop's own, ``jit(f)/while``, because
+  the compiler's while-loop all-reduce code motion found the iterations
+  adding their partial sums to a value the loop carries, and reduces the
+  carried total once, after the loop, in place of one reduction an
+  iteration (gradient accumulation over micro-batches is the common case);
 * **shard_map**: a collective asked for by name inside ``shard_map`` (``psum``,
   ``all_gather``, ``ppermute``, ``all_to_all``, ``psum_scatter``), or its
   transpose in the backward pass; there autodiff also sums the gradient of a
@@ -54,7 +60,7 @@ from lab.hlo.attribution import op_names
 from lab.hlo.collectives import Collective
 from lab.hlo.sources import Frame, op_of
 
-CAUSES = ("op", "loop predicate", "shard_map", "annotation", "sum", "partitioner")
+CAUSES = ("op", "loop predicate", "loop motion", "shard_map", "annotation", "sum", "partitioner")
 
 
 @dataclass(frozen=True)
@@ -226,6 +232,16 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
             f"a while_loop under vmap at {where} runs until every batch element is done: each iteration all-reduces "
             f"whether any still runs, over {axes}",
             f"at {where}: give the loop a fixed trip count (fori_loop or scan), or run it per shard inside shard_map",
+        )
+    if op == "while" and kind in ("all-reduce", "reduce-scatter"):  # outside the loop, on what it carried out
+        return Cause(
+            "loop motion",
+            "while",
+            line,
+            f"XLA moved this {kind} out of the loop at {where} (its pass while-loop-all-reduce-code-motion): each "
+            f"iteration adds its part to a sum the loop carries, and the {kind} over {axes} reduces the carried total "
+            "once, after the loop, where the program reduces every iteration's",
+            None,
         )
     base = op.split("-")[0]
     if base not in _OPS:

@@ -404,8 +404,9 @@ def explain_text(
         key = (c.computation, c.name)
         stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
         consumer = ""
-        if not stack and origins[c.name].kind == "input":  # an input resharded: the line is where it is used
-            consumer, stack = _consumer(graph, key, frames)
+        if origins[c.name].kind == "input" and not (stack and c.op_name):  # an input resharded, no op named on it
+            consumer, used = _consumer(graph, key, frames)  # (libtpu's all-gather as an all-reduce): where it is used
+            stack = used or stack
         cause = (
             cause_before(c, origins[c.name].name, consumer, stack[0])
             if consumer

@@ -75,6 +75,22 @@ def test_an_out_sharding_that_replicates_a_split_value_is_named_at_its_line(caps
     assert "P(None, None, None)" in cause["why"] and found["surprises"] == 1
 
 
+def test_a_sum_xla_moved_out_of_a_scan_is_told_at_the_loops_line(capsys):
+    """On TPU the micro-batches' gradient all-reduce leaves the loop (openxla/xla#49143's pass): its op name is the
+    loop's, and the lab says so at the scan's line; the ids' gather, which libtpu writes as an all-reduce with no op
+    name, is told at the lookup that needs it."""
+    found = _inspect(capsys, "scanned_embedding_gradients", "fsdp=4", "--target", "tpu:v5e:2x2")
+    causes = {c["name"]: (c["kind"], c["size_bytes"], c["cause"]) for c in found["collectives"]}
+    assert all(cause is not None for _, _, cause in causes.values()), causes
+    moved = [(size, cause) for kind, size, cause in causes.values() if cause["kind"] == "loop motion"]
+    (size, cause), line = moved[0], _deciding_line("scanned_embedding_gradients")
+    assert len(moved) == 1 and size == 96 * 35 * 256 * 4  # the whole table's gradient, once a step
+    assert cause["line"] == f"{PROGRAMS}:{line}" and "while-loop-all-reduce-code-motion" in cause["why"]
+    assert cause["hint"] is None
+    gathered = [cause for kind, size, cause in causes.values() if size == 8 * 4]  # the ids: 8 int32 of 16
+    assert gathered and gathered[0]["op"] == "gather" and "reshards ids before it" in gathered[0]["why"]
+
+
 def test_a_dump_says_it_holds_no_record_of_sharding_origins():
     text = (Path(__file__).parents[1] / "data" / "hlo" / "cpu_scan_fsdp.hlo").read_text()
     assert explain_hlo(text).origins.startswith("sharding origins: none read; a dump holds no record")

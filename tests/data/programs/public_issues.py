@@ -248,3 +248,25 @@ def pmap_data_parallel(mesh):
     n = mesh.devices.size
     fn = jax.pmap(step, axis_name="batch", devices=list(mesh.devices.flat))
     return fn, (jax.ShapeDtypeStruct((n, 128, 64), jnp.float32), jax.ShapeDtypeStruct((n, 32, 128), jnp.float32))
+
+
+def scanned_embedding_gradients(mesh):
+    """openxla/xla#49143: embedding gradients accumulated over two micro-batches in lax.scan, the table [96, 35, 256]
+    split over its rows and the ids' batch split too; libtpu sums the accumulated gradient once after the loop (its
+    while-loop all-reduce code motion, the pass the issue found miscompiling it)."""
+
+    def loss(table, ids, cot):
+        return jnp.sum(jnp.tanh(table[ids]) * cot)
+
+    def step(table, ids, cot):
+        def micro(acc, xs):
+            return acc + jax.grad(loss)(table, *xs), None
+
+        return jax.lax.scan(micro, jnp.zeros_like(table), (ids, cot))[0]  # decides
+
+    table = _abstract(mesh, (96, 35, 256), P("fsdp"))
+    return jax.jit(step), (
+        table,
+        _abstract(mesh, (2, 8), P(None, "fsdp"), jnp.int32),
+        _abstract(mesh, (2, 8, 35, 256), P(None, "fsdp")),
+    )
