@@ -231,7 +231,10 @@ class Propagation:
         if not layouts and not summed:  # a sum's result may have no layout of its own: it is whole on each device
             return None
         operands = tuple(self._value(operand) for operand in op.operands)
-        return Decision(op_name, _laid_out(op_name, layouts, origins, 0), operands, _elementwise(op.text), summed)
+        elementwise = _elementwise(op.text)
+        if op.kind == "stablehlo.transpose" and (turned := _transposed(operands[0], op.text)) is not None:
+            operands, elementwise = (turned,), True  # its operand as the result is indexed: compared as elementwise
+        return Decision(op_name, _laid_out(op_name, layouts, origins, 0), operands, elementwise, summed)
 
     def _value(self, name: str) -> Value:
         if name in self._args:
@@ -307,6 +310,19 @@ def _elementwise(text: str) -> bool:
         return False
     groups = re.findall(r"\[[^\]]*\]", rule[1]) + re.findall(r"\[[^\]]*\]", rule[2])
     return len(set(groups)) == 1
+
+
+def _transposed(value: Value, text: str) -> Value | None:
+    """A transpose's operand in its result's order of dimensions, by Shardy's rule (``([j, i])->([i, j])``): the
+    layout it gives the result unmoved, so that P('x', None) transposed reads P(None, 'x'); None without a rule."""
+    rule = re.search(r"op_sharding_rule<\(\[([^\]]*)\]\)->\(\[([^\]]*)\]\)", text)
+    if rule is None or not value.dims:
+        return None
+    source, result = rule[1].split(", "), rule[2].split(", ")
+    if sorted(source) != sorted(result) or len(source) != len(value.dims):
+        return None
+    dims = tuple(value.dims[source.index(factor)] for factor in result)
+    return Value(f"{value.name} (transposed)", _spec(dims), value.origins, dims)
 
 
 def resharding(decisions: list[Decision]) -> Decision | None:

@@ -75,6 +75,15 @@ def test_an_out_sharding_that_replicates_a_split_value_is_named_at_its_line(caps
     assert "P(None, None, None)" in cause["why"] and found["surprises"] == 1
 
 
+def test_a_transposes_operand_is_compared_in_the_results_order_of_dimensions(capsys, devices):
+    """P('fsdp', None) on both sides of a transpose are not the same layout: the operand's rows become the result's
+    columns, so the constraint asking for rows is what moves the data."""
+    found = _inspect(capsys, "transpose_of_split_rows", "fsdp=8")
+    (collective,) = found["collectives"]
+    assert collective["kind"] == "all-to-all"
+    assert "its operand a (transposed) comes as P(None, 'fsdp')" in collective["cause"]["why"]
+
+
 def test_a_sum_xla_moved_out_of_a_scan_is_told_at_the_loops_line(capsys):
     """On TPU the micro-batches' gradient all-reduce leaves the loop (openxla/xla#49143's pass): its op name is the
     loop's, and the lab says so at the scan's line; the ids' gather, which libtpu writes as an all-reduce with no op

@@ -28,6 +28,12 @@ CASES = {
     ),
     "fftn_over_rows": ("https://github.com/jax-ml/jax/issues/13081", "fsdp=8", "op", "fft"),
     "vmapped_fft": ("https://github.com/jax-ml/jax/issues/20683", "fsdp=8", "op", "fft"),
+    "transpose_of_split_rows": (
+        "https://github.com/mpi4jax/mpi4jax/issues/176 (its all-to-all transpose, as shardings)",
+        "fsdp=8",
+        "annotation",
+        "with_sharding_constraint",
+    ),
     "while_loops_of_varying_length": (
         "https://github.com/jax-ml/jax/issues/26586 (and #20968)",
         "data=8",
@@ -270,3 +276,14 @@ def scanned_embedding_gradients(mesh):
         _abstract(mesh, (2, 8), P(None, "fsdp"), jnp.int32),
         _abstract(mesh, (2, 8, 35, 256), P(None, "fsdp")),
     )
+
+
+def transpose_of_split_rows(mesh):
+    """A distributed transpose (a pencil FFT's): rows split, transposed, asked to be split by rows again; the
+    transpose alone would leave the result split by columns, so the constraint is what moves it (an all-to-all)."""
+    rows = NamedSharding(mesh, P("fsdp", None))
+
+    def f(a):
+        return jax.lax.with_sharding_constraint(a.T, rows)  # decides
+
+    return jax.jit(f), (jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=rows),)
