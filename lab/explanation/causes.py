@@ -12,7 +12,9 @@ whole first:
 * **op**: a sort (``argsort``, ``sort``), ``top_k``, an ``fft``, a cumulative
   op (``cumsum`` is a ``reduce_window``), a convolution (windowed or grouped
   along the split dimension), a ``gather`` or ``scatter`` that indexes the
-  split dimension, a ``reshape`` that merges or splits it: the data is
+  split dimension, a ``reshape`` that merges or splits it, a ``flip``, a
+  slice off a shard's edge (``x[1:]``, ``jnp.diff``), an ``argmax`` over
+  it (a reduction of a value and its index together): the data is
   gathered or transposed (all-gather, all-to-all) or the partial lookups are
   summed (all-reduce); a ``jnp.roll`` along a split dimension is a shift
   between neighbours that the program asks for (a circular pipeline's step);
@@ -112,6 +114,20 @@ _OPS = {
         "whole to slice it",
         "slice a dimension no axis splits",
     ),
+    "rev": (
+        "reverses a dimension that is split: each device's piece goes to the device at the mirrored place",
+        "reverse a dimension no axis splits, or reverse each shard in place and read the devices in reverse order",
+    ),
+    "slice": (
+        "slices a dimension that is split at an offset off a shard's edge: each device takes its neighbour's first "
+        "elements to keep its share (a halo), or the dimension is gathered whole",
+        "slice at a multiple of the shard's size, or slice a dimension no axis splits",
+    ),
+    "reduce": (
+        "reduces along a dimension that is split with a reduction of several values at once (argmax and argmin "
+        "carry a value and its index), which the partitioner does not combine from each device's result",
+        "reduce along a dimension no axis splits, or reduce each shard inside shard_map and combine the pairs",
+    ),
     "reshape": (
         "merges or splits a dimension that an axis splits, into one the axis cannot split the same way",
         "reshape so the split dimension stays a whole dimension, or reshard before it",
@@ -142,6 +158,12 @@ _ROLL = re.compile(r"\bjit\(_roll_(static|dynamic)\)")  # jnp.roll's nested jit,
 _MOVING = ("all-gather", "all-to-all", "collective-permute")  # the collectives that move data, summing nothing
 _SPELLED = {"psum_invariant": "psum", "reduce_scatter": "psum_scatter"}  # JAX's primitive -> the function called
 _ANNOTATIONS = ("sharding_constraint", "reshard", "out_sharding")
+_REDUCING = {  # a reduction other than a sum, in words: the op over a dimension, a device of its part, the collective
+    # of the parts, and the change ("... along a dimension no mesh axis splits")
+    "reduce_max": ("takes the max", "takes the max of", "takes the max of", "take the max"),
+    "reduce_min": ("takes the min", "takes the min of", "takes the min of", "take the min"),
+    "reduce_prod": ("multiplies", "multiplies", "multiplies", "multiply"),
+}
 
 
 def cause_of(collective: Collective, line: Frame | None, propagation: Propagation | None = None) -> Cause | None:
@@ -319,23 +341,21 @@ def _axes(collective: Collective) -> str:
 def _conflict(
     collective: Collective, decision: Decision, line: Frame | None, propagation: Propagation, axes: str
 ) -> Cause | None:
-    """Two annotations that disagree at one op: the one its result's layout came from, and an operand's."""
+    """Two annotations that disagree at one op: the one its result's layout came from, and an operand's (each
+    operand read in the result's dimensions, `Decision.aligned`); or one annotation that splits two of the op's
+    dimensions over the same axis (``a @ a.T`` of an ``a`` split by rows), which one axis cannot do."""
     result = decision.result
-    if not decision.elementwise:  # a matmul's or a reduction's operands differ from its result by its own rule
-        return None
-    operand = next(
-        (
-            v
-            for v in decision.operands
-            if v.sharding and v.sharding != result.sharding and set(v.origins.values()) != set(result.origins.values())
-        ),
-        None,
-    )
-    if operand is None or not result.origins:
+    differing = [v for v in decision.aligned if v.sharding and v.sharding != result.sharding]
+    if not differing or not result.origins:
         return None
     op = op_of(decision.op)
     where = line.cited if line else "its line"
     deciding = _annotation(result, propagation) or line
+    operand = next((v for v in differing if set(v.origins.values()) != set(result.origins.values())), None)
+    if operand is None:
+        return _one_axis_twice(collective, decision, differing[0], line, where, propagation)
+    if not decision.elementwise and op != "transpose":  # a matmul's result laid out by a constraint: `_constrained`
+        return None
     why = (
         f"{op} at {where} takes the layout {result.sharding} from {_described(result, propagation)}, but its operand "
         f"{operand.name} comes as {operand.sharding} from {_described(operand, propagation)}: the {collective.kind} "
@@ -349,6 +369,22 @@ def _conflict(
     return Cause("annotation", _annotation_name(next(iter(result.origins.values()))), deciding, why, hint)
 
 
+def _one_axis_twice(
+    collective: Collective, decision: Decision, operand: Value, line: Frame | None, where: str, propagation: Propagation
+) -> Cause:
+    """An op whose result and operand the same declaration splits along different dimensions of the result: the
+    partitioner makes one of them whole."""
+    result, op, axes = decision.result, op_of(decision.op), _axes(collective)
+    why = (
+        f"{op} at {where} would split two of its result's dimensions over {axes}: {result.sharding} as its result "
+        f"takes it, {operand.sharding} as its operand {operand.name} brings it (in the result's dimensions), both "
+        f"from {_described(result, propagation)}; an axis splits one dimension, so the {collective.kind} over {axes} "
+        f"makes the other whole"
+    )
+    hint = f"at {where}: reshard {operand.name} before {op} (or split its dimension over another axis)"
+    return Cause("op", op, line, why, hint)
+
+
 def _constrained(
     collective: Collective,
     decision: Decision,
@@ -360,7 +396,7 @@ def _constrained(
     """A with_sharding_constraint that set the layout of an op (the one it constrains, or one it reached), whose
     operands (over the collective's axes) come otherwise: the partitioner reshards between the two."""
     axes, result = set(collective.axes or ()), decision.result
-    operands = [v for v in decision.operands if v.sharding and v.sharding != result.sharding]
+    operands = [v for v in decision.aligned or decision.operands if v.sharding and v.sharding != result.sharding]
     if not axes or not operands or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
         return None
     deciding = _constraint_frame(constraint, propagation) or line
@@ -415,11 +451,12 @@ def _summed(
     op = op_of(decision.op)
     how = "; ".join(f"{name} split over {axis} by {words}" for (name, axis), words in split.items())
     one = f"; one of {alike} alike" if alike > 1 else ""
+    over, of, combines, along = _REDUCING.get(op, ("sums", "sums", "adds", "sum"))
     why = (
-        f"{op} at {where} sums over a dimension split over {_axes(collective)} ({how}{one}): each device sums its "
-        f"own part, and the {collective.kind} adds the parts"
+        f"{op} at {where} {over} over a dimension split over {_axes(collective)} ({how}{one}): each device {of} "
+        f"its own part, and the {collective.kind} {combines} the parts"
     )
-    hint = f"at {where}: sum along a dimension no mesh axis splits, or split one {op} keeps, in " + " and ".join(
+    hint = f"at {where}: {along} along a dimension no mesh axis splits, or split one {op} keeps, in " + " and ".join(
         dict.fromkeys(split.values())
     )
     return Cause("sum", op, line, why, hint)

@@ -407,10 +407,11 @@ def explain_text(
         if origins[c.name].kind == "input" and not (stack and c.op_name):  # an input resharded, no op named on it
             consumer, used = _consumer(graph, key, frames)  # (libtpu's all-gather as an all-reduce): where it is used
             stack = used or stack
+        named = c if c.op_name or key not in graph.instructions else replace(c, op_name=_producer_op(graph, key))
         cause = (
             cause_before(c, origins[c.name].name, consumer, stack[0])
             if consumer
-            else cause_of(c, stack[0] if stack else None, propagation)
+            else cause_of(named, stack[0] if stack else None, propagation)
         )
         origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
@@ -440,6 +441,20 @@ def explain_text(
         ),
         remats=tuple(r.to_json(mesh_sizes, frames) for r in remats),
     )
+
+
+def _producer_op(graph: Dataflow, key: tuple[str, str], depth: int = 4) -> str | None:
+    """The JAX op name of the nearest instruction upstream of `key` that has one: a collective XLA wrote without
+    one (a slice's result gathered for the output) is there for the op that made its operand."""
+    frontier = [key]
+    for _ in range(depth):
+        frontier = [
+            (k[0], o) for k in frontier for o in graph.instructions[k].operands if (k[0], o) in graph.instructions
+        ]
+        for k in frontier:
+            if name := graph.instructions[k].metadata.get("op_name"):
+                return name
+    return None
 
 
 def _consumer(graph: Dataflow, key: tuple[str, str], frames, depth: int = 6) -> tuple[str, tuple[Frame, ...]]:

@@ -86,6 +86,7 @@ class Decision:
     operands: tuple[Value, ...]
     elementwise: bool  # every operand indexed as the result: a layout differing between them is only a reshard
     summed: tuple[tuple[int, ...], ...] = ()  # per operand, the dimensions the op sums over (reduces, contracts)
+    aligned: tuple[Value, ...] = ()  # the operands in the result's dimensions (`_aligned`); () where unreadable
 
     def summed_over(self) -> tuple[tuple[Value, str], ...]:
         """(operand, mesh axis) for each axis that splits a dimension the op sums over."""
@@ -231,10 +232,9 @@ class Propagation:
         if not layouts and not summed:  # a sum's result may have no layout of its own: it is whole on each device
             return None
         operands = tuple(self._value(operand) for operand in op.operands)
-        elementwise = _elementwise(op.text)
-        if op.kind == "stablehlo.transpose" and (turned := _transposed(operands[0], op.text)) is not None:
-            operands, elementwise = (turned,), True  # its operand as the result is indexed: compared as elementwise
-        return Decision(op_name, _laid_out(op_name, layouts, origins, 0), operands, elementwise, summed)
+        result = _laid_out(op_name, layouts, origins, 0)
+        aligned = _aligned(operands, op.text, op.kind == "stablehlo.transpose")
+        return Decision(op_name, result, operands, _elementwise(op.text), summed, aligned)
 
     def _value(self, name: str) -> Value:
         if name in self._args:
@@ -312,25 +312,38 @@ def _elementwise(text: str) -> bool:
     return len(set(groups)) == 1
 
 
-def _transposed(value: Value, text: str) -> Value | None:
-    """A transpose's operand in its result's order of dimensions, by Shardy's rule (``([j, i])->([i, j])``): the
-    layout it gives the result unmoved, so that P('x', None) transposed reads P(None, 'x'); None without a rule."""
-    rule = re.search(r"op_sharding_rule<\(\[([^\]]*)\]\)->\(\[([^\]]*)\]\)", text)
-    if rule is None or not value.dims:
-        return None
-    source, result = rule[1].split(", "), rule[2].split(", ")
-    if sorted(source) != sorted(result) or len(source) != len(value.dims):
-        return None
-    dims = tuple(value.dims[source.index(factor)] for factor in result)
-    return Value(f"{value.name} (transposed)", _spec(dims), value.origins, dims)
+def _aligned(operands: tuple[Value, ...], text: str, transpose: bool) -> tuple[Value, ...]:
+    """The operands as the result's dimensions see them, by Shardy's rule for the op (``([i, k], [k, j])->([i, j])``:
+    a matmul's; ``([j, i])->([i, j])``: a transpose's): for each result dimension the axes that split the operand's
+    dimension of the same factor, none where the operand has no such dimension (it is broadcast there). Summed
+    factors drop out (a split one is a partial sum, not a layout). So ``P('x', None)`` transposed reads
+    ``P(None, 'x')``, and each operand compares with the result as an elementwise op's does; () where a dimension
+    holds several factors (a reshape's) or there is no rule."""
+    rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)", text)
+    if rule is None:
+        return ()
+    sides = [[d.strip() for d in group.split(",") if d.strip()] for group in re.findall(r"\[([^\]]*)\]", rule[1])]
+    (result, *_) = [[d.strip() for d in g.split(",") if d.strip()] for g in re.findall(r"\[([^\]]*)\]", rule[2])] or [
+        []
+    ]
+    if len(sides) != len(operands) or any(len(f) > 1 for dims in (*sides, result) for f in dims):
+        return ()
+    aligned = []
+    for value, factors in zip(operands, sides):
+        if len(factors) != len(value.dims):
+            return ()
+        dims = tuple(value.dims[factors.index(f)] if f in factors else () for f in result)
+        name = f"{value.name} (transposed)" if transpose else value.name
+        aligned.append(Value(name, _spec(dims), value.origins, dims))
+    return tuple(aligned)
 
 
 def resharding(decisions: list[Decision]) -> Decision | None:
     """Of the operations at one line, the first that reshards (an operand laid out otherwise than its result),
     else the first."""
-    return next((d for d in decisions if any(v.sharding != d.result.sharding for v in d.operands)), None) or next(
-        iter(decisions), None
-    )
+    return next(
+        (d for d in decisions if any(v.sharding != d.result.sharding for v in d.aligned or d.operands)), None
+    ) or next(iter(decisions), None)
 
 
 def _result_shape(op: _Op) -> tuple[int, ...] | None:

@@ -170,12 +170,19 @@ def attribute(graph: Dataflow, collectives: Sequence[Collective]) -> dict[str, O
     """Collective (by HLO instruction name) -> its `Origin`."""
     named = {i.index for i in graph.inputs.values() if _PARAMETER_NAME.search(i.name)}
     weights = named or set(graph.inputs)  # without names to go by, any input may be a weight
+    if not _differentiates(graph):  # no autodiff, no gradient: a result of a weight's size is only a result
+        weights = set()
     members = {c.name: _members(graph, c, weights) for c in collectives}
     receives_gradient = {i for ms in members.values() for m in ms for i in m.gradient}
     parameters = named | receives_gradient
     batches, shifted = _batch_sizes(graph.inputs.values(), parameters), _shifted_sequences(graph.inputs.values())
     split = _batch_axes(graph.inputs.values(), parameters)
     return {c.name: _origin(c, members[c.name], parameters, batches, shifted, graph, split) for c in collectives}
+
+
+def _differentiates(graph: Dataflow) -> bool:
+    """Whether the program runs a backward pass: JAX names the ops autodiff transposes ``transpose(jvp(...))``."""
+    return any("transpose(" in (i.metadata.get("op_name") or "") for i in graph.instructions.values())
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,8 @@ def _origin(
     weight = {kind: sum(math.prod(m.shape) for k, m in named if k == kind) for kind in ORIGINS}
     kind = max(ORIGINS, key=lambda k: weight[k])  # what most of its elements are
     chosen = [m for k, m in named if k == kind]
+    if kind == "input" and collective.kind in _REDUCTIONS and all(_rows_of(m, graph, batches) for m in chosen):
+        kind = "activation"  # a sum over a split dimension of an input's rows (a softmax's max)
     if kind in ("parameter", "input"):
         moved = [graph.inputs[i] for i in dict.fromkeys(m.moved for m in chosen)]
         names = ", ".join(i.name for i in moved)
@@ -272,6 +281,13 @@ def _origin(
         f"{listed}: neither an input moved, a gradient, nor batch-shaped; the partitioner chose a layout here that "
         "the program does not declare",
     )
+
+
+def _rows_of(member: _Member, graph: Dataflow, batches: dict[int, str]) -> bool:
+    """A reduction of an input that keeps its batch: fewer elements than the input holds, the batch among them (a
+    row's max or sum over a dimension an axis splits), so the input's rows are summed, not the input moved."""
+    held = graph.inputs[member.moved].elements if member.moved is not None else 0
+    return 0 < math.prod(member.shape) < held and any(size > 1 and size in member.shape for size in batches)
 
 
 def op_names(op_name: str) -> list[str]:

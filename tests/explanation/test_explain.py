@@ -670,6 +670,70 @@ def test_a_pad_and_a_dynamic_slice_along_a_split_dimension_are_named_at_their_li
     assert causes["dynamic_slice"]["kind"] == "all-gather" and causes["dynamic_slice"]["source"].endswith("sliced.py:9")
 
 
+SPLIT_OPS = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def _rows(mesh, shape, spec=P("fsdp")):
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+
+def flip(mesh):
+    return jax.jit(lambda x: jnp.flip(x, axis=0)), (_rows(mesh, (1024, 16)),)
+
+
+def shift(mesh):
+    return jax.jit(lambda x: x[1:]), (_rows(mesh, (1024, 16)),)
+
+
+def argmax(mesh):
+    return jax.jit(lambda x: jnp.argmax(x, axis=0)), (_rows(mesh, (1024, 64)),)
+
+
+def softmax(mesh):  # over the columns of a batch of 64 rows
+    return jax.jit(lambda x: jax.nn.softmax(x, axis=1)), (_rows(mesh, (64, 1024), P(None, "fsdp")),)
+
+
+def gram(mesh):
+    return jax.jit(lambda a: a @ a.T), (_rows(mesh, (512, 256)),)
+
+
+def lookup(mesh):
+    return jax.jit(lambda a, v: jnp.searchsorted(a, v)), (_rows(mesh, (1024,)), _rows(mesh, (64,), P()))
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "op", "words"),
+    [
+        ("flip", "rev", "reverses a dimension that is split"),
+        ("shift", "slice", "slices a dimension that is split at an offset off a shard's edge"),
+        ("argmax", "reduce", "argmax and argmin carry a value and its index"),
+        ("softmax", "reduce_max", "each device takes the max of its own part, and the all-reduce takes the max of"),
+        ("gram", "dot_general", "would split two of its result's dimensions over fsdp"),
+    ],
+)
+def test_each_op_that_needs_a_split_dimension_whole_is_named_with_what_it_does(
+    capsys, devices, tmp_path, name, op, words
+):
+    (tmp_path / "split_ops.py").write_text(SPLIT_OPS)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'split_ops.py'}:{name}", "--mesh", "fsdp=8")
+    causes = [c["cause"] for c in found["collectives"]]
+    assert causes and all(c is not None for c in causes), found["collectives"]
+    assert any(op in c["op"] and words in c["why"] for c in causes), causes
+    if name == "softmax":  # a row's max over a split dimension: the rows' statistics, as their sum's
+        assert found["surprises"] == 0 and {c["origin"]["kind"] for c in found["collectives"]} == {"activation"}
+
+
+def test_a_program_with_no_backward_pass_reduces_no_gradient(capsys, devices, tmp_path):
+    """searchsorted's result is the size of its second input, and nothing names either a weight: without autodiff
+    in the program, no result is the gradient of an input."""
+    (tmp_path / "split_ops.py").write_text(SPLIT_OPS)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'split_ops.py'}:lookup", "--mesh", "fsdp=8")
+    assert found["collectives"] and all(c["origin"]["kind"] != "gradient" for c in found["collectives"])
+
+
 OWN_MESH = """
 import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
