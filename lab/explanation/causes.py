@@ -13,7 +13,7 @@ whole first:
   op (``cumsum`` is a ``reduce_window``), a convolution (windowed or grouped
   along the split dimension), a ``gather`` or ``scatter`` that indexes the
   split dimension, a ``reshape`` that merges or splits it, a ``flip``, a
-  slice off a shard's edge (``x[1:]``, ``jnp.diff``), an ``argmax`` over
+  slice of it (``x[1:]``, ``jnp.diff``, a last stage's output), an ``argmax`` over
   it (a reduction of a value and its index together): the data is
   gathered or transposed (all-gather, all-to-all) or the partial lookups are
   summed (all-reduce); a ``jnp.roll`` along a split dimension is a shift
@@ -119,9 +119,10 @@ _OPS = {
         "reverse a dimension no axis splits, or reverse each shard in place and read the devices in reverse order",
     ),
     "slice": (
-        "slices a dimension that is split at an offset off a shard's edge: each device takes its neighbour's first "
-        "elements to keep its share (a halo), or the dimension is gathered whole",
-        "slice at a multiple of the shard's size, or slice a dimension no axis splits",
+        "slices a dimension that is split: the slice lies on some devices and its result is laid out on others, so "
+        "they send it (a halo off a shard's edge, a pipeline's last stage's output) or the dimension is gathered "
+        "whole",
+        "slice a dimension no axis splits, or lay the result out where the slice lies",
     ),
     "reduce": (
         "reduces along a dimension that is split with a reduction of several values at once (argmax and argmin "
@@ -396,7 +397,7 @@ def _constrained(
     """A with_sharding_constraint that set the layout of an op (the one it constrains, or one it reached), whose
     operands (over the collective's axes) come otherwise: the partitioner reshards between the two."""
     axes, result = set(collective.axes or ()), decision.result
-    operands = [v for v in decision.aligned or decision.operands if v.sharding and v.sharding != result.sharding]
+    operands = [v for v in decision.operands if v.sharding and v.sharding != result.sharding]
     if not axes or not operands or not all(axes <= set(re.findall(r"'(\w+)'", v.sharding)) for v in operands):
         return None
     deciding = _constraint_frame(constraint, propagation) or line

@@ -708,7 +708,7 @@ def lookup(mesh):
     ("name", "op", "words"),
     [
         ("flip", "rev", "reverses a dimension that is split"),
-        ("shift", "slice", "slices a dimension that is split at an offset off a shard's edge"),
+        ("shift", "slice", "so they send it (a halo off a shard's edge"),
         ("argmax", "reduce", "argmax and argmin carry a value and its index"),
         ("softmax", "reduce_max", "each device takes the max of its own part, and the all-reduce takes the max of"),
         ("gram", "dot_general", "would split two of its result's dimensions over fsdp"),
