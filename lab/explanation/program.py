@@ -216,12 +216,19 @@ def _hint(err: BaseException, compile_only: bool, option: str) -> str:
             "; on a compile-only target jax.devices() lists this machine's devices, not the target's: build the "
             "mesh from mesh.devices, the target's, which NAME(mesh) is given"
         )
-    if compile_only:
+    if compile_only and _ran(err):
         return (
             "; on a compile-only target nothing runs: make every argument abstract (jax.ShapeDtypeStruct, "
             "jax.eval_shape) and create no arrays"
         )
     return ""
+
+
+def _ran(err: BaseException) -> bool:
+    """Whether the failure came from running something on the devices (JAX's dispatch or its arrays), not from
+    the program's own checks (a shard_map's specs) or its compile."""
+    frames = traceback.extract_tb(err.__traceback__)
+    return any(Path(f.filename).name in ("dispatch.py", "array.py") and "jax" in f.filename for f in frames)
 
 
 def _this_machines_devices(message: str) -> bool:

@@ -554,6 +554,16 @@ def own_devices(mesh):  # a mesh of jax.devices(): this machine's, which on a co
     return jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(own, P("dp"))),)
 
 
+def real_array(mesh):  # an array put on the devices: a compile-only target's run nothing
+    x = jax.device_put(jnp.ones((64,)), NamedSharding(mesh, P("data")))
+    return jax.jit(lambda x: x * 2), (x,)
+
+
+def manual_spec(mesh):  # shard_map's own check: in_specs name an axis it leaves to the partitioner
+    smap = jax.shard_map(lambda x: x, mesh=mesh, in_specs=P("data"), out_specs=P("data"), axis_names={"fsdp"})
+    return jax.jit(smap), (jax.ShapeDtypeStruct((64,), jnp.float32, sharding=NamedSharding(mesh, P("data"))),)
+
+
 def bare_spec(mesh):  # a bare PartitionSpec made under a mesh of its own, which the builder does not return
     with jax.set_mesh(jax.make_mesh((8,), ("x",), devices=mesh.devices.flat)):
         x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=P("x", None))
@@ -594,6 +604,8 @@ def bare_spec(mesh):  # a bare PartitionSpec made under a mesh of its own, which
         (["--fn", "{tmp}/sharded.py:auto", "--mesh", "data=8", "--axis-types", "explicit"], "--axis-types auto"),
         (["--fn", "{tmp}/sharded.py:bare_spec", "--mesh", "data=8"], "give it NamedSharding(mesh, P(...))"),
         (["--fn", "{tmp}/sharded.py:own_devices", "--target", "tpu:v5e:2x4"], "build the mesh from mesh.devices"),
+        (["--fn", "{tmp}/sharded.py:real_array", "--target", "tpu:v5e:2x4"], "create no arrays"),
+        (["--fn", "{tmp}/sharded.py:manual_spec", "--mesh", "data=2,fsdp=4", "--target", "tpu:v5e:2x4"], "manual"),
     ],
 )
 def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatch, argv, words):
@@ -621,6 +633,8 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert words in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    if "manual_spec" in argv[1]:  # the program's own mistake, not the compile-only target's
+        assert "create no arrays" not in err
 
 
 def test_a_gpu_cluster_compile_only_puts_fsdp_on_nvlink_and_data_on_infiniband(capsys):
