@@ -413,6 +413,7 @@ def explain_text(
             if consumer
             else cause_of(named, stack[0] if stack else None, propagation)
         )
+        cause = cause or _by_origin(origins[c.name], c, stack[0] if stack else None)
         origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     explained = _summed_twice(explained)
@@ -572,6 +573,27 @@ def _summed_twice(explained: list[Explained]) -> list[Explained]:
             e = replace(e, cause=replace(e.cause, hint=hint))
         again.append(e)
     return again
+
+
+def _by_origin(origin: Origin, collective: Collective, line: Frame | None) -> Cause | None:
+    """Where no op name or record of Shardy's says who decided (inside a scanned layer's backward pass, which
+    Shardy's record does not join to lines), what it moves says it for the two collectives the layouts always ask
+    for: a gradient summed over the axes that split what it is computed from, and a weight stored split and used
+    whole (FSDP's gather before its use)."""
+    axes, where = ",".join(collective.axes or ()) or "its groups", line.cited if line else "its line"
+    if origin.kind == "gradient" and collective.kind in ("all-reduce", "reduce-scatter"):
+        why = (
+            f"autodiff sums the gradient of {origin.name} over {axes}, which split the values it is computed from "
+            f"at {where}: each device's part gives a partial gradient, and the {collective.kind} adds them"
+        )
+        return Cause("sum", "gradient", line, why, None)
+    if origin.kind == "parameter" and collective.kind == "all-gather":
+        why = (
+            f"{origin.name} is stored split over {axes}, as declared, and used whole at {where}: the all-gather "
+            "brings the other devices' parts before the use (FSDP's gather of a weight)"
+        )
+        return Cause("annotation", "in_shardings", line, why, None)
+    return None
 
 
 def _with_cause(origin: Origin, collective: Collective, cause: Cause) -> tuple[Origin, Cause]:

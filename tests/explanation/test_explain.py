@@ -157,6 +157,20 @@ def test_each_gradient_in_a_combined_all_reduce_is_named_after_its_weight(capsys
     assert combined["origin"]["name"] == "model.layers.dot1.kernel.value, model.layers.w2.value"
 
 
+def test_a_scanned_micro_batchs_gathers_and_gradient_sums_say_who_asked(capsys, devices):
+    """MaxText's gradient accumulation: inside the scanned micro-batch, where Shardy's record names no line, each
+    FSDP gather is of a weight stored split, each reduction a gradient summed over what splits the batch; both
+    asked for by the layouts (no hint)."""
+    found = inspect_json(capsys, "--fn", f"{DOCS}:scanned_microbatch_gradients", "--mesh", "data=2,fsdp=4")
+    weights = [c for c in found["collectives"] if c["origin"]["kind"] in ("parameter", "gradient")]
+    assert {c["origin"]["kind"] for c in weights} == {"parameter", "gradient"}
+    for c in weights:
+        assert c["cause"] is not None and c["cause"]["hint"] is None, c
+        assert c["origin"]["name"] in c["cause"]["why"]
+    gathers = {c["origin"]["name"] for c in weights if c["kind"] == "all-gather"}
+    assert gathers == {"w['w_in']", "w['w_out']"} and found["surprises"] == 0
+
+
 def test_an_nnx_jit_steps_inputs_are_named_as_jax_jit_names_them(capsys, devices):
     """Flax NNX's own train step, @nnx.jit: JAX names the objects' leaves by position (model.states[0][3]); they are
     read by their paths in the objects. The biases' gradients, combined with the loss in one all-reduce, each update

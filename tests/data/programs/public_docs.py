@@ -388,3 +388,24 @@ def pmap_era_pmean_of_grads(mesh):
     w = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
     x = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=NamedSharding(mesh, P(("data", "fsdp"))))
     return jax.jit(sharded), (w, x)
+
+
+# https://github.com/AI-Hypercomputer/maxtext (gradient_accumulation.py): the micro-batches scanned, each one's
+# gradient added to a carried sum, the weights split over fsdp (FSDP) and the batch over data and fsdp
+def scanned_microbatch_gradients(mesh):
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(x @ w["w_in"]) @ w["w_out"])
+
+    def step(w, xs):
+        def micro(total, x):
+            return jax.tree.map(jnp.add, total, jax.grad(loss)(w, x)), None
+
+        grads, _ = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, w), xs)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, w, grads)
+
+    w = {
+        "w_in": jax.ShapeDtypeStruct((512, 2048), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None))),
+        "w_out": jax.ShapeDtypeStruct((2048, 512), jnp.float32, sharding=NamedSharding(mesh, P(None, "fsdp"))),
+    }
+    xs = jax.ShapeDtypeStruct((4, 32, 512), jnp.float32, sharding=NamedSharding(mesh, P(None, ("data", "fsdp"))))
+    return jax.jit(step), (w, xs)
