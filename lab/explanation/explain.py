@@ -28,9 +28,11 @@ the same rows (a surprise counted in one is flagged in the others).
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -45,6 +47,7 @@ from lab.explanation.origins import Propagation, compile_with_origins, record_li
 from lab.explanation.partitioner import Remat
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute, op_names
+from lab.hlo.kernels import Kernel, communicating_kernels
 from lab.hlo.schedule import overlap_report
 from lab.hlo.sources import Frame, nearest_metadata, op_of, short_chain, stack_frames, stack_of
 from lab.hlo.text import module_name
@@ -58,6 +61,9 @@ _HINT = (
     "pin the layout you want at {where}: jax.lax.with_sharding_constraint on the value, or out_sharding= on the op "
     "that makes it"
 )
+
+
+_LAB = Path(__file__).resolve().parents[1]  # the lab package: its frames are no line of the program
 
 
 @dataclass(frozen=True)
@@ -154,6 +160,7 @@ class Explanation:
     roofline: Roofline | None
     origins: str = ""  # what Shardy's record of sharding origins gave, in one line (`lab.explanation.origins`)
     remats: tuple[dict[str, Any], ...] = ()  # values the partitioner gathered whole to reshard (`.partitioner`)
+    kernels: tuple[tuple[Kernel, tuple[Frame, ...]], ...] = ()  # kernels that send by themselves, at their lines
 
     @property
     def surprises(self) -> tuple[Explained, ...]:
@@ -209,6 +216,10 @@ class Explanation:
             "roofline": _roofline_json(self.roofline),
             "origins": self.origins,
             "rematerializations": list(self.remats),
+            "kernels": [
+                {**k.to_json(), "source": f"{stack[0].file}:{stack[0].line}" if stack else None}
+                for k, stack in self.kernels
+            ],
         }
 
     # ----------------------------------------------------------------------- views
@@ -236,6 +247,7 @@ class Explanation:
         if self.origins:
             parts.append(Text(self.origins))
         parts.extend(Text(r["why"], "red") for r in self.remats)
+        parts.extend(Text(_kernel_line(k, stack), "yellow") for k, stack in self.kernels)
         parts.append(Text(_memory_line(self.memory)))
         parts.append(Text(_roofline_line(self.roofline)))
         return parts
@@ -441,6 +453,7 @@ def explain_text(
             missing=origins_missing,
         ),
         remats=tuple(r.to_json(mesh_sizes, frames) for r in remats),
+        kernels=tuple((k, _program_frames(k, frames)) for k in communicating_kernels(hlo_text)),
     )
 
 
@@ -456,6 +469,24 @@ def _producer_op(graph: Dataflow, key: tuple[str, str], depth: int = 4) -> str |
             if name := graph.instructions[k].metadata.get("op_name"):
                 return name
     return None
+
+
+def _kernel_line(kernel: Kernel, stack: tuple[Frame, ...]) -> str:
+    """One kernel that communicates by itself, in words."""
+    axes = ",".join(kernel.axes) or "axes it does not name"
+    return (
+        f"a kernel sends by itself (remote DMA, no XLA collective): {kernel.name}, "
+        f"{short_chain(stack, 'pallas_call') if stack else 'pallas_call'}, over {axes}, "
+        f"{format_bytes(kernel.operand_bytes)} in and {format_bytes(kernel.result_bytes)} out per device; what it "
+        "sends is in the kernel's own code, so it is not among the collectives above nor priced"
+    )
+
+
+def _program_frames(kernel: Kernel, frames) -> tuple[Frame, ...]:
+    """The program's lines that call the kernel, innermost first: none where the program hands the kernel to
+    shard_map itself (then only JAX and the lab, which runs the program, are on its call chain)."""
+    chain = stack_of(kernel.instruction.metadata, frames)
+    return tuple(f for f in chain if not Path(f.file).resolve().is_relative_to(_LAB) and f.file != sys.argv[0])
 
 
 def _consumer(graph: Dataflow, key: tuple[str, str], frames, depth: int = 6) -> tuple[str, tuple[Frame, ...]]:

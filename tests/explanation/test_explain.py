@@ -499,6 +499,53 @@ def test_a_scanned_fsdp_step_on_tpu_has_every_gather_a_weight_and_every_reductio
     assert rematted and all(c["origin"]["name"].startswith("state.params['blocks']") for c in rematted)
 
 
+REMOTE_COPY = """
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def right_permute(mesh):  # the Pallas TPU distributed guide's ppermute by remote DMA
+    n = mesh.shape["data"]
+
+    def kernel(x_ref, y_ref, send, recv):
+        right = jax.lax.rem(jax.lax.axis_index("data") + 1, n)
+        copy = pltpu.make_async_remote_copy(x_ref, y_ref, send, recv, device_id={"data": right})
+        copy.start()
+        copy.wait()
+
+    spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=0,
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.SemaphoreType.DMA] * 2,
+    )
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32), grid_spec=spec)
+
+    def shift(x):
+        return call(x)
+
+    layout = P(None, "data")
+    f = jax.jit(jax.shard_map(shift, mesh=mesh, in_specs=layout, out_specs=layout, check_vma=False))
+    return f, (jax.ShapeDtypeStruct((8, 128 * n), jnp.float32, sharding=NamedSharding(mesh, layout)),)
+"""
+
+
+def test_a_kernel_that_sends_by_remote_dma_is_listed_beside_the_collectives(capsys, tmp_path):
+    """A Pallas ppermute is no XLA collective: the lab finds no collective, and lists the kernel that communicates
+    (libtpu marks it so) at the program's line, with the mesh axes it addresses."""
+    (tmp_path / "remote.py").write_text(REMOTE_COPY)
+    argv = ["--fn", f"{tmp_path / 'remote.py'}:right_permute", "--mesh", "data=8", "--target", "tpu:v5e:2x4"]
+    found = inspect_json(capsys, *argv)
+    (kernel,) = found["kernels"]
+    assert found["collectives"] == [] and kernel["axes"] == ["data"]
+    assert kernel["operand_bytes"] == kernel["result_bytes"] == 8 * 128 * 4
+    assert kernel["source"] == f"{tmp_path / 'remote.py'}:26"  # return call(x), in shift
+    assert main(["inspect", *argv]) == 0
+    assert "sends by itself (remote DMA, no XLA collective)" in capsys.readouterr().out
+
+
 def test_the_python_api_renders_as_tables_html_and_json(devices):
     import lab
     from lab.explanation.program import build, load
