@@ -474,11 +474,16 @@ def _producer_op(graph: Dataflow, key: tuple[str, str], depth: int = 4) -> str |
 def _kernel_line(kernel: Kernel, stack: tuple[Frame, ...]) -> str:
     """One kernel that communicates by itself, in words."""
     axes = ",".join(kernel.axes) or "axes it does not name"
+    called = f"{kernel.function or kernel.name}, {short_chain(stack, 'pallas_call') if stack else 'pallas_call'}"
+    sends = (
+        f"{len(kernel.remote_copies)} remote cop{'ies' if len(kernel.remote_copies) > 1 else 'y'} in its code "
+        f"({', '.join(format_bytes(b) for b in kernel.remote_copies)} each time one runs)"
+        if kernel.remote_copies
+        else "copies the lab cannot read from its code"
+    )
     return (
-        f"a kernel sends by itself (remote DMA, no XLA collective): {kernel.name}, "
-        f"{short_chain(stack, 'pallas_call') if stack else 'pallas_call'}, over {axes}, "
-        f"{format_bytes(kernel.operand_bytes)} in and {format_bytes(kernel.result_bytes)} out per device; what it "
-        "sends is in the kernel's own code, so it is not among the collectives above nor priced"
+        f"a kernel sends by itself (remote DMA, no XLA collective): {called}, over {axes}: {sends}; how often they "
+        "run is decided when it runs, so it is not among the collectives above nor priced"
     )
 
 

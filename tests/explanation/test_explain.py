@@ -541,6 +541,7 @@ def test_a_kernel_that_sends_by_remote_dma_is_listed_beside_the_collectives(caps
     (kernel,) = found["kernels"]
     assert found["collectives"] == [] and kernel["axes"] == ["data"]
     assert kernel["operand_bytes"] == kernel["result_bytes"] == 8 * 128 * 4
+    assert kernel["function"] == "kernel" and kernel["remote_copies"] == [8 * 128 * 4]  # one copy of the block
     assert kernel["source"] == f"{tmp_path / 'remote.py'}:26"  # return call(x), in shift
     assert main(["inspect", *argv]) == 0
     assert "sends by itself (remote DMA, no XLA collective)" in capsys.readouterr().out
