@@ -54,6 +54,7 @@ declared (`attribution` names what it moves); no cause is guessed for it.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, replace
 
@@ -342,21 +343,24 @@ def _axes(collective: Collective) -> str:
 def _conflict(
     collective: Collective, decision: Decision, line: Frame | None, propagation: Propagation, axes: str
 ) -> Cause | None:
-    """Two annotations that disagree at one op: the one its result's layout came from, and an operand's (each
-    operand read in the result's dimensions, `Decision.aligned`); or one annotation that splits two of the op's
-    dimensions over the same axis (``a @ a.T`` of an ``a`` split by rows), which one axis cannot do."""
+    """Two operands that split different dimensions of the op's result over one axis (``a @ a.T`` of rows split;
+    attention's scores of queries and keys whose sequences one axis splits), which one axis cannot do; else two
+    annotations that disagree at one op: the one its result's layout came from, and an operand's (each operand read
+    in the result's dimensions, `Decision.aligned`)."""
     result = decision.result
     differing = [v for v in decision.aligned if v.sharding and v.sharding != result.sharding]
     if not differing or not result.origins:
         return None
     op = op_of(decision.op)
     where = line.cited if line else "its line"
-    deciding = _annotation(result, propagation) or line
+    constrained = any(o.startswith("constraint_") for o in result.origins.values())  # then `_constrained`'s
+    collision = None if constrained else _collision(decision.aligned)
+    if collision is not None:
+        return _one_axis_twice(collective, op, *collision, line, where, propagation)
     operand = next((v for v in differing if set(v.origins.values()) != set(result.origins.values())), None)
-    if operand is None:
-        return _one_axis_twice(collective, decision, differing[0], line, where, propagation)
-    if not decision.elementwise and op != "transpose":  # a matmul's result laid out by a constraint: `_constrained`
+    if operand is None or (not decision.elementwise and op != "transpose"):  # a matmul's: `_constrained`
         return None
+    deciding = _annotation(result, propagation) or line
     why = (
         f"{op} at {where} takes the layout {result.sharding} from {_described(result, propagation)}, but its operand "
         f"{operand.name} comes as {operand.sharding} from {_described(operand, propagation)}: the {collective.kind} "
@@ -370,19 +374,36 @@ def _conflict(
     return Cause("annotation", _annotation_name(next(iter(result.origins.values()))), deciding, why, hint)
 
 
+def _collision(aligned: tuple[Value, ...]) -> tuple[Value, Value, str] | None:
+    """Two operands (in the result's dimensions) that one mesh axis splits along different dimensions, and it."""
+    for first, second in itertools.combinations(aligned, 2):
+        for i, here in enumerate(first.dims):
+            for j, there in enumerate(second.dims):
+                if i != j and (shared := [a for a in here if a in there]):
+                    return first, second, shared[0]
+    return None
+
+
 def _one_axis_twice(
-    collective: Collective, decision: Decision, operand: Value, line: Frame | None, where: str, propagation: Propagation
+    collective: Collective,
+    op: str,
+    first: Value,
+    second: Value,
+    axis: str,
+    line: Frame | None,
+    where: str,
+    propagation: Propagation,
 ) -> Cause:
-    """An op whose result and operand the same declaration splits along different dimensions of the result: the
-    partitioner makes one of them whole."""
-    result, op, axes = decision.result, op_of(decision.op), _axes(collective)
+    """An op whose operands one axis splits along different dimensions of its result: the partitioner makes one
+    of them whole (or moves the split off it)."""
+    origins = [_described(v, propagation) for v in (first, second)]
+    said = f"both from {origins[0]}" if origins[0] == origins[1] else f"from {origins[0]} and {origins[1]}"
     why = (
-        f"{op} at {where} would split two of its result's dimensions over {axes}: {result.sharding} as its result "
-        f"takes it, {operand.sharding} as its operand {operand.name} brings it (in the result's dimensions), both "
-        f"from {_described(result, propagation)}; an axis splits one dimension, so the {collective.kind} over {axes} "
-        f"makes the other whole"
+        f"{op} at {where} would split two of its result's dimensions over {axis}: {first.name} splits one "
+        f"({first.sharding} in the result's dimensions), {second.name} another ({second.sharding}), {said}; an axis "
+        f"splits one dimension, so the {collective.kind} over {_axes(collective)} moves one of them"
     )
-    hint = f"at {where}: reshard {operand.name} before {op} (or split its dimension over another axis)"
+    hint = f"at {where}: split one of {first.name} and {second.name} over another axis, or reshard one before {op}"
     return Cause("op", op, line, why, hint)
 
 

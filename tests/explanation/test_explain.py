@@ -775,6 +775,11 @@ def gram(mesh):
     return jax.jit(lambda a: a @ a.T), (_rows(mesh, (512, 256)),)
 
 
+def attention(mesh):  # the sequence of q, k and v split over fsdp, as context parallelism by sharding does
+    a = _rows(mesh, (2, 512, 8, 64), P("data", "fsdp"))
+    return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)), (a, a, a)
+
+
 def lookup(mesh):
     return jax.jit(lambda a, v: jnp.searchsorted(a, v)), (_rows(mesh, (1024,)), _rows(mesh, (64,), P()))
 """
@@ -800,6 +805,17 @@ def test_each_op_that_needs_a_split_dimension_whole_is_named_with_what_it_does(
     assert any(op in c["op"] and words in c["why"] for c in causes), causes
     if name == "softmax":  # a row's max over a split dimension: the rows' statistics, as their sum's
         assert found["surprises"] == 0 and {c["origin"]["kind"] for c in found["collectives"]} == {"activation"}
+
+
+def test_queries_and_keys_whose_sequences_one_axis_splits_are_told_apart_at_the_scores(capsys, devices, tmp_path):
+    """Attention's scores [B, N, T, S]: q splits T and k splits S over fsdp, which cannot split both, so XLA gathers
+    k whole: the lab says so from both declarations."""
+    (tmp_path / "split_ops.py").write_text(SPLIT_OPS)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'split_ops.py'}:attention", "--mesh", "data=2,fsdp=4")
+    (gathered,) = [c for c in found["collectives"] if c["origin"]["name"] == "k"]
+    why = gathered["cause"]["why"]
+    assert gathered["kind"] == "all-gather" and "would split two of its result's dimensions over fsdp" in why
+    assert "from the sharding declared for q and the sharding declared for k" in why
 
 
 def test_a_program_with_no_backward_pass_reduces_no_gradient(capsys, devices, tmp_path):
