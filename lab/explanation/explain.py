@@ -425,7 +425,8 @@ def explain_text(
             if consumer
             else cause_of(named, stack[0] if stack else None, propagation)
         )
-        cause = cause or _by_origin(origins[c.name], c, stack[0] if stack else None)
+        if cause is None or _beside_the_point(cause, origins[c.name], c, graph):
+            cause = _by_origin(origins[c.name], c, stack[0] if stack else None) or cause
         origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     explained = _summed_twice(explained)
@@ -609,6 +610,19 @@ def _summed_twice(explained: list[Explained]) -> list[Explained]:
             e = replace(e, cause=replace(e.cause, hint=hint))
         again.append(e)
     return again
+
+
+def _beside_the_point(cause: Cause, origin: Origin, collective: Collective, graph: Dataflow) -> bool:
+    """A gather's or scatter's op named on a gradient's sum over axes that split none of the weights it is the
+    gradient of (an embedding's gradient, a scatter-add, summed over data where fsdp splits the table): the op's
+    rows are not what the axes split, the batch is, so the sum is autodiff's over the batch."""
+    if cause.kind != "op" or origin.kind != "gradient" or not origin.name:
+        return False
+    if cause.op.rsplit("(", 1)[-1].rstrip(")") not in ("gather", "scatter"):
+        return False
+    names = set(origin.name.split(", "))
+    specs = " ".join(i.declared for i in graph.inputs.values() if i.name in names)
+    return not any(f"'{axis}'" in specs for axis in collective.axes or ())
 
 
 def _by_origin(origin: Origin, collective: Collective, line: Frame | None) -> Cause | None:

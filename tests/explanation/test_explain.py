@@ -480,6 +480,16 @@ def test_a_tpu_topology_compile_only_places_each_collective_on_ici_and_prices_it
     assert found["roofline"]["chip"] == "v5e" and found["roofline"]["compute_s"] > 0
 
 
+def test_an_embeddings_gradient_summed_over_the_batch_is_autodiffs_sum_not_the_scatters(capsys):
+    """On TPU the optax example's embedding gradient (a scatter-add) is all-reduced over data, which splits the
+    batch and not the table: autodiff's sum over the batch, not a scatter into a split dimension."""
+    argv = ["--fn", str(EXAMPLES / "optax_train_step.py:train_step"), "--mesh", "data=2,fsdp=4"]
+    found = inspect_json(capsys, *argv, "--target", "tpu:v5e:2x4")
+    (summed,) = [c for c in found["collectives"] if "scatter" in c["op_name"] and c["axes"] == ["data"]]
+    assert summed["origin"]["kind"] == "gradient" and "params['embed']" in summed["origin"]["name"]
+    assert (summed["cause"]["kind"], summed["cause"]["op"]) == ("sum", "gradient") and summed["hint"] is None
+
+
 def test_a_scanned_fsdp_step_on_tpu_has_every_gather_a_weight_and_every_reduction_a_gradient(capsys):
     """libtpu wraps each collective in an async collective fusion, moves weights by asynchronous slices put back
     together, carries them through the forward loop into the backward one (where remat gathers them again), gathers
