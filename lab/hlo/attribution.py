@@ -98,7 +98,7 @@ _MOVES = frozenset(
 )
 _NOT_DATA = frozenset(("constant", "iota", "partition-id", "replica-id", "after-all"))
 _PARAMETER_NAME = re.compile(
-    r"param|weight|kernel|bias|scale|embed|\bw_|\bw\d+\b|\['w|lm_head|wq|wk|wv|wo\b", re.IGNORECASE
+    r"param|weight|kernel|bias|scale|embed|^w$|\bw_|\bw\d+\b|\['w|lm_head|wq|wk|wv|wo\b", re.IGNORECASE
 )
 _OPTIMIZER_NAME = re.compile(r"opt|\bmu\b|\bnu\b|mu'|nu'|\.mu|\.nu|moment|count", re.IGNORECASE)
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
@@ -226,8 +226,6 @@ def _origin(
     weight = {kind: sum(math.prod(m.shape) for k, m in named if k == kind) for kind in ORIGINS}
     kind = max(ORIGINS, key=lambda k: weight[k])  # what most of its elements are
     chosen = [m for k, m in named if k == kind]
-    if kind == "input" and collective.kind in _REDUCTIONS and all(_rows_of(m, graph, batches) for m in chosen):
-        kind = "activation"  # a sum over a split dimension of an input's rows (a softmax's max)
     if kind in ("parameter", "input"):
         moved = [graph.inputs[i] for i in dict.fromkeys(m.moved for m in chosen)]
         names = ", ".join(i.name for i in moved)
@@ -281,13 +279,6 @@ def _origin(
         f"{listed}: neither an input moved, a gradient, nor batch-shaped; the partitioner chose a layout here that "
         "the program does not declare",
     )
-
-
-def _rows_of(member: _Member, graph: Dataflow, batches: dict[int, str]) -> bool:
-    """A reduction of an input that keeps its batch: fewer elements than the input holds, the batch among them (a
-    row's max or sum over a dimension an axis splits), so the input's rows are summed, not the input moved."""
-    held = graph.inputs[member.moved].elements if member.moved is not None else 0
-    return 0 < math.prod(member.shape) < held and any(size > 1 and size in member.shape for size in batches)
 
 
 def op_names(op_name: str) -> list[str]:
@@ -474,6 +465,8 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
         moved = _trace_back(graph, instruction.computation, operand, None, 0)
         if collective.kind not in _REDUCTIONS:
             moved, gradient, sized = _moved_into_update(collective, moved, gradient, sized)
+        elif moved is not None and graph.inputs[moved].elements > math.prod(shapes[k] if k < len(shapes) else ()):
+            moved = None  # a sum of the input over a dimension (a row's max, a column's total), not the input moved
         members.append(_Member(tuple(shapes[k]) if k < len(shapes) else (), moved, gradient, sized))
     return members
 

@@ -790,6 +790,10 @@ def attention(mesh):  # the sequence of q, k and v split over fsdp, as context p
     return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)), (a, a, a)
 
 
+def totals(mesh):  # a batch's column totals and its grand total, the batch split over fsdp
+    return jax.jit(lambda x: (x.sum(axis=0), x.sum())), (_rows(mesh, (1024, 64)),)
+
+
 def lookup(mesh):
     return jax.jit(lambda a, v: jnp.searchsorted(a, v)), (_rows(mesh, (1024,)), _rows(mesh, (64,), P()))
 """
@@ -826,6 +830,16 @@ def test_queries_and_keys_whose_sequences_one_axis_splits_are_told_apart_at_the_
     why = gathered["cause"]["why"]
     assert gathered["kind"] == "all-gather" and "would split two of its result's dimensions over fsdp" in why
     assert "from the sharding declared for q and the sharding declared for k" in why
+
+
+def test_a_sum_over_the_batch_of_an_unnamed_input_is_a_statistic_of_the_batch(capsys, devices, tmp_path):
+    """x.sum(axis=0) over rows fsdp splits: a reduction of the input, not the input moved, and over its batch:
+    what the layouts ask for, no surprise."""
+    (tmp_path / "split_ops.py").write_text(SPLIT_OPS)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'split_ops.py'}:totals", "--mesh", "fsdp=8")
+    (summed,) = found["collectives"]
+    assert summed["origin"]["kind"] == "activation" and "statistics of the batch" in summed["origin"]["why"]
+    assert found["surprises"] == 0
 
 
 def test_a_program_with_no_backward_pass_reduces_no_gradient(capsys, devices, tmp_path):
