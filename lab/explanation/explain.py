@@ -637,10 +637,11 @@ def _by_origin(origin: Origin, collective: Collective, line: Frame | None) -> Ca
             f"at {where}: each device's part gives a partial gradient, and the {collective.kind} adds them"
         )
         return Cause("sum", "gradient", line, why, None)
-    if origin.kind == "parameter" and collective.kind == "all-gather":
+    if origin.kind == "parameter" and collective.kind in ("all-gather", "all-reduce"):
+        written = ", written as an all-reduce of each device's part among zeros" * (collective.kind == "all-reduce")
         why = (
-            f"{origin.name} is stored split over {axes}, as declared, and used whole at {where}: the all-gather "
-            "brings the other devices' parts before the use (FSDP's gather of a weight)"
+            f"{origin.name} is stored split over {axes}, as declared, and used whole at {where}: the "
+            f"{collective.kind} brings the other devices' parts before the use (FSDP's gather of a weight{written})"
         )
         return Cause("annotation", "in_shardings", line, why, None)
     return None

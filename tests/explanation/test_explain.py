@@ -501,6 +501,7 @@ def test_a_scanned_fsdp_step_on_tpu_has_every_gather_a_weight_and_every_reductio
     )
     kinds = {c["name"]: (c["kind"], c["origin"]["kind"]) for c in found["collectives"]}
     assert found["surprises"] == 0 and len(kinds) >= 20
+    assert all(c["cause"] is not None for c in found["collectives"])  # inside the scans too, from what each moves
     assert all(origin == "parameter" for kind, origin in kinds.values() if kind == "all-gather")
     assert all(origin == "gradient" for kind, origin in kinds.values() if kind == "reduce-scatter")
     rematted = [
