@@ -50,6 +50,11 @@ whole first:
 
 Anything else is the partitioner's own choice between the layouts the program
 declared (`attribution` names what it moves); no cause is guessed for it.
+
+It is one concept, the decision behind a collective: the op's name and
+Shardy's record are two readings of the same question, each the other's
+fallback, and the tables of what each op does to a split dimension are the
+words both use.
 """
 
 from __future__ import annotations
