@@ -60,6 +60,7 @@ _STABLEHLO = {"select_n": "select", "mul": "multiply", "sub": "subtract", "div":
 _MESH = re.compile(r"sdy\.mesh @\w+ = <\[[^\]]*\]")
 _SKIPPED = ("stablehlo.constant", "sdy.constant", "func.return", "stablehlo.return", "sdy.return")
 _VALUE = re.compile(r"%[\w]+(?:#\d+)?")
+_FACTOR = re.compile(r"[a-z](?:_\d+)?")  # one factor of a sharding rule: i, j, ..., z_1
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 _SHARDINGS = re.compile(r"<@\w+, \[(.*?)\]>")
@@ -228,13 +229,14 @@ class Propagation:
         return self._arg_names.get(f"%arg{index}", f"input {index}")
 
     def _decision(self, op_name: str, op: _Op) -> Decision | None:
-        layouts, origins, summed = _layouts(op.text), _origins(op.text), _summed(op.text)
+        layouts, origins, rule = _layouts(op.text), _origins(op.text), _Rule.of(op.text)
+        summed = rule.summed() if rule else ()
         if not layouts and not summed:  # a sum's result may have no layout of its own: it is whole on each device
             return None
         operands = tuple(self._value(operand) for operand in op.operands)
         result = _laid_out(op_name, layouts, origins, 0)
-        aligned = _aligned(operands, op.text, op.kind == "stablehlo.transpose")
-        return Decision(op_name, result, operands, _elementwise(op.text), summed, aligned)
+        aligned = rule.aligned(operands, op.kind == "stablehlo.transpose") if rule else ()
+        return Decision(op_name, result, operands, bool(rule and rule.elementwise), summed, aligned)
 
     def _value(self, name: str) -> Value:
         if name in self._args:
@@ -302,40 +304,66 @@ def record_line(propagation: Propagation | None, *, decided: int, blind: int, mi
     return line
 
 
-def _elementwise(text: str) -> bool:
-    """Whether Shardy's sharding rule for an op maps every operand's dimensions to the result's one to one
-    (``([i, j], [i, j])->([i, j])``): no contraction, reduction or reshaping of its own."""
-    rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)(.*?)>", text)
-    if rule is None or "reduction" in rule[3] or "need_replication" in rule[3]:
-        return False
-    groups = re.findall(r"\[[^\]]*\]", rule[1]) + re.findall(r"\[[^\]]*\]", rule[2])
-    return len(set(groups)) == 1
+@dataclass(frozen=True)
+class _Rule:
+    """Shardy's sharding rule for an op (``#sdy.op_sharding_rule<([i, k], [k, j])->([i, j]) {...} reduction={k}>``):
+    each operand's and result's dimensions as the factors they hold (a reshape's merged dimension holds several),
+    the factors it sums over, and whether it needs an operand replicated."""
 
+    operands: tuple[tuple[tuple[str, ...], ...], ...]
+    results: tuple[tuple[tuple[str, ...], ...], ...]
+    reduced: frozenset[str]
+    replicates: bool
 
-def _aligned(operands: tuple[Value, ...], text: str, transpose: bool) -> tuple[Value, ...]:
-    """The operands as the result's dimensions see them, by Shardy's rule for the op (``([i, k], [k, j])->([i, j])``:
-    a matmul's; ``([j, i])->([i, j])``: a transpose's): for each result dimension the axes that split the operand's
-    dimension of the same factor, none where the operand has no such dimension (it is broadcast there). Summed
-    factors drop out (a split one is a partial sum, not a layout). So ``P('x', None)`` transposed reads
-    ``P(None, 'x')``, and each operand compares with the result as an elementwise op's does; () where a dimension
-    holds several factors (a reshape's) or there is no rule."""
-    rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)", text)
-    if rule is None:
-        return ()
-    sides = [[d.strip() for d in group.split(",") if d.strip()] for group in re.findall(r"\[([^\]]*)\]", rule[1])]
-    (result, *_) = [[d.strip() for d in g.split(",") if d.strip()] for g in re.findall(r"\[([^\]]*)\]", rule[2])] or [
-        []
-    ]
-    if len(sides) != len(operands) or any(len(f) > 1 for dims in (*sides, result) for f in dims):
-        return ()
-    aligned = []
-    for value, factors in zip(operands, sides):
-        if len(factors) != len(value.dims):
+    @classmethod
+    def of(cls, text: str) -> _Rule | None:
+        rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)(.*?)>", text)
+        if rule is None:
+            return None
+        reduced = re.search(r"reduction=\{([^}]*)\}", rule[3])
+
+        def side(group: str) -> tuple[tuple[tuple[str, ...], ...], ...]:
+            return tuple(
+                tuple(tuple(_FACTOR.findall(dim)) for dim in dims.split(",") if dim.strip())
+                for dims in re.findall(r"\[([^\]]*)\]", group)
+            )
+
+        return cls(
+            side(rule[1]),
+            side(rule[2]),
+            frozenset(re.findall(r"\w+", reduced[1])) if reduced else frozenset(),
+            "need_replication" in rule[3],
+        )
+
+    @property
+    def elementwise(self) -> bool:
+        """Every operand's dimensions map to the result's one to one (``([i, j], [i, j])->([i, j])``): no
+        contraction, reduction or reshaping of its own."""
+        return not self.reduced and not self.replicates and len(set(self.operands + self.results)) == 1
+
+    def summed(self) -> tuple[tuple[int, ...], ...]:
+        """Per operand, the dimensions holding a factor the op sums over (a matmul's contracted one, a reduce's)."""
+        if not self.reduced:
             return ()
-        dims = tuple(value.dims[factors.index(f)] if f in factors else () for f in result)
-        name = f"{value.name} (transposed)" if transpose else value.name
-        aligned.append(Value(name, _spec(dims), value.origins, dims))
-    return tuple(aligned)
+        return tuple(tuple(d for d, dim in enumerate(dims) if self.reduced & set(dim)) for dims in self.operands)
+
+    def aligned(self, operands: tuple[Value, ...], transpose: bool) -> tuple[Value, ...]:
+        """The operands as the result's dimensions see them: for each result dimension the axes that split the
+        operand's dimension of the same factor, none where the operand has no such dimension (it is broadcast
+        there); summed factors drop out (a split one is a partial sum, not a layout). So ``P('x', None)`` transposed
+        reads ``P(None, 'x')``, and each operand compares with the result as an elementwise op's does; () where a
+        dimension holds several factors (a reshape's)."""
+        result = self.results[0] if self.results else ()
+        if len(self.operands) != len(operands) or any(len(f) > 1 for dims in (*self.operands, result) for f in dims):
+            return ()
+        aligned = []
+        for value, factors in zip(operands, self.operands):
+            if len(factors) != len(value.dims):
+                return ()
+            dims = tuple(value.dims[factors.index(f)] if f in factors else () for f in result)
+            name = f"{value.name} (transposed)" if transpose else value.name
+            aligned.append(Value(name, _spec(dims), value.origins, dims))
+        return tuple(aligned)
 
 
 def resharding(decisions: list[Decision]) -> Decision | None:
@@ -350,20 +378,6 @@ def _result_shape(op: _Op) -> tuple[int, ...] | None:
     """An operation's (last) result type's shape, as its text writes it."""
     types = re.findall(r"tensor<((?:\d+x)*)\w+>", op.text)
     return tuple(int(n) for n in types[-1].split("x") if n) if types else None
-
-
-def _summed(text: str) -> tuple[tuple[int, ...], ...]:
-    """Per operand, the dimensions Shardy's sharding rule for an op sums over: those holding a factor it lists as a
-    reduction (``([i, k], [k, j])->([i, j]) {...} reduction={k}``: a matmul's contracted dimension, a reduce's)."""
-    rule = re.search(r"op_sharding_rule<\((.*?)\)->\((.*?)\)(.*?)>", text)
-    reduced = re.search(r"reduction=\{([^}]*)\}", rule[3]) if rule else None
-    if reduced is None:
-        return ()
-    factors = set(re.findall(r"\w+", reduced[1]))
-    return tuple(
-        tuple(d for d, dim in enumerate(operand.split(", ")) if factors & set(re.findall(r"[a-z](?:_\d+)?", dim)))
-        for operand in re.findall(r"\[([^\]]*)\]", rule[1])
-    )
 
 
 def _laid_out(name: str, layouts: list[tuple[tuple[str, ...], ...]], origins: list[dict[str, str]], k: int) -> Value:
