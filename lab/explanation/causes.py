@@ -43,6 +43,11 @@ whole first:
   split batch) the layouts ask for it, and the explanation drops its hint
   (`lab.explanation.explain`); of anything else (a norm over a weight's split
   dimension) it stays a surprise, with the change that avoids it;
+* **from what it moves**, where the op's name and the record say nothing
+  (inside a scanned micro-batch, whose ops Shardy's record does not join to
+  lines) or name an op beside the point (a scatter's, on a gradient summed
+  over the batch): a gradient summed over the axes that split what it is
+  computed from, a weight stored split and gathered whole for its use;
 * **partitioner**: a collective over a mesh axis that no layout of the
   program names, declared or propagated (Shardy's record names it nowhere):
   the devices along it hold the same data, and XLA's partitioner chose on its
@@ -61,10 +66,11 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from lab.explanation.origins import Decision, Propagation, Value, resharding
-from lab.hlo.attribution import op_names
+from lab.hlo.attribution import Input, Origin, op_names
 from lab.hlo.collectives import Collective
 from lab.hlo.sources import Frame, op_of
 
@@ -197,6 +203,51 @@ def cause_before(collective: Collective, moved: str, consumer: str, line: Frame)
     where = line.cited
     why = f"{op} at {where} {does}: the {collective.kind} over {_axes(collective)} reshards {moved} before it"
     return Cause("op", op, line, why, f"at {where}: {change}, or declare the input split along another dimension")
+
+
+def settled(
+    cause: Cause | None, origin: Origin, collective: Collective, line: Frame | None, inputs: Iterable[Input]
+) -> Cause | None:
+    """The cause once what the collective moves is known (`lab.hlo.attribution`): where the op's name and Shardy's
+    record gave none, or named an op beside the point, what it moves decides (`_by_origin`)."""
+    if cause is None or _beside_the_point(cause, origin, collective, inputs):
+        return _by_origin(origin, collective, line) or cause
+    return cause
+
+
+def _beside_the_point(cause: Cause, origin: Origin, collective: Collective, inputs: Iterable[Input]) -> bool:
+    """A gather's or scatter's op named on a gradient's sum over axes that split none of the weights it is the
+    gradient of (an embedding's gradient, a scatter-add, summed over data where fsdp splits the table): the op's
+    rows are not what the axes split, the batch is, so the sum is autodiff's over the batch."""
+    if cause.kind != "op" or origin.kind != "gradient" or not origin.name:
+        return False
+    if cause.op.rsplit("(", 1)[-1].rstrip(")") not in ("gather", "scatter"):
+        return False
+    names = set(origin.name.split(", "))
+    specs = " ".join(i.declared for i in inputs if i.name in names)
+    return not any(f"'{axis}'" in specs for axis in collective.axes or ())
+
+
+def _by_origin(origin: Origin, collective: Collective, line: Frame | None) -> Cause | None:
+    """Where no op name or record of Shardy's says who decided (inside a scanned layer's backward pass, which
+    Shardy's record does not join to lines), what it moves says it for the two collectives the layouts always ask
+    for: a gradient summed over the axes that split what it is computed from, and a weight stored split and used
+    whole (FSDP's gather before its use)."""
+    axes, where = ",".join(collective.axes or ()) or "its groups", line.cited if line else "its line"
+    if origin.kind == "gradient" and collective.kind in ("all-reduce", "reduce-scatter"):
+        why = (
+            f"autodiff sums the gradient of {origin.name} over {axes}, which split the values it is computed from "
+            f"at {where}: each device's part gives a partial gradient, and the {collective.kind} adds them"
+        )
+        return Cause("sum", "gradient", line, why, None)
+    if origin.kind == "parameter" and collective.kind in ("all-gather", "all-reduce"):
+        written = ", written as an all-reduce of each device's part among zeros" * (collective.kind == "all-reduce")
+        why = (
+            f"{origin.name} is stored split over {axes}, as declared, and used whole at {where}: the "
+            f"{collective.kind} brings the other devices' parts before the use (FSDP's gather of a weight{written})"
+        )
+        return Cause("annotation", "in_shardings", line, why, None)
+    return None
 
 
 def _by_name(op: str, path: tuple[str, ...], where: str, axes: str) -> str:

@@ -42,7 +42,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lab.errors import LabError
-from lab.explanation.causes import Cause, cause_before, cause_of
+from lab.explanation.causes import Cause, cause_before, cause_of, settled
 from lab.explanation.origins import Propagation, compile_with_origins, record_line
 from lab.explanation.partitioner import Remat
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
@@ -425,8 +425,7 @@ def explain_text(
             if consumer
             else cause_of(named, stack[0] if stack else None, propagation)
         )
-        if cause is None or _beside_the_point(cause, origins[c.name], c, graph):
-            cause = _by_origin(origins[c.name], c, stack[0] if stack else None) or cause
+        cause = settled(cause, origins[c.name], c, stack[0] if stack else None, graph.inputs.values())
         origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     explained = _summed_twice(explained)
@@ -610,41 +609,6 @@ def _summed_twice(explained: list[Explained]) -> list[Explained]:
             e = replace(e, cause=replace(e.cause, hint=hint))
         again.append(e)
     return again
-
-
-def _beside_the_point(cause: Cause, origin: Origin, collective: Collective, graph: Dataflow) -> bool:
-    """A gather's or scatter's op named on a gradient's sum over axes that split none of the weights it is the
-    gradient of (an embedding's gradient, a scatter-add, summed over data where fsdp splits the table): the op's
-    rows are not what the axes split, the batch is, so the sum is autodiff's over the batch."""
-    if cause.kind != "op" or origin.kind != "gradient" or not origin.name:
-        return False
-    if cause.op.rsplit("(", 1)[-1].rstrip(")") not in ("gather", "scatter"):
-        return False
-    names = set(origin.name.split(", "))
-    specs = " ".join(i.declared for i in graph.inputs.values() if i.name in names)
-    return not any(f"'{axis}'" in specs for axis in collective.axes or ())
-
-
-def _by_origin(origin: Origin, collective: Collective, line: Frame | None) -> Cause | None:
-    """Where no op name or record of Shardy's says who decided (inside a scanned layer's backward pass, which
-    Shardy's record does not join to lines), what it moves says it for the two collectives the layouts always ask
-    for: a gradient summed over the axes that split what it is computed from, and a weight stored split and used
-    whole (FSDP's gather before its use)."""
-    axes, where = ",".join(collective.axes or ()) or "its groups", line.cited if line else "its line"
-    if origin.kind == "gradient" and collective.kind in ("all-reduce", "reduce-scatter"):
-        why = (
-            f"autodiff sums the gradient of {origin.name} over {axes}, which split the values it is computed from "
-            f"at {where}: each device's part gives a partial gradient, and the {collective.kind} adds them"
-        )
-        return Cause("sum", "gradient", line, why, None)
-    if origin.kind == "parameter" and collective.kind in ("all-gather", "all-reduce"):
-        written = ", written as an all-reduce of each device's part among zeros" * (collective.kind == "all-reduce")
-        why = (
-            f"{origin.name} is stored split over {axes}, as declared, and used whole at {where}: the "
-            f"{collective.kind} brings the other devices' parts before the use (FSDP's gather of a weight{written})"
-        )
-        return Cause("annotation", "in_shardings", line, why, None)
-    return None
 
 
 def _with_cause(origin: Origin, collective: Collective, cause: Cause) -> tuple[Origin, Cause]:
