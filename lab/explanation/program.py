@@ -211,6 +211,8 @@ def _hint(err: BaseException, compile_only: bool, option: str) -> str:
         return "; the program leaves layouts to the partitioner: give --axis-types auto (the default)"
     if "not supported by XLA:CPU" in str(err):  # ragged_all_to_all: TPU's and GPU's compilers have it
         return "; XLA:CPU cannot compile it: compile for a TPU or GPU target, e.g. --target tpu:v5e:2x4"
+    if "Only interpret mode is supported on CPU" in str(err):  # a Pallas TPU kernel: Mosaic compiles it for TPU
+        return "; a Pallas TPU kernel compiles for TPU only: give a compile-only TPU target, e.g. --target tpu:v5e:2x4"
     if compile_only and _this_machines_devices(str(err)):
         return (
             "; on a compile-only target jax.devices() lists this machine's devices, not the target's: build the "

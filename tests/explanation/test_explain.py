@@ -678,6 +678,7 @@ def bare_spec(mesh):  # a bare PartitionSpec made under a mesh of its own, which
         (["--fn", "{tmp}/sharded.py:bare_spec", "--mesh", "data=8"], "give it NamedSharding(mesh, P(...))"),
         (["--fn", "{tmp}/sharded.py:own_devices", "--target", "tpu:v5e:2x4"], "build the mesh from mesh.devices"),
         (["--fn", "{tmp}/sharded.py:real_array", "--target", "tpu:v5e:2x4"], "create no arrays"),
+        (["--fn", "{tmp}/remote.py:right_permute", "--mesh", "data=8"], "give a compile-only TPU target"),
         (["--fn", "{tmp}/sharded.py:manual_spec", "--mesh", "data=2,fsdp=4", "--target", "tpu:v5e:2x4"], "manual"),
     ],
 )
@@ -699,6 +700,7 @@ def test_mistakes_give_one_line_and_exit_2(capsys, devices, tmp_path, monkeypatc
         "def forever(mesh):\n    while True:\n        pass\n"
     )
     (tmp_path / "sharded.py").write_text(SHARDED)
+    (tmp_path / "remote.py").write_text(REMOTE_COPY)
     (tmp_path / "broken.py").write_text("import no_such_module_anywhere\n")
     (tmp_path / "exits.py").write_text("import sys\n\nsys.exit(1)\n")
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
