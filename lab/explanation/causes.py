@@ -218,10 +218,17 @@ def settled(
 def _beside_the_point(cause: Cause, origin: Origin, collective: Collective, inputs: Iterable[Input]) -> bool:
     """A gather's or scatter's op named on a gradient's sum over axes that split none of the weights it is the
     gradient of (an embedding's gradient, a scatter-add, summed over data where fsdp splits the table): the op's
-    rows are not what the axes split, the batch is, so the sum is autodiff's over the batch."""
-    if cause.kind != "op" or origin.kind != "gradient" or not origin.name:
+    rows are not what the axes split, the batch is, so the sum is autodiff's over the batch. Or a clash of layouts
+    at an op with no rule of its own for a split dimension (a matmul, `_clash`) on a weight gathered whole: that is
+    FSDP's gather, which what it moves says."""
+    if cause.kind != "op":
         return False
-    if cause.op.rsplit("(", 1)[-1].rstrip(")") not in ("gather", "scatter"):
+    op = cause.op.rsplit("(", 1)[-1].rstrip(")")
+    if origin.kind == "parameter" and collective.kind in ("all-gather", "all-reduce"):
+        return op not in _BEFORE
+    if origin.kind != "gradient" or not origin.name:
+        return False
+    if op not in ("gather", "scatter"):
         return False
     names = set(origin.name.split(", "))
     specs = " ".join(i.declared for i in inputs if i.name in names)
@@ -399,20 +406,19 @@ def _axes(collective: Collective) -> str:
 def _conflict(
     collective: Collective, decision: Decision, line: Frame | None, propagation: Propagation, axes: str
 ) -> Cause | None:
-    """Two operands that split different dimensions of the op's result over one axis (``a @ a.T`` of rows split;
-    attention's scores of queries and keys whose sequences one axis splits), which one axis cannot do; else two
-    annotations that disagree at one op: the one its result's layout came from, and an operand's (each operand read
-    in the result's dimensions, `Decision.aligned`)."""
+    """Operands whose layouts one op cannot keep together (`_clash`: ``a @ a.T`` of rows split, a batched matmul
+    whose batches two axes split); else two annotations that disagree at one op: the one its result's layout came
+    from, and an operand's (each operand read in the result's dimensions, `Decision.aligned`)."""
     result = decision.result
-    differing = [v for v in decision.aligned if v.sharding and v.sharding != result.sharding]
-    if not differing or not result.origins:
-        return None
     op = op_of(decision.op)
     where = line.cited if line else "its line"
     constrained = any(o.startswith("constraint_") for o in result.origins.values())  # then `_constrained`'s
-    collision = None if constrained else _collision(decision.aligned)
-    if collision is not None:
-        return _one_axis_twice(collective, op, *collision, line, where, propagation)
+    clash = None if constrained else _clash(decision)
+    if clash is not None:
+        return _clashing(collective, op, clash, line, where, propagation)
+    differing = [v for v in decision.aligned if v.sharding and v.sharding != result.sharding]
+    if not differing or not result.origins:
+        return None
     operand = next((v for v in differing if set(v.origins.values()) != set(result.origins.values())), None)
     if operand is None or (not decision.elementwise and op != "transpose"):  # a matmul's: `_constrained`
         return None
@@ -430,36 +436,74 @@ def _conflict(
     return Cause("annotation", _annotation_name(next(iter(result.origins.values()))), deciding, why, hint)
 
 
-def _collision(aligned: tuple[Value, ...]) -> tuple[Value, Value, str] | None:
-    """Two operands (in the result's dimensions) that one mesh axis splits along different dimensions, and it."""
+@dataclass(frozen=True)
+class _Clash:
+    """Two operands of one op laid out in ways the op cannot keep together, in the result's dimensions
+    (`Decision.aligned`): one mesh axis on two of the result's dimensions ("twice"); two axes on the same one
+    ("disagree"); one axis on a dimension the op sums over in `first` (then as it comes: the summed dimension is
+    not the result's) and on one the result keeps in `second` ("contracted")."""
+
+    form: str
+    first: Value
+    second: Value
+    first_axes: str
+    second_axes: str
+
+
+def _clash(decision: Decision) -> _Clash | None:
+    """The first way `decision`'s operands clash (`_Clash`), or None."""
+    aligned = decision.aligned
     for first, second in itertools.combinations(aligned, 2):
         for i, here in enumerate(first.dims):
             for j, there in enumerate(second.dims):
                 if i != j and (shared := [a for a in here if a in there]):
-                    return first, second, shared[0]
+                    return _Clash("twice", first, second, shared[0], shared[0])
+                if i == j and here and there and not set(here) & set(there):
+                    return _Clash("disagree", first, second, ",".join(here), ",".join(there))
+    for operand, axis in decision.summed_over():
+        kept = next((v for v in aligned if v.name != operand.name and any(axis in dims for dims in v.dims)), None)
+        if kept is not None:
+            return _Clash("contracted", operand, kept, axis, axis)
     return None
 
 
-def _one_axis_twice(
-    collective: Collective,
-    op: str,
-    first: Value,
-    second: Value,
-    axis: str,
-    line: Frame | None,
-    where: str,
-    propagation: Propagation,
+def _clashing(
+    collective: Collective, op: str, clash: _Clash, line: Frame | None, where: str, propagation: Propagation
 ) -> Cause:
-    """An op whose operands one axis splits along different dimensions of its result: the partitioner makes one
-    of them whole (or moves the split off it)."""
+    """Why the partitioner makes one of two clashing operands whole (or moves its split), and what to change."""
+    first, second = clash.first, clash.second
     origins = [_described(v, propagation) for v in (first, second)]
     said = f"both from {origins[0]}" if origins[0] == origins[1] else f"from {origins[0]} and {origins[1]}"
-    why = (
-        f"{op} at {where} would split two of its result's dimensions over {axis}: {first.name} splits one "
-        f"({first.sharding} in the result's dimensions), {second.name} another ({second.sharding}), {said}; an axis "
-        f"splits one dimension, so the {collective.kind} over {_axes(collective)} moves one of them"
-    )
-    hint = f"at {where}: split one of {first.name} and {second.name} over another axis, or reshard one before {op}"
+    layouts = f"({first.name} {first.sharding}, {second.name} {second.sharding} in the result's dimensions; {said})"
+    if clash.form == "contracted":  # the summed dimension is not one of the result's: the operand as it comes
+        layouts = (
+            f"({first.name} comes as {first.sharding}, {second.name} as {second.sharding} in the result's; {said})"
+        )
+    moved = f"the {collective.kind} over {_axes(collective)} moves"
+    if clash.form == "twice":
+        why = (
+            f"{op} at {where} would split two of its result's dimensions over {clash.first_axes}: {first.name} "
+            f"splits one ({first.sharding} in the result's dimensions), {second.name} another ({second.sharding}), "
+            f"{said}; an axis splits one dimension, so {moved} one of them"
+        )
+    elif clash.form == "contracted":
+        why = (
+            f"{op} at {where} sums over a dimension {first.name} splits over {clash.first_axes}, while {second.name} "
+            f"keeps {clash.first_axes} on a dimension of the result {layouts}; one axis cannot split both, so "
+            f"{moved} one of them"
+        )
+    else:
+        why = (
+            f"{op} at {where} lines up {first.name}, split over {clash.first_axes}, and {second.name}, split over "
+            f"{clash.second_axes}, along one dimension of its result {layouts}; a dimension is split one way, so "
+            f"{moved} them to one layout"
+        )
+    change = {
+        "twice": f"split one of {first.name} and {second.name} over another axis",
+        "contracted": f"split {second.name} over another axis than {first.name}",
+        "disagree": f"split {first.name} and {second.name} over the same axis",
+    }[clash.form]
+    hint = f"at {where}: {change}, or reshard one before {op}"
     return Cause("op", op, line, why, hint)
 
 

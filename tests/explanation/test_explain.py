@@ -793,6 +793,11 @@ def attention(mesh):  # the sequence of q, k and v split over fsdp, as context p
     return jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)), (a, a, a)
 
 
+def batched(mesh):  # a batched matmul whose operands' batches two axes split
+    a, b = _rows(mesh, (8, 256, 256), P("data")), _rows(mesh, (8, 256, 256), P("fsdp"))
+    return jax.jit(lambda a, b: jnp.einsum("bij,bjk->bik", a, b)), (a, b)
+
+
 def totals(mesh):  # a batch's column totals and its grand total, the batch split over fsdp
     return jax.jit(lambda x: (x.sum(axis=0), x.sum())), (_rows(mesh, (1024, 64)),)
 
@@ -833,6 +838,28 @@ def test_queries_and_keys_whose_sequences_one_axis_splits_are_told_apart_at_the_
     why = gathered["cause"]["why"]
     assert gathered["kind"] == "all-gather" and "would split two of its result's dimensions over fsdp" in why
     assert "from the sharding declared for q and the sharding declared for k" in why
+    # the output, probabilities [B, N, T, S] times v [B, S, N, H]: the probabilities keep q's split of T, v's
+    # split of S is summed over, and one axis cannot do both (NVIDIA/TransformerEngine#2023 resets it for FSDP)
+    (gathered,) = [c for c in found["collectives"] if c["origin"]["name"] == "v"]
+    why = gathered["cause"]["why"]
+    assert gathered["kind"] == "all-gather" and "sums over a dimension v splits over fsdp, while" in why
+    assert "keeps fsdp on a dimension of the result" in why and "the sharding declared for v" in why
+
+
+def test_a_batched_matmul_whose_batches_two_axes_split_lines_them_up(capsys, devices, tmp_path):
+    """einsum('bij,bjk->bik') of a split over data and b over fsdp along b: one dimension has one split (JAX's
+    explicit sharding refuses it: 'dot_general requires lhs batch dimensions and rhs batch dimensions to have the
+    consistent sharding'); under auto sharding XLA moves both, and the lab names the clash at the einsum."""
+    (tmp_path / "split_ops.py").write_text(SPLIT_OPS)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'split_ops.py'}:batched", "--mesh", "data=2,fsdp=4")
+    moved = {c["origin"]["name"]: c for c in found["collectives"]}
+    assert set(moved) == {"a", "b"} and all(c["surprise"] for c in moved.values())
+    lines = SPLIT_OPS.splitlines()
+    einsum = lines.index(next(line for line in lines if "einsum(" in line)) + 1
+    for c in moved.values():
+        assert c["cause"]["op"] == "dot_general" and c["cause"]["line"].endswith(f"split_ops.py:{einsum}")
+        assert "lines up a, split over data, and b, split over fsdp, along one dimension" in c["cause"]["why"]
+        assert "split a and b over the same axis" in c["cause"]["hint"]
 
 
 def test_a_sum_over_the_batch_of_an_unnamed_input_is_a_statistic_of_the_batch(capsys, devices, tmp_path):
