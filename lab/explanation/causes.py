@@ -210,8 +210,9 @@ def settled(
 ) -> Cause | None:
     """The cause once what the collective moves is known (`lab.hlo.attribution`): where the op's name and Shardy's
     record gave none, or named an op beside the point, what it moves decides (`_by_origin`)."""
+    inputs = tuple(inputs)
     if cause is None or _beside_the_point(cause, origin, collective, inputs):
-        return _by_origin(origin, collective, line) or cause
+        return _by_origin(origin, collective, line, inputs) or cause
     return cause
 
 
@@ -230,12 +231,16 @@ def _beside_the_point(cause: Cause, origin: Origin, collective: Collective, inpu
         return False
     if op not in ("gather", "scatter"):
         return False
-    names = set(origin.name.split(", "))
-    specs = " ".join(i.declared for i in inputs if i.name in names)
-    return not any(f"'{axis}'" in specs for axis in collective.axes or ())
+    return not any(f"'{axis}'" in _declared(origin, inputs) for axis in collective.axes or ())
 
 
-def _by_origin(origin: Origin, collective: Collective, line: Frame | None) -> Cause | None:
+def _declared(origin: Origin, inputs: Iterable[Input]) -> str:
+    """The shardings declared for the inputs `origin` names, one string (``P('fsdp', None) P()``)."""
+    names = set((origin.name or "").split(", "))
+    return " ".join(i.declared for i in inputs if i.name in names)
+
+
+def _by_origin(origin: Origin, collective: Collective, line: Frame | None, inputs: Iterable[Input]) -> Cause | None:
     """Where no op name or record of Shardy's says who decided (inside a scanned layer's backward pass, which
     Shardy's record does not join to lines), what it moves says it for the two collectives the layouts always ask
     for: a gradient summed over the axes that split what it is computed from, and a weight stored split and used
@@ -247,14 +252,24 @@ def _by_origin(origin: Origin, collective: Collective, line: Frame | None) -> Ca
             f"at {where}: each device's part gives a partial gradient, and the {collective.kind} adds them"
         )
         return Cause("sum", "gradient", line, why, None)
-    if origin.kind == "parameter" and collective.kind in ("all-gather", "all-reduce"):
-        written = ", written as an all-reduce of each device's part among zeros" * (collective.kind == "all-reduce")
+    if origin.kind != "parameter" or collective.kind not in ("all-gather", "all-reduce") or not collective.axes:
+        return None
+    written = ", written as an all-reduce of each device's part among zeros" * (collective.kind == "all-reduce")
+    declared = _declared(origin, inputs)
+    if declared and not all(f"'{axis}'" in declared for axis in collective.axes):
+        layout = declared if "'" in declared else "whole"  # a PartitionSpec that names axes, or replicated
         why = (
-            f"{origin.name} is stored split over {axes}, as declared, and used whole at {where}: the "
-            f"{collective.kind} brings the other devices' parts before the use (FSDP's gather of a weight{written})"
+            f"{origin.name} is declared {layout}, not split over {axes}, but a value of its shape is computed split "
+            f"over {axes} at {where} (its update or its gradient, from values split so: ZeRO-1's update of a "
+            f"sharded optimizer state, a gradient the layouts split): the {collective.kind} brings the parts "
+            f"together where it is returned or used whole{written}"
         )
-        return Cause("annotation", "in_shardings", line, why, None)
-    return None
+        return Cause("annotation", "out_shardings", line, why, None)
+    why = (
+        f"{origin.name} is stored split over {axes}, as declared, and used whole at {where}: the "
+        f"{collective.kind} brings the other devices' parts before the use (FSDP's gather of a weight{written})"
+    )
+    return Cause("annotation", "in_shardings", line, why, None)
 
 
 def _by_name(op: str, path: tuple[str, ...], where: str, axes: str) -> str:
@@ -416,6 +431,9 @@ def _conflict(
     clash = None if constrained else _clash(decision)
     if clash is not None:
         return _clashing(collective, op, clash, line, where, propagation)
+    moved = _off_the_sum(collective, decision, line, where, propagation)
+    if moved is not None:
+        return moved
     differing = [v for v in decision.aligned if v.sharding and v.sharding != result.sharding]
     if not differing or not result.origins:
         return None
@@ -434,6 +452,38 @@ def _conflict(
         f"{result.sharding} where it is made or declared"
     )
     return Cause("annotation", _annotation_name(next(iter(result.origins.values()))), deciding, why, hint)
+
+
+def _off_the_sum(
+    collective: Collective, decision: Decision, line: Frame | None, where: str, propagation: Propagation
+) -> Cause | None:
+    """An operand split over an axis along a dimension the op sums over, where propagation laid the op's result
+    out with that axis on a dimension of its own (an FSDP weight split along its input features, the matmul's
+    result along its output features): the partitioner moves the operand's split onto that dimension (an
+    all-to-all), so each device multiplies whole columns and adds no partial sums."""
+    if collective.kind not in ("all-to-all", "all-gather"):
+        return None
+    result, axes = decision.result, set(collective.axes or ())
+    for operand, axis in decision.summed_over():
+        kept = next((v for v in decision.aligned if v.name == operand.name), None)
+        if kept is None or axis not in axes or not any(axis in d for d in result.dims):
+            continue
+        if any(axis in d for d in kept.dims):
+            continue
+        op = op_of(decision.op)
+        why = (
+            f"{op} at {where} sums over the dimension {operand.name} splits over {axis} ({operand.sharding}, from "
+            f"{_described(operand, propagation)}), while propagation laid its result out as {result.sharding}, "
+            f"{axis} on a dimension of its own (from {_described(result, propagation)}): the {collective.kind} over "
+            f"{_axes(collective)} moves {operand.name}'s split onto that dimension, so each device sums over the whole "
+            "dimension for its part of the result and no partial sums are added"
+        )
+        hint = (
+            f"at {where}: split {operand.name} over {axis} along the dimension the result keeps, or constrain the "
+            f"result to the layout {operand.name}'s split gives (partial sums, then a reduce-scatter)"
+        )
+        return Cause("op", op, line, why, hint)
+    return None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from lab.errors import LabError
 from lab.explanation.causes import Cause, cause_before, cause_of, settled
 from lab.explanation.origins import Propagation, compile_with_origins, record_line
 from lab.explanation.partitioner import Remat
+from lab.explanation.sub_axes import sub_axis
 from lab.hlo import Collective, Inspection, Skipped, parse_collectives
 from lab.hlo.attribution import Dataflow, Input, Origin, attribute, op_names
 from lab.hlo.kernels import Kernel, communicating_kernels
@@ -407,13 +408,15 @@ def explain_text(
     names: Mapping[str, str] | None = None,
 ) -> Explanation:
     graph = Dataflow.of(hlo_text, mesh_sizes, names)
+    placed = {(c.computation, c.name): _placed(c, mesh, chip) for c in collectives}  # on whole axes' links
+    collectives = [_on_sub_axis(c, mesh_sizes) for c in collectives]
     origins = attribute(graph, collectives)
     frames = stack_frames(hlo_text)
     overlaps = _overlaps(hlo_text, chip, mesh_sizes) if chip is not None else {}
     explained = []
     for c in collectives:
-        link, where, seconds = _placed(c, mesh, chip)
         key = (c.computation, c.name)
+        link, where, seconds = placed[key]
         stack = stack_of(nearest_metadata(graph.instructions, key) if key in graph.instructions else {}, frames)
         consumer = ""
         if origins[c.name].kind == "input" and not (stack and c.op_name):  # an input resharded, no op named on it
@@ -516,6 +519,14 @@ def _overlaps(hlo_text: str, chip: ChipProfile, mesh_sizes: dict[str, int] | Non
     shape = tuple(mesh_sizes.values()) if mesh_sizes else None
     report = overlap_report(hlo_text, chip, mesh_shape=shape, axis_names=tuple(mesh_sizes) if mesh_sizes else None)
     return {(w.collective.computation, w.collective.name): w.compute_s for w in report.windows}
+
+
+def _on_sub_axis(collective: Collective, mesh_sizes: dict[str, int] | None) -> Collective:
+    """The collective with its axes named where its groups are part of one mesh axis (`lab.explanation.sub_axes`)."""
+    if collective.axes is not None or not mesh_sizes or not collective.replica_groups:
+        return collective
+    part = sub_axis(tuple(mesh_sizes.values()), tuple(mesh_sizes), collective.replica_groups)
+    return replace(collective, axes=(part,)) if part else collective
 
 
 def _placed(collective: Collective, mesh, chip: ChipProfile | None) -> tuple[str | None, str | None, float | None]:

@@ -64,7 +64,8 @@ _FACTOR = re.compile(r"[a-z](?:_\d+)?")  # one factor of a sharding rule: i, j, 
 _LOC_REF = re.compile(r"loc\((#loc\d*)\)\s*$")
 _LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$")
 _SHARDINGS = re.compile(r"<@\w+, \[(.*?)\]>")
-_ORIGIN = re.compile(r'(\w+) = "([^"]*)"')
+_ORIGIN = re.compile(r'"?(\w+(?::\(\d+\)\d+)?)"? = "([^"]*)"')  # data = "self", "tensor:(1)2" = "input: 2"
+_AXIS = re.compile(r'"(\w+)"(?::(\(\d+\)\d+))?')  # "tensor", or Shardy's sub-axis "tensor":(1)2
 _ARG = re.compile(r"(%arg\d+): tensor<[^>]*>\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})?(?:\s*loc\(\"((?:[^\"\\]|\\.)*)\"\))?")
 
 
@@ -117,7 +118,7 @@ class Propagation:
         # the mesh axes any layout in the module names (declared, constrained or propagated): an axis outside them
         # splits nothing Shardy decided, so a collective over it is the partitioner's own choice
         layouts = _SHARDINGS.findall(propagated.replace(mesh[0], "") if mesh else propagated)
-        self.named_axes = frozenset(axis for layout in layouts for axis in re.findall(r'"(\w+)"', layout))
+        self.named_axes = frozenset(axis for layout in layouts for dims in _dims(layout) for axis in dims)
         self._propagated = _entry_ops(propagated)
         self._lowered = _entry_ops(lowered)
         self._locations = _locations(lowered)
@@ -442,8 +443,13 @@ def _layouts(text: str) -> list[tuple[tuple[str, ...], ...]]:
 
 
 def _dims(text: str) -> tuple[tuple[str, ...], ...]:
-    """Shardy's ``{"y"}, {}, {"x", "z"}`` -> ``(("y",), (), ("x", "z"))``."""
-    return tuple(tuple(re.findall(r'"(\w+)"', dim)) for dim in re.findall(r"\{([^}]*)\}", text))
+    """Shardy's ``{"y"}, {}, {"x", "z"}`` -> ``(("y",), (), ("x", "z"))``; a sub-axis (``{"y":(1)2}``: the first 2
+    of y's devices' strides, `lab.explanation.explain`'s naming of a collective's groups) keeps its size:
+    ``("y:(1)2",)``."""
+    return tuple(
+        tuple(f"{name}:{part}" if part else name for name, part in _AXIS.findall(dim))
+        for dim in re.findall(r"\{([^}]*)\}", text)
+    )
 
 
 def _origins(text: str) -> list[dict[str, str]]:

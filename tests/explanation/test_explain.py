@@ -68,6 +68,12 @@ def test_what_each_example_communicates_and_why(capsys, devices):
     # the weight that moves is named, and moves over fsdp, where the program sharded it
     moved = [o for (kind, axes), o in by_kind.items() if o["kind"] == "parameter"]
     assert moved and all("kernel" in o["name"] for o in moved)
+    # w_up, split along its input features (what x @ w_up sums over), is moved onto its output features, where
+    # propagation laid the product out: an all-to-all, no gather, and the matmul named as its cause
+    (turned,) = [c for c in nnx["collectives"] if c["kind"] == "all-to-all"]
+    assert turned["origin"]["name"] == "params['w_up']['kernel'].value" and turned["cause"]["op"] == "dot_general"
+    assert "sums over the dimension params['w_up']['kernel'].value splits over fsdp" in turned["cause"]["why"]
+    assert "moves params['w_up']['kernel'].value's split onto that dimension" in turned["cause"]["why"]
 
     mlp = inspect_json(
         capsys, "--fn", str(EXAMPLES / "shard_map_collectives.py:tensor_parallel_mlp"), "--mesh", "data=2,tensor=4"
@@ -135,6 +141,10 @@ def test_zero1_reduces_the_gradients_whole_and_gathers_the_updated_weights(capsy
         ("all-gather", "parameter", "p['w2']"),
     ]
     assert found["surprises"] == 0 and not [c for c in found["collectives"] if c["surprise"]]
+    # declared whole and computed split: the gather is the update's, never a declared split's (there is none)
+    for c in gathered:
+        assert c["cause"]["why"].startswith(f"{c['origin']['name']} is declared whole, not split over data")
+        assert "as declared" not in c["cause"]["why"]
 
 
 def test_a_scanned_layers_gradient_is_followed_through_the_loops_carry(capsys, devices):
@@ -878,6 +888,54 @@ def test_a_program_with_no_backward_pass_reduces_no_gradient(capsys, devices, tm
     (tmp_path / "split_ops.py").write_text(SPLIT_OPS)
     found = inspect_json(capsys, "--fn", f"{tmp_path / 'split_ops.py'}:lookup", "--mesh", "fsdp=8")
     assert found["collectives"] and all(c["origin"]["kind"] != "gradient" for c in found["collectives"])
+
+
+GROUPED_QUERY = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def step(mesh):  # grouped-query attention: 8 query heads over tensor=4, 2 key/value heads replicated
+    B, S, D, H, KV, K = 8, 256, 512, 8, 2, 64
+
+    def attention(p, x):
+        q = jnp.einsum("bsd,dhk->bshk", x, p["wq"])
+        k = jnp.einsum("bsd,dhk->bshk", x, p["wk"])
+        v = jnp.einsum("bsd,dhk->bshk", x, p["wv"])
+        k, v = jnp.repeat(k, H // KV, axis=2), jnp.repeat(v, H // KV, axis=2)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.einsum("bshk,hkd->bsd", o, p["wo"])
+
+    def grads(p, x):
+        return jax.grad(lambda p: jnp.mean(attention(p, x) ** 2))(p)
+
+    def a(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    p = {"wq": a((D, H, K), P(None, "tensor")), "wk": a((D, KV, K), P()), "wv": a((D, KV, K), P()),
+         "wo": a((H, K, D), P("tensor"))}
+    return jax.jit(grads), (p, a((B, S, D), P("data")))
+"""
+
+
+def test_key_value_heads_fewer_than_the_tensor_axis_move_over_part_of_it(capsys, devices, tmp_path):
+    """2 key/value heads where tensor=4 splits 8 query heads: XLA lays each key/value head over half of tensor's
+    devices, so their collectives run within groups no whole axis forms, which the lab names as Shardy does
+    (tensor:(1)2, devices 2 apart; tensor:(2)2, neighbours). The repeat's backward pass sums the gradients of the 4
+    query heads that share a key/value head over the neighbours that hold 2 of them each; the key/value weights,
+    declared whole, are never said to be stored split."""
+    (tmp_path / "gqa.py").write_text(GROUPED_QUERY)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'gqa.py'}:step", "--mesh", "data=2,tensor=4")
+    by_axes = {}
+    for c in found["collectives"]:
+        by_axes.setdefault(tuple(c["axes"] or ()), []).append(c)
+    (summed,) = by_axes["tensor:(2)2",]
+    assert summed["kind"] == "all-reduce" and summed["cause"]["op"] == "reduce_sum"
+    repeat = GROUPED_QUERY.splitlines().index(next(line for line in GROUPED_QUERY.splitlines() if "repeat(" in line))
+    assert summed["source"].endswith(f"gqa.py:{repeat + 1}") and "split over tensor:(2)2" in summed["cause"]["why"]
+    gathered = by_axes["tensor:(1)2",]
+    assert sorted(c["origin"]["name"] for c in gathered) == ["p['wk']", "p['wv']"]
+    assert all(c["kind"] == "all-gather" and "declared whole" in c["cause"]["why"] for c in gathered)
+    assert not [c for c in found["collectives"] if c["cause"] and "as declared" in c["cause"]["why"]]
 
 
 OWN_MESH = """
