@@ -99,9 +99,10 @@ from lab.targets.topology import Placement, placement, predict
 PARAM_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2, 2, 12  # bf16 working weights and gradients; fp32 master + Adam moments
 ACTIVATION_BYTES = 2  # bf16 compute
 LOSS_CHUNK = 1024  # tokens of a sequence whose logits exist at once (lab.predict.step.LOSS_CHUNK)
-FLASH_BACKWARD = 7 / 2  # the flash kernel's backward products of the scores' size per forward one (a dot's: 2)
-DKV_PRODUCTS, DQ_PRODUCTS = 4, 3  # of its backward's seven: QK^T, dO V^T, dV and dK; QK^T, dO V^T and dQ
-STAT_LANES = 128  # the flash kernel keeps a query row's softmax statistics as fp32 rows of the TPU's 128 lanes
+# the flash kernel's backward products of the scores' size: its dK/dV kernel's QK^T, dO V^T, dV and dK; its dQ
+# kernel's QK^T, dO V^T and dQ; per forward product (QK^T and AV), (4 + 3) / 2 where a dot's backward runs 2
+DKV_PRODUCTS, DQ_PRODUCTS = 4, 3
+FLASH_BACKWARD = (DKV_PRODUCTS + DQ_PRODUCTS) / 2
 
 
 @dataclass(frozen=True)
@@ -429,9 +430,13 @@ def _flash_bytes(model, tensor: int) -> tuple[float, float, float, float]:
     the rows l, m and di = rowsum(o . dO) and writes dk and dv; its dQ kernel, which reads the same but di at the key
     block's width and writes dq; the broadcasts that make those rows, written once and shared). Its K/V blocks
     re-read per query block stay on chip at the block sizes the lab gives it (`lab.model.FLASH_BLOCK`)."""
+    # local: the Pallas TPU ops load only when a flash kernel is priced; it keeps each query row's statistics l and
+    # m as fp32 rows of MIN_BLOCK_SIZE (128) lanes
+    from jax.experimental.pallas.ops.tpu.flash_attention import MIN_BLOCK_SIZE
+
     heads = model.heads / tensor
     row = ACTIVATION_BYTES * heads * flash_head_width(model.head_dim + model.rope_dim)  # q, k, v, o, dO, ...
-    stats = 4 * heads * STAT_LANES  # one fp32 statistic's row
+    stats = 4 * heads * MIN_BLOCK_SIZE  # one fp32 statistic's row
     wide = 4 * heads * min(FLASH_BLOCK, model.seq)  # di at the key block's width, for the dQ kernel
     return 4 * row + 2 * stats, 6 * row + 3 * stats, 5 * row + 2 * stats + wide, 3 * stats + wide
 
@@ -495,13 +500,13 @@ class _Roofline:
         the matmul rate, twice in the backward; the flash kernels each at its own roofline, its FLOPs or its bytes
         (`_flash_bytes`) whichever is longer, the statistics' broadcasts at HBM's rate (the splash kernel of a
         sliding window by its FLOPs: its own statistics are not modelled)."""
-        flops = tokens * _core_flops(model, tensor) / self.flops_per_s
+        products = tokens * _core_flops(model, tensor) / self.flops_per_s  # seconds of QK^T and AV at the rate
         if model.attention != "flash" or model.window:
-            return flops, 2 * flops + tokens * _kernel_backward_flops(model, tensor) / self.flops_per_s, 0.0
+            return products, 2 * products + tokens * _kernel_backward_flops(model, tensor) / self.flops_per_s, 0.0
         forward, dkv, dq, broadcasts = (tokens * b / self.bytes_per_s for b in _flash_bytes(model, tensor))
-        per_product = flops / 2  # the forward's two products, QK^T and AV
+        per_product = products / 2
         backward = max(DKV_PRODUCTS * per_product, dkv) + max(DQ_PRODUCTS * per_product, dq)
-        return max(flops, forward), backward, broadcasts
+        return max(products, forward), backward, broadcasts
 
 
 def _roofline(problem: Problem) -> _Roofline:
