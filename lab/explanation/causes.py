@@ -18,6 +18,14 @@ whole first:
   gathered or transposed (all-gather, all-to-all) or the partial lookups are
   summed (all-reduce); a ``jnp.roll`` along a split dimension is a shift
   between neighbours that the program asks for (a circular pipeline's step);
+* **op**, too, where the operands' layouts are what it cannot keep together
+  (`_clash`): one axis on two dimensions of its result (``a @ a.T`` of rows
+  split), two axes on one (a batched matmul whose batches two axes split),
+  one axis on a dimension one operand sums over and on one the other keeps
+  (attention's values against probabilities whose queries it splits); or a
+  weight split along what a matmul sums over while propagation put its axis
+  on the result, so the partitioner moves the weight's split there (an
+  all-to-all: FSDP's weight turned tensor-parallel);
 * **loop predicate**: a ``while_loop`` under ``vmap`` runs until every batch
   element is done, so each iteration all-reduces whether any still runs;
 * **loop motion**: a sum XLA moved out of a loop (a ``scan``, a
@@ -46,8 +54,10 @@ whole first:
 * **from what it moves**, where the op's name and the record say nothing
   (inside a scanned micro-batch, whose ops Shardy's record does not join to
   lines) or name an op beside the point (a scatter's, on a gradient summed
-  over the batch): a gradient summed over the axes that split what it is
-  computed from, a weight stored split and gathered whole for its use;
+  over the batch; a matmul's clash, on a weight gathered whole): a gradient
+  summed over the axes that split what it is computed from, a weight stored
+  split and gathered whole for its use, a weight declared whole whose value
+  is computed split and gathered (ZeRO-1's update);
 * **partitioner**: a collective over a mesh axis that no layout of the
   program names, declared or propagated (Shardy's record names it nowhere):
   the devices along it hold the same data, and XLA's partitioner chose on its
