@@ -243,9 +243,13 @@ def _origin(
         names = ", ".join(i.name for i in targets)
         local, whole = sum(i.elements for i in targets), sum(math.prod(i.global_shape) for i in targets)
         plural = "s" * (len(targets) > 1)
+        carried = sum(math.prod(m.shape) for m in chosen)
         size = (
             f"{whole:,} elements, the whole parameter{plural} (each device holds {local:,})"
-            if local != whole and sum(math.prod(m.shape) for m in chosen) == whole
+            if local != whole and carried == whole
+            else f"{carried:,} elements per device, {carried // local} shards of the parameter{plural} (returned "
+            "split over fewer axes than the parameters are)"
+            if local < carried < whole
             else f"{local:,} elements per device, the size of the parameter{plural}"
         )
         return Origin(
@@ -684,16 +688,25 @@ def _carried_out(graph: Dataflow, root: Instruction, name: str) -> list[Instruct
     ]
 
 
+def _between(size: int, weight: Input) -> bool:
+    """`size` elements are a whole number of `weight`'s shards and a whole fraction of it, neither one nor all."""
+    whole = math.prod(weight.global_shape)
+    return weight.elements < size < whole and size % weight.elements == 0 and whole % size == 0
+
+
 def _returned_gradient(graph: Dataflow, position: int, weights: set[int]) -> int | None:
     """A gradient returned by the step: the k-th output of a weight's size is the k-th weight of that size
     (gradients are returned as the same tree as the weights, so their order is the weights' order)."""
     sizes = _sizes(graph, graph.entry, graph.outputs[position])
     if len(sizes) != 1:
         return None
-    # each device's shard of it, else the whole of it (a gradient the step returns unsplit)
-    same = [i for i in sorted(weights) if graph.inputs[i].elements == sizes[0]] or [
-        i for i in sorted(weights) if math.prod(graph.inputs[i].global_shape) == sizes[0]
-    ]
+    # each device's shard of it, else the whole of it (a gradient the step returns unsplit), else a part between
+    # (returned split over some of the axes that split the weight: over tensor, not fsdp)
+    same = (
+        [i for i in sorted(weights) if graph.inputs[i].elements == sizes[0]]
+        or [i for i in sorted(weights) if math.prod(graph.inputs[i].global_shape) == sizes[0]]
+        or [i for i in sorted(weights) if _between(sizes[0], graph.inputs[i])]
+    )
     outputs = [p for p, name in enumerate(graph.outputs) if _sizes(graph, graph.entry, name) == sizes]
     rank = outputs.index(position)
     return same[rank] if rank < len(same) else None

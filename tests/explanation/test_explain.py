@@ -890,6 +890,38 @@ def test_a_program_with_no_backward_pass_reduces_no_gradient(capsys, devices, tm
     assert found["collectives"] and all(c["origin"]["kind"] != "gradient" for c in found["collectives"])
 
 
+FSDP_TP_MLP = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def grads(mesh):  # MaxText's layout: weights over (fsdp, tensor), the batch over data and fsdp
+    def a(shape, spec):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
+
+    def loss(p, x):
+        h = jax.nn.silu(x @ p["wg"]) * (x @ p["wu"])
+        return jnp.mean((h @ p["wd"]) ** 2)
+
+    p = {"wg": a((512, 2048), P("fsdp", "tensor")), "wu": a((512, 2048), P("fsdp", "tensor")),
+         "wd": a((2048, 512), P("tensor", "fsdp"))}
+    return jax.jit(jax.grad(loss)), (p, a((8, 256, 512), P(("data", "fsdp"))))
+"""
+
+
+def test_gradients_returned_split_over_fewer_axes_than_their_weights_are_still_gradients(capsys, devices, tmp_path):
+    """jax.grad of an FSDP x TP MLP with no out_shardings: XLA returns each gradient split over tensor only, twice
+    a weight's shard, after one all-reduce over data and fsdp; that is the gradients' sum over the batch, not a
+    surprise, and each weight's FSDP gather is one."""
+    (tmp_path / "mlp.py").write_text(FSDP_TP_MLP)
+    found = inspect_json(capsys, "--fn", f"{tmp_path / 'mlp.py'}:grads", "--mesh", "data=2,fsdp=2,tensor=2")
+    (summed,) = [c for c in found["collectives"] if c["axes"] == ["data", "fsdp"]]
+    assert summed["origin"]["kind"] == "gradient" and summed["origin"]["name"] == "p['wd'], p['wg'], p['wu']"
+    assert "2 shards of the parameters (returned split over fewer axes" in summed["origin"]["why"]
+    gathers = [c for c in found["collectives"] if c["kind"] == "all-gather"]
+    assert gathers and all(c["origin"]["kind"] == "parameter" and "FSDP's gather" in c["cause"]["why"] for c in gathers)
+    assert found["surprises"] == 0
+
+
 GROUPED_QUERY = """
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
