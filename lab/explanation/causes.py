@@ -387,8 +387,10 @@ def _recorded(collective: Collective, line: Frame | None, where: str, propagatio
             f"the {collective.kind} over {_axes(collective)} makes the result so",
             f"at {where}: give out_sharding= the layout the operands lead to, or drop it",
         )
+    found = next((c for d in decisions if (c := _layouts_clash(collective, d, line, where, propagation))), None)
     decision = resharding(decisions)
-    found = _conflict(collective, decision, line, propagation, _axes(collective)) if decision is not None else None
+    if found is None and decision is not None:
+        found = _conflict(collective, decision, line, propagation, _axes(collective))
     # a concatenate, a pad, ... whose result a constraint laid out; or a matmul's, moved by a gather, a permute or an
     # all-to-all (its own rule sums, and a sum is tried above: what moves its result is the constraint's)
     if found is None and decision is not None and (not _lays_out_itself(decision.op) or collective.kind in _MOVING):
@@ -431,19 +433,11 @@ def _axes(collective: Collective) -> str:
 def _conflict(
     collective: Collective, decision: Decision, line: Frame | None, propagation: Propagation, axes: str
 ) -> Cause | None:
-    """Operands whose layouts one op cannot keep together (`_clash`: ``a @ a.T`` of rows split, a batched matmul
-    whose batches two axes split); else two annotations that disagree at one op: the one its result's layout came
-    from, and an operand's (each operand read in the result's dimensions, `Decision.aligned`)."""
+    """Two annotations that disagree at one op: the one its result's layout came from, and an operand's (each
+    operand read in the result's dimensions, `Decision.aligned`)."""
     result = decision.result
     op = op_of(decision.op)
     where = line.cited if line else "its line"
-    constrained = any(o.startswith("constraint_") for o in result.origins.values())  # then `_constrained`'s
-    clash = None if constrained else _clash(decision)
-    if clash is not None:
-        return _clashing(collective, op, clash, line, where, propagation)
-    moved = _off_the_sum(collective, decision, line, where, propagation)
-    if moved is not None:
-        return moved
     differing = [v for v in decision.aligned if v.sharding and v.sharding != result.sharding]
     if not differing or not result.origins:
         return None
@@ -462,6 +456,20 @@ def _conflict(
         f"{result.sharding} where it is made or declared"
     )
     return Cause("annotation", _annotation_name(next(iter(result.origins.values()))), deciding, why, hint)
+
+
+def _layouts_clash(
+    collective: Collective, decision: Decision, line: Frame | None, where: str, propagation: Propagation
+) -> Cause | None:
+    """Operands whose layouts the op cannot keep together over the collective's axes (`_clash`: ``a @ a.T`` of rows
+    split, a batched matmul whose batches two axes split), or a weight moved off the dimension it sums over
+    (`_off_the_sum`); not where a constraint laid out the op's result (then `_constrained`'s)."""
+    if any(o.startswith("constraint_") for o in decision.result.origins.values()):
+        return None
+    clash = _clash(decision, set(collective.axes or ()))
+    if clash is not None:
+        return _clashing(collective, op_of(decision.op), clash, line, where, propagation)
+    return _off_the_sum(collective, decision, line, where, propagation)
 
 
 def _off_the_sum(
@@ -510,19 +518,24 @@ class _Clash:
     second_axes: str
 
 
-def _clash(decision: Decision) -> _Clash | None:
-    """The first way `decision`'s operands clash (`_Clash`), or None."""
+def _clash(decision: Decision, axes: set[str]) -> _Clash | None:
+    """The first way `decision`'s operands clash (`_Clash`) over one of `axes` (any, where empty: a collective
+    whose groups no axis names), or None."""
+
+    def ours(*found: Iterable[str]) -> bool:
+        return not axes or any(axis in axes for names in found for axis in names)
+
     aligned = decision.aligned
     for first, second in itertools.combinations(aligned, 2):
         for i, here in enumerate(first.dims):
             for j, there in enumerate(second.dims):
-                if i != j and (shared := [a for a in here if a in there]):
+                if i != j and (shared := [a for a in here if a in there and ours([a])]):
                     return _Clash("twice", first, second, shared[0], shared[0])
-                if i == j and here and there and not set(here) & set(there):
+                if i == j and here and there and not set(here) & set(there) and ours(here, there):
                     return _Clash("disagree", first, second, ",".join(here), ",".join(there))
     for operand, axis in decision.summed_over():
         kept = next((v for v in aligned if v.name != operand.name and any(axis in dims for dims in v.dims)), None)
-        if kept is not None:
+        if kept is not None and ours([axis]):
             return _Clash("contracted", operand, kept, axis, axis)
     return None
 

@@ -456,10 +456,20 @@ def test_the_planted_surprise_comes_first_at_its_line_with_a_hint(capsys, device
     # and one not planted: the embedding lookup in a table whose rows fsdp splits, whose partial lookups of
     # activations an all-reduce adds (XLA combines it with the norm's other sum: its op name holds both)
     forced = [c for c in found["collectives"] if c["surprise"] and c is not surprise]
-    assert [(c["origin"]["kind"], c["cause"]["op"]) for c in forced] == [("activation", "gather")]
+    assert sorted((c["origin"]["kind"], c["cause"]["op"]) for c in forced) == [
+        ("activation", "dot_general"),
+        ("activation", "dot_general"),
+        ("activation", "gather"),
+    ]
     lookup = line_of("optax_train_step.py", 'params["embed"][tokens]')
-    assert forced[0]["source"].endswith(f":{lookup}")
-    assert found["surprises"] == 2  # each row says whether it is one
+    (looked_up,) = [c for c in forced if c["cause"]["op"] == "gather"]
+    assert looked_up["source"].endswith(f":{lookup}")
+    # and two the layouts force in w_up's gradient, x^T dh: propagation split x's features over fsdp (from w_up's
+    # rows) and dh's (from w_down's), two dimensions of the product one axis cannot both split, so dh is gathered
+    for clash in (c for c in forced if c["cause"]["op"] == "dot_general"):
+        assert clash["kind"] == "all-gather" and clash["source"].endswith(f":{line_of('optax_train_step.py', 'gelu(')}")
+        assert "would split two of its result's dimensions over fsdp" in clash["cause"]["why"]
+    assert found["surprises"] == 4  # each row says whether it is one
     assert (surprise["kind"], surprise["axes"]) == ("all-reduce", ["fsdp"])
     assert surprise["source"].endswith(f":{line_of('optax_train_step.py', 'the surprise')}")
     # the norm's sum over the dimension fsdp splits in w_up, inside jnp.linalg.norm: named, and what to change there
