@@ -443,13 +443,10 @@ def _layouts(text: str) -> list[tuple[tuple[str, ...], ...]]:
 
 
 def _dims(text: str) -> tuple[tuple[str, ...], ...]:
-    """Shardy's ``{"y"}, {}, {"x", "z"}`` -> ``(("y",), (), ("x", "z"))``; a sub-axis (``{"y":(1)2}``: the first 2
-    of y's devices' strides, `lab.explanation.explain`'s naming of a collective's groups) keeps its size:
-    ``("y:(1)2",)``."""
-    return tuple(
-        tuple(f"{name}:{part}" if part else name for name, part in _AXIS.findall(dim))
-        for dim in re.findall(r"\{([^}]*)\}", text)
-    )
+    """Shardy's ``{"y"}, {}, {"x", "z"}`` -> ``(("y",), (), ("x", "z"))``; a sub-axis ``{"y":(1)2}`` -> ``("y:(1)2",)``
+    (`lab.explanation.sub_axes`)."""
+    dims = re.findall(r"\{([^}]*)\}", text)
+    return tuple(tuple(f"{name}:{part}" if part else name for name, part in _AXIS.findall(dim)) for dim in dims)
 
 
 def _origins(text: str) -> list[dict[str, str]]:
