@@ -436,11 +436,11 @@ def _conflict(
     """Two annotations that disagree at one op: the one its result's layout came from, and an operand's (each
     operand read in the result's dimensions, `Decision.aligned`)."""
     result = decision.result
-    op = op_of(decision.op)
-    where = line.cited if line else "its line"
     differing = [v for v in decision.aligned if v.sharding and v.sharding != result.sharding]
     if not differing or not result.origins:
         return None
+    op = op_of(decision.op)
+    where = line.cited if line else "its line"
     operand = next((v for v in differing if set(v.origins.values()) != set(result.origins.values())), None)
     if operand is None or (not decision.elementwise and op != "transpose"):  # a matmul's: `_constrained`
         return None
@@ -547,11 +547,6 @@ def _clashing(
     first, second = clash.first, clash.second
     origins = [_described(v, propagation) for v in (first, second)]
     said = f"both from {origins[0]}" if origins[0] == origins[1] else f"from {origins[0]} and {origins[1]}"
-    layouts = f"({first.name} {first.sharding}, {second.name} {second.sharding} in the result's dimensions; {said})"
-    if clash.form == "contracted":  # the summed dimension is not one of the result's: the operand as it comes
-        layouts = (
-            f"({first.name} comes as {first.sharding}, {second.name} as {second.sharding} in the result's; {said})"
-        )
     moved = f"the {collective.kind} over {_axes(collective)} moves"
     if clash.form == "twice":
         why = (
@@ -559,17 +554,19 @@ def _clashing(
             f"splits one ({first.sharding} in the result's dimensions), {second.name} another ({second.sharding}), "
             f"{said}; an axis splits one dimension, so {moved} one of them"
         )
-    elif clash.form == "contracted":
+    elif clash.form == "contracted":  # the summed dimension is not the result's: `first` as it comes
         why = (
             f"{op} at {where} sums over a dimension {first.name} splits over {clash.first_axes}, while {second.name} "
-            f"keeps {clash.first_axes} on a dimension of the result {layouts}; one axis cannot split both, so "
-            f"{moved} one of them"
+            f"keeps {clash.first_axes} on a dimension of the result ({first.name} comes as {first.sharding}, "
+            f"{second.name} as {second.sharding} in the result's; {said}); one axis cannot split both, so {moved} "
+            "one of them"
         )
     else:
         why = (
             f"{op} at {where} lines up {first.name}, split over {clash.first_axes}, and {second.name}, split over "
-            f"{clash.second_axes}, along one dimension of its result {layouts}; a dimension is split one way, so "
-            f"{moved} them to one layout"
+            f"{clash.second_axes}, along one dimension of its result ({first.name} {first.sharding}, {second.name} "
+            f"{second.sharding} in the result's dimensions; {said}); a dimension is split one way, so {moved} them "
+            "to one layout"
         )
     change = {
         "twice": f"split one of {first.name} and {second.name} over another axis",
