@@ -212,8 +212,8 @@ class ModelConfig:
 
     @property
     def router(self) -> RouterConfig:
-        """How tokens choose experts (MoE models only)."""
-        return RouterConfig(self.experts, self.top_k, self.capacity_factor, dropless=self.dropless)
+        """How tokens choose experts (MoE models only); over capacity, the latest tokens drop, as MaxText drops."""
+        return RouterConfig(self.experts, self.top_k, self.capacity_factor, dropless=self.dropless, drop_policy="token")
 
     @property
     def dense_width(self) -> int:
@@ -767,8 +767,9 @@ class MoE(nnx.Module):
     """A mixture of E expert MLPs in place of the MLP; each token goes to its router's top k.
 
     Routing groups are sequences: each sequence fills its own C slots per expert (`RouterConfig.capacity`),
-    so what is dropped does not depend on the mesh. (It does depend on the sequence's later tokens, which
-    may take a slot first: with a capacity, an MoE decoder is not strictly causal.)
+    token after token as MaxText's dropping path does (``drop_policy="token"``, no sort), so what is dropped
+    does not depend on the mesh, nor on the sequence's later tokens (a policy that ranks by probability lets a
+    later token take an earlier one's slot: the decoder is then not strictly causal).
 
     Expert parallelism is two moves of the token buffers [B, E, C, D]: from split by sequence (``routing``:
     every device holds its sequences' slots for every expert) to split by expert (``experts``), the dispatch

@@ -7,8 +7,10 @@ per expert (DeepSeek-V3, arXiv:2412.19437, eq. 15); each token takes its
 top-k. Static shapes give each expert a buffer of C slots per group of
 tokens, C = ceil(tokens · k / E · capacity factor) (`lab.theory.expert_capacity`);
 assignments beyond it are dropped, lowest probability first (V-MoE's batch
-prioritized routing, Riquelme et al. 2021) or latest first (GShard: every
-token's first choice before any second choice, in token order).
+prioritized routing, Riquelme et al. 2021), latest first with every token's
+first choice before any second choice (GShard), or latest first token after
+token, each token's choices in rank order (MaxText's dropping path: a cumulative
+sum over the [S·k, E] one-hot, no sort).
 
 Left alone, routing collapses: the experts that get tokens are trained, get
 better, and get more tokens. The counter-measures, each selectable:
@@ -45,7 +47,7 @@ from lab.errors import LabError
 from lab.theory import expert_capacity
 
 SCORES = ("softmax", "sigmoid")
-DROP_POLICIES = ("probability", "position")
+DROP_POLICIES = ("probability", "position", "token")
 CHOICES = ("tokens", "experts")
 
 
@@ -58,7 +60,7 @@ class RouterConfig:
     capacity_factor: float | None = 1.25  # None: no dropping (each buffer holds a whole group)
     dropless: bool = False  # no buffers: assignments sorted by expert, multiplied as ragged groups (`lab.ragged`)
     score: str = "softmax"  # softmax over experts | sigmoid per expert (gates renormalized over the top-k)
-    drop_policy: str = "probability"  # drop the lowest-probability assignments | the latest in the group
+    drop_policy: str = "probability"  # drop the lowest-probability assignments | the latest (GShard | MaxText)
     choice: str = "tokens"  # tokens pick experts | experts pick tokens
     noise_std: float = 0.0  # noisy top-k: N(0, noise_std²) added to the logits when a key is given
 
@@ -167,14 +169,21 @@ def route(
 def _slots(expert_TK: jax.Array, gate_TK: jax.Array, experts: int, capacity: int, policy: str) -> jax.Array:
     """Each assignment's place in its expert's buffer, in priority order; `capacity` where it overflows."""
     tokens, k = expert_TK.shape
+    if policy == "token":  # MaxText: token after token, each token's choices in rank order (no permutation)
+        return _places(expert_TK.reshape(-1), experts, capacity).reshape(tokens, k)
     if policy == "position":  # GShard: all first choices in token order, then all second choices
         order_A = jnp.arange(tokens * k).reshape(tokens, k).T.reshape(-1)
     else:  # batch prioritized routing: the most confident assignments first
         order_A = jnp.argsort(-jax.lax.stop_gradient(gate_TK).reshape(-1), stable=True)
-    ranked_AE = jax.nn.one_hot(expert_TK.reshape(-1)[order_A], experts, dtype=jnp.int32)
-    place_A = jnp.sum((jnp.cumsum(ranked_AE, axis=0) - 1) * ranked_AE, axis=-1)  # how many went to that expert before
-    slot_A = jnp.zeros_like(place_A).at[order_A].set(jnp.minimum(place_A, capacity))
-    return slot_A.reshape(tokens, k)
+    place_A = _places(expert_TK.reshape(-1)[order_A], experts, capacity)
+    return jnp.zeros_like(place_A).at[order_A].set(place_A).reshape(tokens, k)
+
+
+def _places(expert_A: jax.Array, experts: int, capacity: int) -> jax.Array:
+    """Each assignment's place among those before it to the same expert (a cumulative sum of one-hots), capped at
+    `capacity`."""
+    ranked_AE = jax.nn.one_hot(expert_A, experts, dtype=jnp.int32)
+    return jnp.minimum(jnp.sum((jnp.cumsum(ranked_AE, axis=0) - 1) * ranked_AE, axis=-1), capacity)
 
 
 def _expert_choice(probs_TE: jax.Array, logits_TE: jax.Array, capacity: int) -> Routing:

@@ -78,6 +78,19 @@ def test_position_policy_serves_every_first_choice_before_any_second_choice():
     np.testing.assert_array_equal(routing.slot_TK, [[0, 1], [1, 2], [0, 2]])
 
 
+def test_token_policy_serves_each_token_whole_before_the_next():
+    # MaxText's generate_masks example: 4 experts, top-2, tokens routed to [0, 1] and [1, 3], capacity 1:
+    # token 1's choice of expert 1 finds the slot taken by token 0's second choice, and is dropped
+    logits_TE = _logits([[0.5, 0.4, 0.05, 0.05], [0.05, 0.5, 0.05, 0.4]])
+    routing = route(logits_TE, RouterConfig(experts=4, top_k=2, capacity_factor=1.0, drop_policy="token"))
+    assert routing.capacity == 1
+    np.testing.assert_array_equal(routing.expert_TK, [[0, 1], [1, 3]])
+    np.testing.assert_array_equal(routing.kept_TK, [[True, True], [False, True]])
+    # the GShard order serves token 1's first choice (expert 1) before token 0's second
+    gshard = route(logits_TE, RouterConfig(experts=4, top_k=2, capacity_factor=1.0, drop_policy="position"))
+    np.testing.assert_array_equal(gshard.kept_TK, [[True, False], [True, True]])
+
+
 def test_sigmoid_gates_are_renormalized_over_the_top_k():
     routing = route(jnp.array([[2.0, 1.0, -1.0, 0.0]]), RouterConfig(experts=4, top_k=2, score="sigmoid"))
     s = jax.nn.sigmoid(jnp.array([2.0, 1.0]))
@@ -147,7 +160,7 @@ def test_load_metrics_of_a_skewed_top_1_routing():
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), policy=st.sampled_from(["probability", "position"]))
+@given(seed=st.integers(0, 2**16), policy=st.sampled_from(["probability", "position", "token"]))
 def test_slots_are_unique_within_capacity_and_fill_each_expert_up_to_it(seed, policy):
     config = RouterConfig(experts=4, top_k=2, capacity_factor=0.75, drop_policy=policy)
     routing = route(jax.random.normal(jax.random.key(seed), (12, 4)) * 2, config)
