@@ -37,6 +37,7 @@ from experiments import kit
 from lab.explanation import program
 from lab.explanation.explain import Explanation, explain_inspection
 from lab.explanation.origins import compile_with_origins
+from lab.hlo.attribution import ORIGINS
 from lab.mesh import MeshSpec
 from lab.predict.command import Predict
 from lab.predict.program import predict_program
@@ -377,11 +378,10 @@ def _table(compiled: Compiled) -> Table:
 
 def _origins_table(obs: Observations) -> Table:
     compiled = [c for c in (obs.here, obs.tpu) if c is not None]
-    origins = ("surprise", "parameter", "gradient", "input", "activation")
     return Table(
         "bytes moved per step, by why they move",
         ["origin", *(c.target for c in compiled)],
-        [[o, *(format_bytes(_moved_bytes(c, o)) for c in compiled)] for o in origins],
+        [[o, *(format_bytes(_moved_bytes(c, o)) for c in compiled)] for o in ORIGINS],
     )
 
 

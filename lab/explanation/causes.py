@@ -61,7 +61,10 @@ whole first:
 * **partitioner**: a collective over a mesh axis that no layout of the
   program names, declared or propagated (Shardy's record names it nowhere):
   the devices along it hold the same data, and XLA's partitioner chose on its
-  own to split an op's work among them and put the pieces back together.
+  own to split an op's work among them and put the pieces back together; or
+  numbers made of no input (an arange: attribution's **index**) that it made
+  split for one use and moves for another, which each device could make
+  itself (``jax.lax.broadcasted_iota`` at the shape of the use).
 
 Anything else is the partitioner's own choice between the layouts the program
 declared (`attribution` names what it moves); no cause is guessed for it.
@@ -256,6 +259,8 @@ def _by_origin(origin: Origin, collective: Collective, line: Frame | None, input
     for: a gradient summed over the axes that split what it is computed from, and a weight stored split and used
     whole (FSDP's gather before its use)."""
     axes, where = ",".join(collective.axes or ()) or "its groups", line.cited if line else "its line"
+    if origin.kind == "index":
+        return _made_split(collective, line, where, axes)
     if origin.kind == "gradient" and collective.kind in ("all-reduce", "reduce-scatter"):
         why = (
             f"autodiff sums the gradient of {origin.name} over {axes}, which split the values it is computed from "
@@ -280,6 +285,22 @@ def _by_origin(origin: Origin, collective: Collective, line: Frame | None, input
         f"{collective.kind} brings the other devices' parts before the use (FSDP's gather of a weight{written})"
     )
     return Cause("annotation", "in_shardings", line, why, None)
+
+
+def _made_split(collective: Collective, line: Frame | None, where: str, axes: str) -> Cause:
+    """Numbers computed from no input (an arange, positions) that XLA's partitioner made split, as one use of them
+    wanted, and moves for another that wants them otherwise: each device could make its own."""
+    op = op_of(collective.op_name or "") or "its use"
+    why = (
+        f"{op} at {where} uses numbers computed from no input (an iota: a jnp.arange, positions) in two layouts: "
+        f"XLA's partitioner made them split over {axes}, as one use wants, and the {collective.kind} moves them "
+        "for the other (a mask comparing i[:, None] with i[None, :] over rows split)"
+    )
+    hint = (
+        f"at {where}: make the numbers at the shape of their use (jax.lax.broadcasted_iota over the whole array, "
+        "jnp.tri), which each device computes for its own part"
+    )
+    return Cause("partitioner", op, line, why, hint)
 
 
 def _by_name(op: str, path: tuple[str, ...], where: str, axes: str) -> str:

@@ -432,7 +432,9 @@ def explain_text(
         origin, cause = _with_cause(origins[c.name], c, cause) if cause is not None else (origins[c.name], None)
         explained.append(Explained(c, origin, stack, cause, link, where, seconds, overlaps.get(key)))
     explained = _summed_twice(explained)
-    order = {kind: rank for rank, kind in enumerate(("surprise", "input", "activation", "gradient", "parameter"))}
+    order = {
+        kind: rank for rank, kind in enumerate(("surprise", "index", "input", "activation", "gradient", "parameter"))
+    }
     explained.sort(  # surprises first, of them first those nothing in the program asks for
         key=lambda e: (
             0 if e.is_surprise else order[e.origin.kind],

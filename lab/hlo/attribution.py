@@ -32,6 +32,11 @@ collectives of a training step:
   loss), or a reduce's statistics of the batch (a router's load per expert)
   summed over the axes the batch is split over: tensor parallelism's
   all-reduce, MoE's all-to-all, sequence parallelism's gathers;
+* **index**: a value computed from no input at all (an ``iota``, the
+  device's id, constants: a ``jnp.arange``, positions, a mask's row
+  numbers), which the partitioner computed split, as one of its uses wanted,
+  and gathers whole for another (a causal mask comparing ``i[:, None]`` with
+  ``i[None, :]``): numbers every device could make itself;
 * **surprise**: nothing above. These are listed first: a sharding the user did
   not ask for, a reduction over a sharded dimension of a weight, a layout the
   partitioner chose; pin the layout at that line with
@@ -64,7 +69,7 @@ from lab.hlo.collectives import Collective
 from lab.hlo.specs import partition_spec
 from lab.hlo.text import Instruction, arrays, base_opcode, computations, parse_instruction
 
-ORIGINS = ("surprise", "parameter", "gradient", "input", "activation")
+ORIGINS = ("surprise", "parameter", "gradient", "input", "activation", "index")
 
 # data movement: the value is the same numbers, moved, cast or cut
 _MOVES = frozenset(
@@ -193,6 +198,7 @@ class _Member:
     moved: int | None  # the entry input it is a moved copy of
     gradient: tuple[int, ...]  # the inputs whose update (or returned gradient) it flows into
     weight_sized: bool = False  # as many elements as those inputs, shard or whole (one, or all in one buffer)
+    indices: bool = False  # computed from no input: iotas, device ids and constants only
 
 
 # --------------------------------------------------------------------------- classifying
@@ -237,6 +243,13 @@ def _origin(
             kind,
             names,
             f"reshards {names} over {axes} (declared {declared}; the computation wants another layout): {share}{also}",
+        )
+    if kind == "index":
+        return Origin(
+            kind,
+            None,
+            f"shape {list(chosen[0].shape)}, computed from no input (iota, the device's id, constants: an arange, "
+            f"positions): numbers each device can make itself, made split and moved over {axes}{also}",
         )
     if kind == "gradient":
         targets = [graph.inputs[i] for i in dict.fromkeys(i for m in chosen for i in m.gradient)]
@@ -303,6 +316,8 @@ def _member_kind(member: _Member, parameters: set[int], batches: dict[int, str],
         return "parameter" if member.moved in parameters else "input"
     if math.prod(member.shape) == 1:
         return "scalar"
+    if member.indices:
+        return "index"
     if member.weight_sized:  # before the batch: a weight's dimension may equal it (8192 wide, 8192 sequences)
         return "gradient"
     if any(size > 1 and size in member.shape for size in batches):
@@ -471,7 +486,8 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
             moved, gradient, sized = _moved_into_update(collective, moved, gradient, sized)
         elif moved is not None and graph.inputs[moved].elements > math.prod(shapes[k] if k < len(shapes) else ()):
             moved = None  # a sum of the input over a dimension (a row's max, a column's total), not the input moved
-        members.append(_Member(tuple(shapes[k]) if k < len(shapes) else (), moved, gradient, sized))
+        indices = moved is None and _from_no_input(graph, instruction.computation, operand, 0)
+        members.append(_Member(tuple(shapes[k]) if k < len(shapes) else (), moved, gradient, sized, indices))
     return members
 
 
@@ -590,6 +606,18 @@ def _is_constant(graph: Dataflow, computation: str, name: str) -> bool:
     if instruction.opcode == "broadcast":
         return all(_is_constant(graph, computation, o) for o in instruction.operands)
     return instruction.opcode in _NOT_DATA or (len(shapes) == 1 and not shapes[0][1])
+
+
+def _from_no_input(graph: Dataflow, computation: str, name: str, depth: int) -> bool:
+    """Whether a value is computed from iotas, device ids and constants alone (a fusion sees only its operands)."""
+    instruction = graph.instructions.get((computation, name))
+    if instruction is None or depth > 16 or instruction.opcode in ("parameter", "while", "call", "custom-call"):
+        return False
+    if instruction.opcode in _NOT_DATA:
+        return True
+    if not instruction.operands:  # a fusion of iotas and constants, or something else made of nothing (a random draw)
+        return instruction.opcode == "fusion"
+    return all(_from_no_input(graph, computation, o, depth + 1) for o in instruction.operands)
 
 
 def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], total: int) -> tuple[int, ...]:

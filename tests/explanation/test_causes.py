@@ -148,6 +148,51 @@ def test_an_op_is_named_as_the_user_wrote_it(capsys, devices, tmp_path, name, op
     assert {c["cause"]["op"] for c in found["collectives"] if c["cause"]} == {op}
 
 
+MASKS = """
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def _scores(mesh):
+    return jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+
+
+def from_arange(mesh):
+    def f(s):
+        i = jnp.arange(s.shape[0])
+        return jnp.where(i[:, None] >= i[None, :], s, -1e9)
+
+    return f, (_scores(mesh),)
+
+
+def from_broadcasted_iota(mesh):
+    def f(s):
+        rows, cols = (jax.lax.broadcasted_iota(jnp.int32, s.shape, d) for d in (0, 1))
+        return jnp.where(rows >= cols, s, -1e9)
+
+    return f, (_scores(mesh),)
+"""
+
+
+def test_an_arange_made_split_and_gathered_is_the_partitioners_and_the_hint_removes_it(capsys, devices, tmp_path):
+    """A causal mask from one arange on both dimensions of row-split scores: XLA makes the arange split, as the rows
+    want, and gathers it whole for the columns. Nothing moved is an input's: the numbers are made of an iota."""
+    (tmp_path / "masks.py").write_text(MASKS)
+    assert main(["inspect", "--fn", f"{tmp_path / 'masks.py'}:from_arange", "--mesh", "fsdp=8", "--json"]) == 0
+    (gathered,) = json.loads(capsys.readouterr().out)["collectives"]
+    assert (gathered["kind"], gathered["axes"], gathered["origin"]["kind"]) == ("all-gather", ["fsdp"], "index")
+    assert gathered["size_bytes"] == 256 * 4  # the arange, int32, whole
+    assert (gathered["cause"]["kind"], gathered["cause"]["op"]) == ("partitioner", "ge")
+    assert gathered["cause"]["line"].endswith("masks.py:14") and gathered["surprise"]
+    assert "broadcasted_iota" in gathered["hint"]
+    # the hint's change: each device makes its own rows' and columns' numbers, nothing moves
+    assert (
+        main(["inspect", "--fn", f"{tmp_path / 'masks.py'}:from_broadcasted_iota", "--mesh", "fsdp=8", "--json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["collectives"] == []
+
+
 def _marked_line(name: str, mark: str) -> int:
     """The line of `name`'s builder marked ``# <mark>``."""
     lines = PROGRAMS.read_text().splitlines()
