@@ -159,6 +159,11 @@ _OPS = {
         "reshape so the split dimension stays a whole dimension, or reshard before it",
     ),
 }
+_LOOKUPS = ("take", "take_along_axis")  # jnp functions that are a gather (a nested jit of their own)
+_LOOKUP_MOVED = (  # a gather's collective that sums nothing (`_MOVING`): not partial lookups, a layout brought whole
+    "looks up rows by index where the table, the indices and the result are not laid out alike (the table's rows "
+    "split, or the indices split where the result keeps another split of the table's): one of them is brought whole"
+)
 # the ops an input is resharded for when it comes right before them (`cause_before`): the _OPS, and a concatenate,
 # which is not in _OPS because XLA also names the gather a constraint after it asks for by the concatenate
 _BEFORE = {
@@ -201,9 +206,9 @@ def cause_of(collective: Collective, line: Frame | None, propagation: Propagatio
         return None
     where = line.cited if line else "its line"
     said = _said(collective, path, line, where)
-    if said is not None or propagation is None:
-        return said
-    return _recorded(collective, line, where, propagation) or _idle_axes(collective, line, where, propagation)
+    if said is None and propagation is not None:
+        said = _recorded(collective, line, where, propagation) or _idle_axes(collective, line, where, propagation)
+    return said or _within_lookup(collective, path, line, where)
 
 
 def cause_before(collective: Collective, moved: str, consumer: str, line: Frame) -> Cause | None:
@@ -377,15 +382,29 @@ def _said(collective: Collective, path: tuple[str, ...], line: Frame | None, whe
             None,
         )
     base = op.split("-")[0]
-    if base not in _OPS:
-        return None
+    return _op_cause(collective, base, path, line, where) if base in _OPS else None
+
+
+def _op_cause(collective: Collective, base: str, path: tuple[str, ...], line: Frame | None, where: str) -> Cause:
+    """What op `base` (one of `_OPS`) does to a split dimension, named as the user wrote it: a jnp function is a
+    nested jit (jnp.cumsum -> jit(f)/jit(cumsum)/reduce_window_sum; path[0] is the user's own)."""
     does, change = _OPS[base]
-    # a jnp function is a nested jit (jnp.cumsum -> jit(f)/jit(cumsum)/reduce_window_sum); path[0] is the user's own
+    if base == "gather" and collective.kind in _MOVING:  # nothing summed: one of the lookup's three is brought whole
+        does = _LOOKUP_MOVED
     wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 2 else None
-    name = f"{wrapper[1]} ({base})" if wrapper and wrapper[1].lstrip("_") != base else base
-    return Cause(
-        "op", name, line, f"{name} at {where} {does}: the {kind} over {axes} makes it so", f"at {where}: {change}"
-    )
+    function = wrapper[1].lstrip("_") if wrapper else base  # jnp.take is JAX's _take
+    name = f"{function} ({base})" if function != base else base
+    why = f"{name} at {where} {does}: the {collective.kind} over {_axes(collective)} makes it so"
+    return Cause("op", name, line, why, f"at {where}: {change}")
+
+
+def _within_lookup(collective: Collective, path: tuple[str, ...], line: Frame | None, where: str) -> Cause | None:
+    """An op of jnp.take's own (its bounds mask, its index arithmetic: a nested jit) that nothing else explains: the
+    lookup's."""
+    wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 2 else None
+    if not wrapper or wrapper[1].lstrip("_") not in _LOOKUPS:
+        return None
+    return _op_cause(collective, "gather", path, line, where)
 
 
 def _recorded(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:

@@ -135,6 +135,11 @@ def lookup(mesh):
 
 def running_total(mesh):
     return (lambda x: jnp.cumsum(x, axis=1)), (_split(mesh, (8, 1024), P(None, "fsdp")),)
+
+
+def take_columns(mesh):  # a table split by columns, the ids by rows: the result cannot keep both splits
+    ids = _split(mesh, (64, 128), P("fsdp"), jnp.int32)
+    return (lambda table, ids: jnp.take(table, ids, axis=0)), (_split(mesh, (4096, 256), P(None, "fsdp")), ids)
 """
 
 
@@ -191,6 +196,18 @@ def test_an_arange_made_split_and_gathered_is_the_partitioners_and_the_hint_remo
         main(["inspect", "--fn", f"{tmp_path / 'masks.py'}:from_broadcasted_iota", "--mesh", "fsdp=8", "--json"]) == 0
     )
     assert json.loads(capsys.readouterr().out)["collectives"] == []
+
+
+def test_a_lookup_that_gathers_its_indices_says_so_not_that_rows_are_split(capsys, devices, tmp_path):
+    """jnp.take of a table split by columns with ids split by rows: XLA gathers the ids whole (and the lookup's own
+    bounds mask, an op of jnp.take's nested jit), the table's rows never split. Each is the lookup's, named as the
+    user wrote it, and says one of the three is brought whole, not that partial lookups are combined."""
+    (tmp_path / "ops.py").write_text(OPS)
+    assert main(["inspect", "--fn", f"{tmp_path / 'ops.py'}:take_columns", "--mesh", "fsdp=8", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["collectives"]
+    assert found and all(c["kind"] == "all-gather" and c["origin"]["name"] == "ids" for c in found)
+    assert {c["cause"]["op"] for c in found} == {"take (gather)"}
+    assert all("not laid out alike" in c["cause"]["why"] and "partial" not in c["cause"]["why"] for c in found)
 
 
 def _marked_line(name: str, mark: str) -> int:
