@@ -66,8 +66,7 @@ def _single_device_forward(config):
     return params, jax.jit(lambda params, tokens: nnx.merge(graphdef, params).forward(tokens, layout))
 
 
-# with a capacity, whether a token keeps its expert slot depends on the sequence's other tokens, later ones
-# included; with no dropping (capacity_factor=None) an MoE model is causal too
+# with no dropping (capacity_factor=None) an MoE model is causal too (with a capacity: the next test)
 @pytest.mark.parametrize(
     "config",
     [
@@ -105,6 +104,22 @@ def test_logits_have_the_vocabulary_and_only_look_backwards(config):
         np.testing.assert_array_equal(stats.counts.dropped, 0)
     else:
         assert stats is None
+
+
+def test_a_capacity_that_drops_keeps_the_model_causal_as_maxtexts_drop_order_does():
+    """The model drops as MaxText's dropping path does, token after token (`RouterConfig.drop_policy` "token"): a
+    token's slot depends on the tokens before it only, so changing the last token changes no earlier logit, even
+    where tokens are dropped. (Ranked by probability, a later, more confident token could take an earlier one's
+    slot.)"""
+    config = replace(preset("tiny-moe"), capacity_factor=0.5)
+    assert config.router.drop_policy == "token"
+    params, forward = _single_device_forward(config)
+    tokens = np.random.default_rng(1).integers(0, config.vocab, (2, config.seq), dtype=np.int32)
+    changed = tokens.copy()
+    changed[:, -1] = (changed[:, -1] + 1) % config.vocab
+    (logits, stats), (logits_changed, _) = forward(params, tokens), forward(params, changed)
+    assert int(stats.counts.dropped.sum()) > 0
+    np.testing.assert_array_equal(logits[:, :-1], logits_changed[:, :-1])
 
 
 @pytest.mark.parametrize(
