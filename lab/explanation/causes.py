@@ -14,9 +14,10 @@ whole first:
   along the split dimension), a ``gather`` or ``scatter`` that indexes the
   split dimension (or a lookup whose table, indices and result cannot keep
   their splits together: ``jnp.take`` of a table split by columns with ids
-  split by rows gathers the ids, and its own bounds mask with them), a ``reshape`` that merges or splits it, a ``flip``, a
-  slice of it (``x[1:]``, ``jnp.diff``, a last stage's output), an ``argmax`` over
-  it (a reduction of a value and its index together): the data is
+  split by rows gathers the ids, and its own bounds mask with them), a
+  ``reshape`` that merges or splits it, a ``flip``, a slice of it
+  (``x[1:]``, ``jnp.diff``, a last stage's output), an ``argmax`` over it
+  (a reduction of a value and its index together): the data is
   gathered or transposed (all-gather, all-to-all) or the partial lookups are
   summed (all-reduce); a ``jnp.roll`` along a split dimension is a shift
   between neighbours that the program asks for (a circular pipeline's step);
