@@ -298,7 +298,7 @@ def _by_origin(origin: Origin, collective: Collective, line: Frame | None, input
 def _made_split(collective: Collective, line: Frame | None, where: str, axes: str) -> Cause:
     """Numbers computed from no input (an arange, positions) that XLA's partitioner made split, as one use of them
     wanted, and moves for another that wants them otherwise: each device could make its own."""
-    op = op_of(collective.op_name or "") or "its use"
+    op = op_of(op_names(collective.op_name or "")[0]) or "its use"  # of combined collectives, the first's
     why = (
         f"{op} at {where} uses numbers computed from no input (an iota: a jnp.arange, positions) in two layouts: "
         f"XLA's partitioner made them split over {axes}, as one use wants, and the {collective.kind} moves them "
@@ -394,8 +394,7 @@ def _op_cause(collective: Collective, base: str, path: tuple[str, ...], line: Fr
     does, change = _OPS[base]
     if base == "gather" and collective.kind in _MOVING:  # nothing summed: one of the lookup's three is brought whole
         does = _LOOKUP_MOVED
-    wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 2 else None
-    function = wrapper[1].lstrip("_") if wrapper else base  # jnp.take is JAX's _take
+    function = _jnp_function(path) or base
     name = f"{function} ({base})" if function != base else base
     why = f"{name} at {where} {does}: the {collective.kind} over {_axes(collective)} makes it so"
     return Cause("op", name, line, why, f"at {where}: {change}")
@@ -404,10 +403,14 @@ def _op_cause(collective: Collective, base: str, path: tuple[str, ...], line: Fr
 def _within_lookup(collective: Collective, path: tuple[str, ...], line: Frame | None, where: str) -> Cause | None:
     """An op of jnp.take's own (its bounds mask, its index arithmetic: a nested jit) that nothing else explains: the
     lookup's."""
+    return _op_cause(collective, "gather", path, line, where) if _jnp_function(path) in _LOOKUPS else None
+
+
+def _jnp_function(path: tuple[str, ...]) -> str | None:
+    """The jnp function whose nested jit holds the op (``jit(f)/jit(_take)/gather`` -> ``take``: JAX's ``_take``
+    is the user's jnp.take), or None for an op the user's function holds itself."""
     wrapper = re.fullmatch(r"jit\((\w+)\)", path[-2]) if len(path) > 2 else None
-    if not wrapper or wrapper[1].lstrip("_") not in _LOOKUPS:
-        return None
-    return _op_cause(collective, "gather", path, line, where)
+    return wrapper[1].lstrip("_") if wrapper else None
 
 
 def _recorded(collective: Collective, line: Frame | None, where: str, propagation: Propagation) -> Cause | None:

@@ -486,7 +486,7 @@ def _members(graph: Dataflow, collective: Collective, weights: set[int]) -> list
             moved, gradient, sized = _moved_into_update(collective, moved, gradient, sized)
         elif moved is not None and graph.inputs[moved].elements > math.prod(shapes[k] if k < len(shapes) else ()):
             moved = None  # a sum of the input over a dimension (a row's max, a column's total), not the input moved
-        indices = moved is None and _from_no_input(graph, instruction.computation, operand, 0)
+        indices = moved is None and _from_no_input(graph, instruction.computation, operand)
         members.append(_Member(tuple(shapes[k]) if k < len(shapes) else (), moved, gradient, sized, indices))
     return members
 
@@ -608,16 +608,22 @@ def _is_constant(graph: Dataflow, computation: str, name: str) -> bool:
     return instruction.opcode in _NOT_DATA or (len(shapes) == 1 and not shapes[0][1])
 
 
-def _from_no_input(graph: Dataflow, computation: str, name: str, depth: int) -> bool:
-    """Whether a value is computed from iotas, device ids and constants alone (a fusion sees only its operands)."""
-    instruction = graph.instructions.get((computation, name))
-    if instruction is None or depth > 16 or instruction.opcode in ("parameter", "while", "call", "custom-call"):
-        return False
-    if instruction.opcode in _NOT_DATA:
-        return True
-    if not instruction.operands:  # a fusion of iotas and constants, or something else made of nothing (a random draw)
-        return instruction.opcode == "fusion"
-    return all(_from_no_input(graph, computation, o, depth + 1) for o in instruction.operands)
+def _from_no_input(graph: Dataflow, computation: str, name: str) -> bool:
+    """Whether a value is computed from iotas, device ids and constants alone: every instruction it is made from,
+    each visited once, is one of those or an op of them (a fusion sees only its operands; a fusion of none holds
+    iotas and constants), none a parameter, a loop, a call or a custom call."""
+    seen, todo = set(), [name]
+    while todo:
+        instruction = graph.instructions.get((computation, todo.pop()))
+        if instruction is None or instruction.opcode in ("parameter", "while", "call", "custom-call"):
+            return False
+        if instruction.name in seen or instruction.opcode in _NOT_DATA:
+            continue
+        if not instruction.operands and instruction.opcode != "fusion":  # made of nothing else: a random draw
+            return False
+        seen.add(instruction.name)
+        todo += instruction.operands
+    return True
 
 
 def _gradient_of(graph: Dataflow, start: list[Instruction], weights: set[int], total: int) -> tuple[int, ...]:
